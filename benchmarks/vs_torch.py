@@ -1,0 +1,260 @@
+"""conveyor against ``torch.distributed.pipelining`` on CPU, and against one process.
+
+The model: 8 x (Linear(1024, 1024), ReLU) as one seeded ``nn.Sequential`` of 16 modules;
+batch 64 in 8 micro-batches, MSE loss, SGD; 2 processes on gloo, one thread each. Both
+libraries get the same stages (equal contiguous slices, placed as conveyor's schedule
+places them) and run in the same processes, alternated round by round so drift hits both
+alike; warm-up steps are discarded. The single-process baseline (plain gradient
+accumulation over the same 8 micro-batches) runs on rank 0 in its own phase of every round
+while rank 1 waits idle in a barrier.
+
+    python benchmarks/vs_torch.py [--steps 10] [--rounds 5] [--warmup 2] [--json FILE]
+
+Prints a markdown table: median step time of each library, their ratio, conveyor's
+speed-up over one process, and the ideal speed-up p * (1 - bubble), with the bubble
+simulated by ``conveyor.simulate`` from the forward/backward costs conveyor measured.
+To add a schedule (e.g. a zero-bubble one), add a row to ``ROWS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+LAYERS, WIDTH, BATCH, MICROBATCHES, PROCS = 8, 1024, 64, 8, 2
+
+
+class Row(NamedTuple):
+    """One benchmark row: conveyor's schedule name and chunks, and torch's equivalent."""
+
+    schedule: str
+    chunks: int
+    torch_schedule: str | None  # a class in torch.distributed.pipelining, None if it has none
+
+
+ROWS = [
+    Row("gpipe", 1, "ScheduleGPipe"),
+    Row("1f1b", 1, "Schedule1F1B"),
+    Row("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
+]
+
+
+def build_model() -> nn.Sequential:
+    """The benchmark model, identical on every call and every rank."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+Step = Callable[[], None]
+
+
+def single_process(x: Tensor, y: Tensor) -> Step:
+    """The baseline: the whole model in this process, gradient accumulation over micro-batches."""
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            (nn.functional.mse_loss(model(xm), ym) / MICROBATCHES).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def conveyor_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, object]:
+    """One conveyor training step for ``row``, and the Pipeline (for its schedule and timings)."""
+    import conveyor
+
+    stages = PROCS * row.chunks
+    pipe = conveyor.Pipeline(
+        build_model(),
+        loss_fn=nn.functional.mse_loss,
+        microbatches=MICROBATCHES,
+        schedule=row.schedule,
+        chunks=row.chunks,
+        balance=[2 * LAYERS // stages] * stages,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+
+    def step() -> None:
+        pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+
+    return step, pipe
+
+
+def torch_step(row: Row, placement: tuple[int, ...], x: Tensor, y: Tensor) -> Step:
+    """One ``torch.distributed.pipelining`` training step on the same stages as conveyor."""
+    from torch.distributed import pipelining
+
+    assert row.torch_schedule is not None
+    model = build_model()
+    rank, stages = dist.get_rank(), len(placement)
+    size = len(model) // stages
+    mine = [s for s in range(stages) if placement[s] == rank]
+    held = [
+        pipelining.PipelineStage(model[s * size : (s + 1) * size], s, stages, torch.device("cpu"))
+        for s in mine
+    ]
+    cls = getattr(pipelining, row.torch_schedule)
+    schedule = cls(held[0] if row.chunks == 1 else held, MICROBATCHES, nn.functional.mse_loss)
+    opt = torch.optim.SGD([p for h in held for p in h.submod.parameters()], lr=1e-3)
+    first, last = 0 in mine, stages - 1 in mine
+
+    def step() -> None:
+        losses: list[Tensor] = []
+        args = (x,) if first else ()
+        schedule.step(*args, target=y if last else None, losses=losses, return_outputs=False)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def timed(step: Step, steps: int, warmup: int, sync: bool = True) -> list[float]:
+    """Seconds per step after ``warmup`` untimed steps; with ``sync``, each ends at a barrier."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        if sync:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if sync:
+            dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def simulated_bubble(pipe: object, chunks: int) -> float:
+    """Bubble of ``pipe``'s schedule simulated with the action costs of its last step."""
+    from conveyor.simulate import simulate
+
+    durations: dict[str, list[float]] = {}
+    for _, kind, _, _, start, end in pipe.last_step_timings():  # type: ignore[attr-defined]
+        durations.setdefault(kind, []).append(end - start)
+    means: list[dict[str, float]] = [{}] * PROCS
+    dist.all_gather_object(means, {k: statistics.fmean(d) for k, d in durations.items()})
+    # Costs are one rank's whole share per micro-batch: a chunk's cost times chunks.
+    cost = [
+        chunks * statistics.fmean(m[k] for m in means if k in m)
+        if any(k in m for m in means) else 0.0
+        for k in ("F", "B", "W")
+    ]
+    return float(simulate(pipe.schedule, cost=(cost[0], cost[1], cost[2]), comm=0.0).bubble)  # type: ignore[attr-defined]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs in each of the 2 processes: build everything, then alternate the runs."""
+    import conveyor
+
+    torch.set_num_threads(1)
+    conveyor.init()
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+
+    runs: dict[tuple[str, str], Step] = {}
+    pipes: dict[str, object] = {}
+    for row in ROWS:
+        runs[("conveyor", row.schedule)], pipes[row.schedule] = conveyor_step(row, x, y)
+        if row.torch_schedule is not None:
+            placement = pipes[row.schedule].schedule.placement  # type: ignore[attr-defined]
+            runs[("torch", row.schedule)] = torch_step(row, placement, x, y)
+    baseline = single_process(x, y) if rank == 0 else None
+
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    one_process: list[float] = []
+    for r in range(args.rounds):
+        dist.barrier()
+        if baseline is not None:
+            one_process += timed(baseline, args.steps, args.warmup, sync=False)
+        dist.barrier()  # rank 1 idles here while rank 0 measures the baseline
+        keys = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for key in keys:
+            times[key] += timed(runs[key], args.steps, args.warmup)
+    bubbles = {row.schedule: simulated_bubble(pipes[row.schedule], row.chunks) for row in ROWS}
+    if rank != 0:
+        return
+
+    base = statistics.median(one_process)
+    results = []
+    for row in ROWS:
+        ours = statistics.median(times[("conveyor", row.schedule)])
+        theirs = (
+            statistics.median(times[("torch", row.schedule)])
+            if ("torch", row.schedule) in times else None
+        )
+        results.append({
+            "schedule": row.schedule,
+            "chunks": row.chunks,
+            "conveyor_ms": ours * 1e3,
+            "torch_ms": None if theirs is None else theirs * 1e3,
+            "ratio": None if theirs is None else ours / theirs,
+            "speedup": base / ours,
+            "ideal_speedup": PROCS * (1 - bubbles[row.schedule]),
+            "simulated_bubble": bubbles[row.schedule],
+        })
+    print(f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
+          f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
+          f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step\n")
+    print("| schedule | conveyor ms | torch ms | conveyor/torch | speed-up vs 1 process "
+          "| ideal speed-up |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for res in results:
+        torch_ms = "—" if res["torch_ms"] is None else f"{res['torch_ms']:.1f}"
+        ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"
+        name = res["schedule"] + (f" (chunks={res['chunks']})" if res["chunks"] > 1 else "")
+        print(f"| {name} | {res['conveyor_ms']:.1f} | {torch_ms} | {ratio} "
+              f"| {res['speedup']:.2f} | {res['ideal_speedup']:.2f} |")
+    if args.json:
+        report = {
+            "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU", "batch": BATCH,
+            "microbatches": MICROBATCHES, "processes": PROCS, "threads": 1,
+            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+            "torch": torch.__version__, "one_process_ms": base * 1e3, "rows": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags; outside torchrun, launch this script in 2 processes."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        from conveyor.launch import main as launch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
+    worker(args)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

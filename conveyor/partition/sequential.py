@@ -1,0 +1,66 @@
+"""Cut a layer list (``nn.Sequential``, ``nn.ModuleList`` or a list) into stages."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import nn
+
+from conveyor.errors import ConfigError
+from conveyor.partition.balance import balance as min_max_balance
+
+
+def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The named layers of a layer-list model, names as in the original model."""
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return list(model.named_children())
+    if isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
+        return [(str(i), m) for i, m in enumerate(model)]
+    raise ConfigError(
+        f"conveyor cannot split a {type(model).__name__} yet; pass an nn.Sequential or a "
+        f"list of modules whose outputs feed the next one"
+    )
+
+
+def parameter_costs(layers: Sequence[tuple[str, nn.Module]]) -> list[float]:
+    """Cost of each layer as its parameter count (the default balance)."""
+    return [float(sum(p.numel() for p in m.parameters())) for _, m in layers]
+
+
+def split_sequential(
+    model: nn.Module | Sequence[nn.Module], stages: int, balance: Sequence[int] | None = None
+) -> list[nn.Sequential]:
+    """Contiguous stages of a layer list; each keeps the original child names.
+
+    Keeping names means ``stage.named_parameters()`` and ``stage.state_dict()`` use the
+    original model's keys, so checkpoints and optimizers need no renaming.
+    """
+    layers = layers_of(model)
+    if len(layers) < stages:
+        raise ConfigError(
+            f"the model has {len(layers)} layers but the pipeline needs {stages} stages; "
+            f"use fewer ranks or chunks, or split the model into more layers"
+        )
+    if balance is None:
+        sizes = min_max_balance(parameter_costs(layers), stages)
+    else:
+        sizes = [int(b) for b in balance]
+        if len(sizes) != stages:
+            raise ConfigError(
+                f"balance {list(balance)} has {len(sizes)} entries but the pipeline has "
+                f"{stages} stages; give one layer count per stage"
+            )
+        if any(b < 1 for b in sizes):
+            raise ConfigError(f"balance {list(balance)} leaves a stage empty; give every stage >= 1 layer")
+        if sum(sizes) != len(layers):
+            raise ConfigError(
+                f"balance {list(balance)} adds up to {sum(sizes)} layers but the model has "
+                f"{len(layers)}; make the numbers add up to {len(layers)}"
+            )
+    out: list[nn.Sequential] = []
+    start = 0
+    for size in sizes:
+        out.append(nn.Sequential(OrderedDict(layers[start : start + size])))
+        start += size
+    return out

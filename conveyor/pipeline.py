@@ -1,0 +1,202 @@
+"""``Pipeline``: the object users touch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.context import Context, current
+from conveyor.errors import ConfigError, PipelineError
+from conveyor.partition import split_sequential
+from conveyor.runtime import microbatch
+from conveyor.runtime.engine import Engine, LossFn, Mode, Timing
+from conveyor.schedules import Schedule, validate
+from conveyor.schedules.registry import get_schedule
+
+
+class Pipeline:
+    """A model cut into stages and trained by a pipeline schedule.
+
+    Build it the same way on every rank. ``train_step`` returns the whole batch's loss on
+    every rank and leaves in each local parameter's ``.grad`` the gradient the unsplit model
+    would have; step your optimizer over ``pipe.parameters()`` as usual.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn,
+        microbatches: int,
+        schedule: str | Schedule = "1f1b",
+        chunks: int = 1,
+        balance: list[int] | None = None,
+        context: Context | None = None,
+    ) -> None:
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ConfigError(f"chunks must be an int >= 1, got {chunks!r}")
+        self.context = ctx = context if context is not None else current()
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
+        all_stages = split_sequential(model, self.schedule.stages, balance)
+        held = (
+            self.schedule.stages_of(ctx.pp_rank) if ctx.distributed
+            else tuple(range(self.schedule.stages))
+        )
+        self._stages = {s: all_stages[s].to(ctx.device) for s in held}
+        self._engine = Engine(self.schedule, self._stages, loss_fn, ctx)
+
+    @staticmethod
+    def _make_schedule(
+        schedule: str | Schedule, ranks: int, microbatches: int, chunks: int
+    ) -> Schedule:
+        if isinstance(schedule, str):
+            return get_schedule(schedule, ranks, microbatches, chunks)
+        if not isinstance(schedule, Schedule):
+            raise ConfigError(
+                f"schedule must be a name or a conveyor.schedules.Schedule, got "
+                f"{type(schedule).__name__}"
+            )
+        if schedule.ranks != ranks or schedule.microbatches != microbatches:
+            raise ConfigError(
+                f"schedule {schedule.name!r} is for {schedule.ranks} ranks and "
+                f"{schedule.microbatches} micro-batches, but the pipeline has {ranks} ranks and "
+                f"microbatches={microbatches}; build the schedule for the same numbers"
+            )
+        return validate(schedule)
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def stages(self) -> list[nn.Module]:
+        """This rank's stage modules, in stage order."""
+        return [self._stages[s] for s in sorted(self._stages)]
+
+    def _holds(self, stage: int) -> bool:
+        return stage in self._stages
+
+    def _split(self, value: Any, what: str, needed: bool) -> list[Any] | None:
+        if value is None:
+            if needed:
+                raise ConfigError(
+                    f"this rank holds a stage that needs {what}, but got {what}=None; pass the "
+                    f"batch on every rank (ranks without the first/last stage may pass None)"
+                )
+            return None
+        parts = microbatch.split(value, self.microbatches, what)
+        return [microbatch.to_device(p, self.context.device) for p in parts]
+
+    def _run(self, mode: Mode, inputs: Any, targets: Any) -> tuple[torch.Tensor | None, list[Any]]:
+        last = self.schedule.stages - 1
+        mb_inputs = self._split(inputs, "inputs", self._holds(0))
+        mb_targets = None
+        weights = None
+        if mode != "predict":
+            mb_targets = self._split(targets, "targets", self._holds(last))
+            if mb_targets is not None:
+                total = microbatch.batch_size(targets, "targets")
+                weights = [microbatch.batch_size(t, "targets") / total for t in mb_targets]
+        return self._engine.run(mode, mb_inputs, mb_targets, weights)
+
+    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        if not self.context.distributed:
+            assert loss is not None
+            return loss
+        holder = self.schedule.placement[-1]
+        buf = (
+            loss.detach().to(torch.float32).reshape(1) if loss is not None
+            else torch.zeros(1, dtype=torch.float32, device=self.context.device)
+        )
+        try:
+            dist.broadcast(buf, self.context.global_rank(holder))
+        except Exception as exc:
+            raise PipelineError(
+                f"rank {self.context.pp_rank}: receiving the loss from rank {holder} failed "
+                f"({exc}); that rank may have died or stalled"
+            ) from exc
+        return buf.reshape(())
+
+    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch loss (detached) on every rank.
+
+        Gradients are added to each local parameter's ``.grad``, like ``loss.backward()``.
+        """
+        loss, _ = self._run("train", inputs, targets)
+        return self._share_loss(loss)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """The batch loss without gradients, on every rank."""
+        loss, _ = self._run("eval", inputs, targets)
+        return self._share_loss(loss)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The whole batch's output on the rank holding the last stage, ``None`` elsewhere."""
+        _, outputs = self._run("predict", inputs, None)
+        return microbatch.merge(outputs) if outputs else None
+
+    # ------------------------------------------------------------------ measurement
+    def last_step_timings(self) -> list[Timing]:
+        """This process's (rank, kind, stage, microbatch, start, end) for each action of
+        the last step; seconds from the step start."""
+        return list(self._engine.timings)
+
+    def measured_bubble(self) -> float:
+        """1 - busy time / (ranks x step time) of the last step, over all pipeline ranks.
+
+        A collective in a distributed world: call it on every rank.
+        """
+        timings = self._engine.timings
+        busy = sum(end - start for *_, start, end in timings)
+        wall = max((end for *_, end in timings), default=0.0)
+        if self.context.distributed:
+            buf = torch.tensor([busy, wall], dtype=torch.float64)
+            walls = torch.tensor([wall], dtype=torch.float64)
+            dist.all_reduce(buf[:1])
+            dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+            busy, wall = float(buf[0]), float(walls[0])
+        ranks = self.schedule.ranks
+        return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, with their names in the original model."""
+        for stage in self.stages:
+            yield from stage.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (pass them to the optimizer)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model's state dict, keyed by the original names."""
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this rank's entries from ``state`` (a full or partial model state dict).
+
+        Keys for stages on other ranks are ignored; with ``strict`` a missing key for a
+        local stage raises.
+        """
+        missing: list[str] = []
+        for stage in self.stages:
+            own = stage.state_dict()
+            part = {k: state[k] for k in own if k in state}
+            missing += [k for k in own if k not in state]
+            stage.load_state_dict(part, strict=False)
+        if strict and missing:
+            raise ConfigError(
+                f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
+                f"pass the model's full state dict or strict=False"
+            )

@@ -1,0 +1,1 @@
+"""Executing schedules: stage compute, transfers, micro-batching."""

@@ -1,0 +1,423 @@
+"""Executes a :class:`Schedule`'s actions for the stages this process holds.
+
+In a distributed world a process runs its pipeline rank's program; in the world of one
+process it runs every rank's program interleaved in a valid global order. Values between
+stages held by the same process are handed over in memory; others go through
+:class:`Transport`, with receives posted ahead in the order the sender sends them (so the
+same code is correct on NCCL, which matches by order, and gloo, which matches by tag).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from conveyor.context import Context
+from conveyor.errors import PipelineError
+from conveyor.runtime.transport import Transport, Work
+from conveyor.runtime.wire import (
+    HEADER_BYTES,
+    TensorMeta,
+    ValueMeta,
+    decode_header,
+    describe,
+    encode_header,
+    rebuild,
+)
+from conveyor.schedules import B, F, Action, Schedule, execution_order
+
+Mode = Literal["train", "eval", "predict"]
+LossFn = Callable[[Any, Any], torch.Tensor]
+Timing = tuple[int, str, int, int, float, float]
+
+# How many upcoming actions get their receives posted before they run.
+LOOKAHEAD = 3
+_TAG_SLOTS = 1024  # per-message tag space: tensor index; the last slot is the header
+
+
+@dataclass
+class _Recv:
+    """A message being received: posted header and/or tensor receives."""
+
+    peer: int
+    producer: Action
+    meta: ValueMeta | None = None
+    header: torch.Tensor | None = None
+    header_work: Work | None = None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    works: list[Work] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    """The static part of running one mode: program and who sends what, in which order."""
+
+    program: list[tuple[int, Action]]
+    remote_input: list[Action | None]  # per program index: the remote message it consumes
+    incoming: dict[int, list[Action]]  # per peer: producers of messages to us, in send order
+
+
+def call_stage(stage: nn.Module, value: Any, first: bool) -> Any:
+    """Call ``stage`` on ``value``; the first stage unpacks tuples and dicts like a model call."""
+    if first and isinstance(value, tuple):
+        return stage(*value)
+    if first and isinstance(value, dict):
+        return stage(**value)
+    return stage(value)
+
+
+def _grad_leaves(value: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+class Engine:
+    """Runs train / eval / predict steps of one schedule over this process's stages."""
+
+    def __init__(
+        self, schedule: Schedule, stages: dict[int, nn.Module], loss_fn: LossFn, ctx: Context
+    ) -> None:
+        self.schedule = schedule
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.ctx = ctx
+        self.device = ctx.device
+        self.last = schedule.stages - 1
+        self.rank = ctx.pp_rank
+        self.transport = (
+            Transport(self.rank, ctx.global_rank, ctx.device, ctx.timeout)
+            if ctx.distributed
+            else None
+        )
+        self._plans: dict[bool, _Plan] = {}
+        self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
+        self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
+        self.timings: list[Timing] = []
+
+    # ----------------------------------------------------------------- planning
+    def _plan(self, train: bool) -> _Plan:
+        plan = self._plans.get(train)
+        if plan is not None:
+            return plan
+        sched = self.schedule
+
+        def keep(a: Action) -> bool:
+            return train or a.kind == F
+
+        if self.transport is None:
+            program = [(r, a) for r, a in execution_order(sched) if keep(a)]
+            plan = _Plan(program, [None] * len(program), {})
+        else:
+            program = [(self.rank, a) for a in sched.actions[self.rank] if keep(a)]
+            remote = [self._remote_producer(a) for _, a in program]
+            incoming: dict[int, list[Action]] = {}
+            for peer, peer_program in enumerate(sched.actions):
+                if peer == self.rank:
+                    continue
+                sent = [a for a in peer_program if keep(a) and self._consumer_rank(a) == self.rank]
+                if sent:
+                    incoming[peer] = sent
+            plan = _Plan(program, remote, incoming)
+        self._plans[train] = plan
+        return plan
+
+    def _consumer_rank(self, producer: Action) -> int | None:
+        """The rank that consumes ``producer``'s output, or None if nothing is sent."""
+        if producer.kind == F and producer.stage < self.last:
+            return self.schedule.placement[producer.stage + 1]
+        if producer.kind == B and producer.stage > 0:
+            return self.schedule.placement[producer.stage - 1]
+        return None
+
+    def _producer(self, action: Action) -> Action | None:
+        if action.kind == F and action.stage > 0:
+            return Action(F, action.stage - 1, action.microbatch)
+        if action.kind == B and action.stage < self.last:
+            return Action(B, action.stage + 1, action.microbatch)
+        return None
+
+    def _remote_producer(self, action: Action) -> Action | None:
+        producer = self._producer(action)
+        if producer is None or producer.stage in self.stages:
+            return None
+        return producer
+
+    def _tag(self, producer: Action, index: int) -> int:
+        kind = 0 if producer.kind == F else 1
+        base = (producer.stage * 2 + kind) * self.schedule.microbatches + producer.microbatch
+        return base * _TAG_SLOTS + index
+
+    # ----------------------------------------------------------------- one step
+    def run(
+        self,
+        mode: Mode,
+        inputs: list[Any] | None,
+        targets: list[Any] | None,
+        weights: list[float] | None,
+    ) -> tuple[torch.Tensor | None, list[Any]]:
+        """Run one step; returns (this process's summed weighted loss or None, outputs).
+
+        ``inputs``/``targets``/``weights`` are per micro-batch (None where this process
+        holds neither the first nor the last stage). Outputs are the last stage's
+        micro-batch outputs in ``predict`` mode.
+        """
+        train = mode == "train"
+        plan = self._plan(train)
+        self._mode: Mode = mode
+        self._train = train
+        self._sig = self._agree_signature(inputs)
+        self._inputs, self._targets, self._weights = inputs, targets, weights
+        self._mailbox: dict[Action, Any] = {}
+        self._saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._recvs: dict[Action, _Recv] = {}
+        self._cursor = dict.fromkeys(plan.incoming, 0)
+        self._outputs: dict[int, Any] = {}
+        self._loss: torch.Tensor | None = None
+        timings: list[Timing] = []
+        clock = time.perf_counter
+        t0 = clock()
+        with torch.set_grad_enabled(train):
+            for i, (rank, action) in enumerate(plan.program):
+                if self.transport is not None:
+                    self._post_ahead(plan, i)
+                start = clock()
+                if action.kind == F:
+                    self._forward(action)
+                else:
+                    self._backward(action)
+                timings.append((rank, action.kind, action.stage, action.microbatch,
+                                start - t0, clock() - t0))
+        if self.transport is not None:
+            self.transport.flush()
+        self.timings = timings
+        if self._saved:
+            left = ", ".join(f"stage {s} micro-batch {m}" for s, m in self._saved)
+            raise PipelineError(f"rank {self.rank}: activations never consumed by a backward: {left}")
+        outputs = [self._outputs[m] for m in sorted(self._outputs)]
+        return self._loss, outputs
+
+    def _agree_signature(self, inputs: list[Any] | None) -> int:
+        """A number all ranks share that changes when micro-batch input shapes change."""
+        sig = 0
+        if inputs is not None:
+            shapes = [
+                (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+                for mb in inputs
+                for x in pytree.tree_leaves(mb)
+            ]
+            sig = zlib.crc32(repr(shapes).encode())
+        if self.transport is None:
+            return sig
+        holder = self.schedule.placement[0]
+        if self.rank == holder and inputs is None:
+            raise PipelineError(
+                f"rank {self.rank} holds the first stage but got inputs=None; pass the batch "
+                f"on this rank"
+            )
+        buf = torch.tensor([sig], dtype=torch.int64, device=self.device)
+        dist.broadcast(buf, self.ctx.global_rank(holder))
+        return int(buf.item())
+
+    # ----------------------------------------------------------------- compute
+    def _forward(self, action: Action) -> None:
+        s, m = action.stage, action.microbatch
+        if s == 0:
+            assert self._inputs is not None
+            value = self._inputs[m]
+            in_leaves: list[torch.Tensor] = []
+        else:
+            value = self._take(Action(F, s - 1, m), action)
+            in_leaves = _grad_leaves(value) if self._train else []
+        out = call_stage(self.stages[s], value, first=s == 0)
+        if s < self.last:
+            if self._train:
+                self._saved[(s, m)] = (in_leaves, _grad_leaves(out))
+            self._deliver(action, out)
+            return
+        if self._mode == "predict":
+            self._outputs[m] = pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
+            )
+            return
+        assert self._targets is not None and self._weights is not None
+        loss = self.loss_fn(out, self._targets[m])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipelineError(
+                "loss_fn must return a scalar tensor (the mean loss of the micro-batch), got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+            )
+        scaled = loss.reshape(()) * self._weights[m]
+        total = scaled.detach()
+        self._loss = total if self._loss is None else self._loss + total
+        if self._train:
+            self._saved[(s, m)] = (in_leaves, [scaled])
+
+    def _backward(self, action: Action) -> None:
+        s, m = action.stage, action.microbatch
+        in_leaves, outs = self._saved.pop((s, m))
+        if s == self.last:
+            torch.autograd.backward(outs)
+        else:
+            grads = self._take(Action(B, s + 1, m), action)
+            if outs:
+                torch.autograd.backward(outs, grads)
+        if s > 0:
+            grads_in = [x.grad if x.grad is not None else torch.zeros_like(x) for x in in_leaves]
+            self._deliver(action, grads_in)
+
+    # ----------------------------------------------------------------- transfers
+    def _deliver(self, producer: Action, value: Any) -> None:
+        consumer = self._consumer_rank(producer)
+        assert consumer is not None
+        next_stage = producer.stage + (1 if producer.kind == F else -1)
+        if next_stage in self.stages:
+            if producer.kind == F:
+                value = pytree.tree_map(_fresh_leaf, value)
+            self._mailbox[producer] = value
+            return
+        assert self.transport is not None
+        where = f"stage {producer.stage} (micro-batch {producer.microbatch})"
+        if producer.kind == B:
+            for i, g in enumerate(value):
+                self.transport.send(g.contiguous(), consumer, self._tag(producer, i),
+                                    f"sending input gradients of {where}")
+            self.transport.prune()
+            return
+        meta, tensors = describe(value)
+        for t in tensors:
+            if t.device != self.device:
+                raise PipelineError(
+                    f"{where} returned a tensor on {t.device}, but this rank's device is "
+                    f"{self.device}; move it with .to({str(self.device)!r}) inside the stage"
+                )
+        key = (self._sig, self._mode, producer)
+        known = self._sent.get(key)
+        if known is None:
+            header = encode_header(meta, where).to(self.device)
+            self.transport.send(header, consumer, self._tag(producer, _TAG_SLOTS - 1),
+                                f"sending output description of {where}")
+            self._sent[key] = meta
+        elif known != meta:
+            raise PipelineError(
+                f"{where} output changed ({_difference(known, meta)}) although the input "
+                f"shapes did not; stage outputs must be tensors whose shapes follow the inputs "
+                f"(return varying non-tensor values from the last stage only)"
+            )
+        for i, t in enumerate(tensors):
+            self.transport.send(t, consumer, self._tag(producer, i), f"sending output of {where}")
+        self.transport.prune()
+
+    def _take(self, producer: Action, consumer: Action) -> Any:
+        if producer.stage in self.stages:
+            return self._mailbox.pop(producer)
+        assert self.transport is not None
+        peer = self.schedule.placement[producer.stage]
+        while producer not in self._recvs or self._recvs[producer].meta is None:
+            if not self._post_next(peer, resolve=True):
+                raise PipelineError(
+                    f"rank {self.rank}: cannot receive {producer} for {consumer}; "
+                    f"the schedule is inconsistent"
+                )
+        recv = self._recvs.pop(producer)
+        what = f"{consumer} waiting for {'activations' if producer.kind == F else 'gradients'} of {producer}"
+        for work in recv.works:
+            self.transport.wait(work, peer, what)
+        if producer.kind == B:
+            return recv.tensors
+        assert recv.meta is not None
+        tensors = [
+            t.requires_grad_(m.requires_grad and self._train)
+            for t, m in zip(recv.tensors, recv.meta.tensors, strict=True)
+        ]
+        return rebuild(recv.meta, tensors)
+
+    def _post_ahead(self, plan: _Plan, index: int) -> None:
+        for j in range(index, min(index + LOOKAHEAD, len(plan.program))):
+            producer = plan.remote_input[j]
+            if producer is None or producer in self._recvs:
+                continue
+            peer = self.schedule.placement[producer.stage]
+            while producer not in self._recvs and self._post_next(peer, resolve=False):
+                pass
+
+    def _post_next(self, peer: int, resolve: bool) -> bool:
+        """Post the next message from ``peer`` in its send order; False if it must wait.
+
+        A message whose description is still in flight blocks the ones after it (NCCL
+        matches by order); with ``resolve`` we wait for that description instead.
+        """
+        assert self.transport is not None
+        order = self._plans[self._train].incoming.get(peer, [])
+        cursor = self._cursor.get(peer, 0)
+        if cursor > 0:
+            previous = self._recvs.get(order[cursor - 1])
+            if previous is not None and previous.meta is None:
+                if not resolve:
+                    return False
+                self._resolve_header(previous)
+                return True
+        if cursor >= len(order):
+            return False
+        producer = order[cursor]
+        recv = _Recv(peer, producer)
+        if producer.kind == B:
+            saved = self._saved.get((producer.stage - 1, producer.microbatch))
+            if saved is None:
+                return False  # our forward has not run yet, so gradient shapes are unknown
+            metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in saved[1]]
+            self._post_tensors(recv, metas)
+            recv.meta = ValueMeta(pytree.tree_flatten(None)[1], ())
+        else:
+            recv.meta = self._seen.get((self._sig, self._mode, producer))
+            if recv.meta is None:
+                recv.header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                recv.header_work = self.transport.recv(
+                    recv.header, peer, self._tag(producer, _TAG_SLOTS - 1)
+                )
+            else:
+                self._post_tensors(recv, recv.meta.tensors)
+        self._recvs[producer] = recv
+        self._cursor[peer] = cursor + 1
+        return True
+
+    def _resolve_header(self, recv: _Recv) -> None:
+        assert self.transport is not None and recv.header is not None
+        assert recv.header_work is not None
+        self.transport.wait(
+            recv.header_work, recv.peer, f"waiting for the output description of {recv.producer}"
+        )
+        meta = decode_header(recv.header)
+        self._seen[(self._sig, self._mode, recv.producer)] = meta
+        recv.header = recv.header_work = None
+        self._post_tensors(recv, meta.tensors)
+        recv.meta = meta
+
+    def _post_tensors(self, recv: _Recv, metas: list[TensorMeta]) -> None:
+        assert self.transport is not None
+        for i, m in enumerate(metas):
+            t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            recv.tensors.append(t)
+            recv.works.append(self.transport.recv(t, recv.peer, self._tag(recv.producer, i)))
+
+
+def _fresh_leaf(x: Any) -> Any:
+    """A stage-input leaf cut from the producer's graph (gradients stop at the boundary)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _difference(old: ValueMeta, new: ValueMeta) -> str:
+    if old.spec != new.spec:
+        return "its structure"
+    for i, (a, b) in enumerate(zip(old.leaves, new.leaves, strict=True)):
+        if a != b:
+            return f"value {i}: {a} -> {b}"
+    return "its description"

@@ -1,0 +1,58 @@
+"""Split a batch (tensor, tuple or dict of tensors) into micro-batches and merge back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from conveyor.errors import ConfigError
+
+
+def batch_size(batch: Any, what: str) -> int:
+    """The common dim-0 size of every tensor in ``batch``."""
+    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise ConfigError(f"{what} holds no tensor; pass a tensor, or a tuple / dict of tensors")
+    sizes = {int(x.shape[0]) if x.dim() else -1 for x in leaves}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ConfigError(
+            f"{what} tensors must share their first (batch) dimension, got sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def split(batch: Any, parts: int, what: str) -> list[Any]:
+    """``batch`` cut on dim 0 into ``parts`` micro-batches (sizes differ by at most one)."""
+    n = batch_size(batch, what)
+    if n < parts:
+        raise ConfigError(
+            f"a batch of {n} cannot be split into {parts} micro-batches; use microbatches <= {n} "
+            f"or a larger batch"
+        )
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [
+        torch.tensor_split(x, parts) if isinstance(x, torch.Tensor) else [x] * parts
+        for x in leaves
+    ]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
+
+
+def merge(outputs: list[Any]) -> Any:
+    """Concatenate micro-batch outputs (same structure) on dim 0."""
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    leaves = [
+        torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor)
+        else flat[0][0][i]
+        for i in range(len(flat[0][0]))
+    ]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor moved to ``device`` (no copy when already there)."""
+    return pytree.tree_map(
+        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value
+    )

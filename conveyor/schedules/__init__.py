@@ -1,0 +1,31 @@
+"""Pipeline schedules as data (pure Python, no torch import)."""
+
+from __future__ import annotations
+
+from conveyor.schedules.core import (
+    B,
+    F,
+    W,
+    Action,
+    Schedule,
+    dependencies,
+    execution_order,
+    loop_placement,
+    make_schedule,
+    v_placement,
+    validate,
+)
+
+__all__ = [
+    "B",
+    "F",
+    "W",
+    "Action",
+    "Schedule",
+    "dependencies",
+    "execution_order",
+    "loop_placement",
+    "make_schedule",
+    "v_placement",
+    "validate",
+]

@@ -1,0 +1,236 @@
+"""Schedule data: actions, per-rank programs, placement, and validation.
+
+Pure Python (no torch import): the generators, the simulator and the runtime all
+consume the same :class:`Schedule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from conveyor.errors import ConfigError, ScheduleError
+
+F = "F"
+B = "B"
+W = "W"
+KINDS = (F, B, W)
+
+
+class Action(NamedTuple):
+    """One unit of work: ``kind`` (F, B or W) of ``stage`` on ``microbatch``."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage},{self.microbatch}"
+
+
+def check_sizes(ranks: int, microbatches: int, chunks: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ranks, microbatches and chunks are ints >= 1."""
+    for label, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+
+
+def loop_placement(ranks: int, chunks: int) -> tuple[int, ...]:
+    """Stage s on rank s % ranks (Megatron's interleaved layout)."""
+    return tuple(s % ranks for s in range(ranks * chunks))
+
+
+def v_placement(ranks: int) -> tuple[int, ...]:
+    """Two chunks per rank in a V: rank r holds stages r and 2p-1-r."""
+    return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered actions plus the stage placement.
+
+    ``actions[r]`` is rank r's program. ``placement[s]`` is the rank holding stage s.
+    ``split_backward`` says whether backward is split into B (input gradient) and W
+    (weight gradient); when False, B is the whole backward and there are no W actions.
+    """
+
+    name: str
+    ranks: int
+    microbatches: int
+    placement: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    split_backward: bool = False
+    _stage_ranks: dict[int, tuple[int, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def stages(self) -> int:
+        """Total number of stages (ranks x chunks)."""
+        return len(self.placement)
+
+    @property
+    def chunks(self) -> int:
+        """Stages held by each rank."""
+        return self.stages // self.ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages held by ``rank``, in increasing order."""
+        if rank not in self._stage_ranks:
+            held = tuple(s for s, r in enumerate(self.placement) if r == rank)
+            self._stage_ranks[rank] = held
+        return self._stage_ranks[rank]
+
+    def __iter__(self) -> Iterator[tuple[int, Action]]:
+        for rank, program in enumerate(self.actions):
+            for action in program:
+                yield rank, action
+
+
+def make_schedule(
+    name: str,
+    ranks: int,
+    microbatches: int,
+    placement: Sequence[int],
+    actions: Sequence[Sequence[Action]],
+    split_backward: bool = False,
+) -> Schedule:
+    """Build a :class:`Schedule` from plain sequences (converted to tuples)."""
+    return Schedule(
+        name=name,
+        ranks=ranks,
+        microbatches=microbatches,
+        placement=tuple(placement),
+        actions=tuple(tuple(Action(*a) for a in program) for program in actions),
+        split_backward=split_backward,
+    )
+
+
+def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
+    """Actions that must finish before ``action`` may start (data dependencies)."""
+    kind, s, m = action
+    last = schedule.stages - 1
+    if kind == F:
+        return (Action(F, s - 1, m),) if s > 0 else ()
+    if kind == B:
+        return (Action(F, s, m),) if s == last else (Action(F, s, m), Action(B, s + 1, m))
+    return (Action(B, s, m),)
+
+
+def _check_shape(schedule: Schedule) -> None:
+    p, m = schedule.ranks, schedule.microbatches
+    if p < 1 or m < 1:
+        raise ScheduleError(f"schedule {schedule.name!r}: ranks and microbatches must be >= 1")
+    if len(schedule.actions) != p:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has programs for {len(schedule.actions)} ranks, "
+            f"expected {p}; give one action list per rank"
+        )
+    if not schedule.placement or any(not 0 <= r < p for r in schedule.placement):
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: placement {schedule.placement} must map every "
+            f"stage to a rank in 0..{p - 1}"
+        )
+    for r in range(p):
+        if not schedule.stages_of(r):
+            raise ScheduleError(f"schedule {schedule.name!r}: rank {r} holds no stage")
+
+
+def _check_complete(schedule: Schedule) -> None:
+    kinds = (F, B, W) if schedule.split_backward else (F, B)
+    seen: dict[Action, int] = {}
+    for rank, action in schedule:
+        kind, s, mb = action
+        if kind not in kinds:
+            raise ScheduleError(
+                f"rank {rank}: action {action} has kind {kind!r}; this schedule allows "
+                f"{'/'.join(kinds)} (set split_backward=True to use W)"
+            )
+        if not (0 <= s < schedule.stages and 0 <= mb < schedule.microbatches):
+            raise ScheduleError(
+                f"rank {rank}: action {action} is out of range "
+                f"(stages 0..{schedule.stages - 1}, microbatches 0..{schedule.microbatches - 1})"
+            )
+        if schedule.placement[s] != rank:
+            raise ScheduleError(
+                f"rank {rank}: action {action} runs stage {s}, which is placed on rank "
+                f"{schedule.placement[s]}; move it to that rank's program"
+            )
+        if action in seen:
+            raise ScheduleError(f"rank {rank}: action {action} appears twice; keep one")
+        seen[action] = rank
+    for s in range(schedule.stages):
+        for mb in range(schedule.microbatches):
+            for kind in kinds:
+                if Action(kind, s, mb) not in seen:
+                    raise ScheduleError(
+                        f"rank {schedule.placement[s]}: action {Action(kind, s, mb)} is "
+                        f"missing; every stage needs {'/'.join(kinds)} of every micro-batch"
+                    )
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """A valid global order of all actions, found by running the ranks' programs.
+
+    Sends never block and receives do: each rank advances while the dependencies of its
+    next action are done. The order is round-robin over ranks, which is also the order
+    the single-process world uses. Raises :class:`ScheduleError` on deadlock, naming
+    every stuck rank and the action it waits on.
+    """
+    position = [0] * schedule.ranks
+    done: set[Action] = set()
+    order: list[tuple[int, Action]] = []
+    total = sum(len(p) for p in schedule.actions)
+    while len(order) < total:
+        progressed = False
+        for rank, program in enumerate(schedule.actions):
+            while position[rank] < len(program):
+                action = program[position[rank]]
+                if any(d not in done for d in dependencies(schedule, action)):
+                    break
+                done.add(action)
+                order.append((rank, action))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for rank, program in enumerate(schedule.actions):
+                if position[rank] < len(program):
+                    action = program[position[rank]]
+                    missing = [d for d in dependencies(schedule, action) if d not in done]
+                    stuck.append(
+                        f"rank {rank} at {action} waits for "
+                        + ", ".join(f"{d} on rank {schedule.placement[d.stage]}" for d in missing)
+                    )
+            raise ScheduleError(
+                f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck)
+                + "; reorder the actions so every wait is on work that can finish first"
+            )
+    return order
+
+
+def _check_local_order(schedule: Schedule) -> None:
+    for rank, program in enumerate(schedule.actions):
+        index = {a: i for i, a in enumerate(program)}
+        for i, action in enumerate(program):
+            for dep in dependencies(schedule, action):
+                j = index.get(dep)
+                if j is not None and j > i:
+                    raise ScheduleError(
+                        f"rank {rank}: action {action} comes before {dep}, which it needs; "
+                        f"swap them"
+                    )
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check that ``schedule`` is complete, in dependency order and deadlock free.
+
+    Returns the schedule unchanged so calls can be chained; raises
+    :class:`ScheduleError` naming the rank and action at fault.
+    """
+    _check_shape(schedule)
+    _check_complete(schedule)
+    _check_local_order(schedule)
+    execution_order(schedule)
+    return schedule

@@ -1,0 +1,80 @@
+"""Run a function on N real processes (gloo, one thread each) and collect results."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+    queue: Any, env: dict[str, str],
+) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env,
+    )
+    torch.set_num_threads(1)
+    try:
+        # Bytes, not tensors: shared-memory tensors die with this process.
+        buf = io.BytesIO()
+        torch.save(fn(rank, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException as exc:  # report every failure to the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
+    env: dict[str, str] | None = None, allow_errors: bool = False,
+) -> list[Any]:
+    """``fn(rank, *args)`` on ``world`` processes; returns results by rank.
+
+    Raises if any rank fails (unless ``allow_errors``, then the error text is the result).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, env or {}))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors and not allow_errors:
+        raise AssertionError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [results.get(r, errors.get(r)) for r in range(world)]

@@ -1,0 +1,63 @@
+"""Gradients, losses and parameters through the pipeline equal the unsplit model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import conveyor
+from tests import distributed
+from tests.models import assert_close, batch, merge, mlp, pipelined, reference
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
+# (micro-batches, batch sizes per step): an even split, and uneven ones that change size.
+SPLITS = [(4, [16, 16, 16]), (3, [10, 7, 11])]
+
+
+def _steps(sizes: list[int]) -> list[Any]:
+    return [batch(n, seed=i) for i, n in enumerate(sizes)]
+
+
+def _run_all(rank: int, pp: int) -> dict[tuple[str, int, int], Any]:
+    """Every schedule and split on this process; returns results keyed by config."""
+    ctx = conveyor.init(pp=pp)
+    out = {}
+    for name, chunks in SCHEDULES:
+        for m, sizes in SPLITS:
+            pipe = conveyor.Pipeline(
+                mlp(), loss_fn=_mse, microbatches=m, schedule=name, chunks=chunks, context=ctx
+            )
+            out[(name, chunks, m)] = pipelined(pipe, _steps(sizes))
+    return out
+
+
+def _mse(out: Any, target: Any) -> Any:
+    import torch.nn.functional as fn
+
+    return fn.mse_loss(out, target)
+
+
+def _check(results: list[dict[tuple[str, int, int], Any]]) -> None:
+    for name, chunks in SCHEDULES:
+        for m, sizes in SPLITS:
+            want_losses, want_grads, want_params = reference(mlp(), _steps(sizes))
+            per_rank = [r[(name, chunks, m)] for r in results]
+            what = f"{name} chunks={chunks} m={m}"
+            for losses, _, _ in per_rank:
+                assert losses == pytest.approx(want_losses, rel=1e-5), what
+            assert_close(merge([g for _, g, _ in per_rank]), want_grads, what + " grads")
+            assert_close(merge([p for _, _, p in per_rank]), want_params, what + " params")
+
+
+def test_single_process_world_runs_every_schedule() -> None:
+    _check([_run_all(0, pp=4)])
+
+
+def test_single_process_world_one_stage() -> None:
+    _check([_run_all(0, pp=1)])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_process_equals_unsplit_model(world: int) -> None:
+    _check(distributed.run(_run_all, world, world))
