@@ -47,11 +47,14 @@ def _worker(
 def run(
     fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
     env: dict[str, str] | None = None, allow_errors: bool = False,
+    expect: list[int] | None = None,
 ) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` processes; returns results by rank.
 
     Raises if any rank fails (unless ``allow_errors``, then the error text is the result).
+    With ``expect``, only those ranks are waited for (others are killed afterwards).
     """
+    waiting = list(range(world)) if expect is None else expect
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -64,17 +67,18 @@ def run(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        for _ in range(world):
+        for _ in waiting:
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for r, p in enumerate(procs):
+            p.join(timeout=10 if r in waiting else 0)
             if p.is_alive():
                 p.kill()
+                p.join()
     if errors and not allow_errors:
         raise AssertionError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
-    return [results.get(r, errors.get(r)) for r in range(world)]
+    return [results.get(r, errors.get(r)) for r in waiting]

@@ -322,11 +322,12 @@ class Engine:
         while producer not in self._recvs or self._recvs[producer].meta is None:
             if not self._post_next(peer, resolve=True):
                 raise PipelineError(
-                    f"rank {self.rank}: cannot receive {producer} for {consumer}; "
+                    f"rank {self.rank}: cannot receive {_name(producer)} for {_name(consumer)}; "
                     f"the schedule is inconsistent"
                 )
         recv = self._recvs.pop(producer)
-        what = f"{consumer} waiting for {'activations' if producer.kind == F else 'gradients'} of {producer}"
+        kind = "activations" if producer.kind == F else "gradients"
+        what = f"{_name(consumer)} waiting for {kind} of {_name(producer)}"
         for work in recv.works:
             self.transport.wait(work, peer, what)
         if producer.kind == B:
@@ -391,7 +392,7 @@ class Engine:
         assert self.transport is not None and recv.header is not None
         assert recv.header_work is not None
         self.transport.wait(
-            recv.header_work, recv.peer, f"waiting for the output description of {recv.producer}"
+            recv.header_work, recv.peer, f"waiting for the output description of {_name(recv.producer)}"
         )
         meta = decode_header(recv.header)
         self._seen[(self._sig, self._mode, recv.producer)] = meta
@@ -405,6 +406,10 @@ class Engine:
             t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             recv.tensors.append(t)
             recv.works.append(self.transport.recv(t, recv.peer, self._tag(recv.producer, i)))
+
+
+def _name(action: Action) -> str:
+    return f"{action.kind}(stage {action.stage}, micro-batch {action.microbatch})"
 
 
 def _fresh_leaf(x: Any) -> Any:

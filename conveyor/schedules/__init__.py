@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from conveyor.schedules.core import (
+    Action,
     B,
     F,
-    W,
-    Action,
     Schedule,
+    W,
     dependencies,
     execution_order,
     loop_placement,
@@ -17,11 +17,11 @@ from conveyor.schedules.core import (
 )
 
 __all__ = [
+    "Action",
     "B",
     "F",
-    "W",
-    "Action",
     "Schedule",
+    "W",
     "dependencies",
     "execution_order",
     "loop_placement",

@@ -160,6 +160,8 @@ def _check_complete(schedule: Schedule) -> None:
         if action in seen:
             raise ScheduleError(f"rank {rank}: action {action} appears twice; keep one")
         seen[action] = rank
+    if len(seen) == schedule.stages * schedule.microbatches * len(kinds):
+        return  # every action seen is distinct, in range and of an allowed kind
     for s in range(schedule.stages):
         for mb in range(schedule.microbatches):
             for kind in kinds:
@@ -182,16 +184,29 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     done: set[Action] = set()
     order: list[tuple[int, Action]] = []
     total = sum(len(p) for p in schedule.actions)
+    last = schedule.stages - 1
     while len(order) < total:
         progressed = False
         for rank, program in enumerate(schedule.actions):
-            while position[rank] < len(program):
-                action = program[position[rank]]
-                if any(d not in done for d in dependencies(schedule, action)):
+            i, n = position[rank], len(program)
+            while i < n:
+                action = program[i]
+                # Inlined dependencies(schedule, action), for speed: Actions compare and
+                # hash as plain tuples, so no Action objects are built here.
+                kind, s, mb = action
+                if kind == F:
+                    ready = s == 0 or (F, s - 1, mb) in done
+                elif kind == B:
+                    ready = (F, s, mb) in done and (s == last or (B, s + 1, mb) in done)
+                else:
+                    ready = (B, s, mb) in done
+                if not ready:
                     break
                 done.add(action)
                 order.append((rank, action))
-                position[rank] += 1
+                i += 1
+            if i > position[rank]:
+                position[rank] = i
                 progressed = True
         if not progressed:
             stuck = []
@@ -214,6 +229,9 @@ def _check_local_order(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.actions):
         index = {a: i for i, a in enumerate(program)}
         for i, action in enumerate(program):
+            kind, s, mb = action
+            if kind == F and (s == 0 or (F, s - 1, mb) not in index):
+                continue  # fast path: the only dependency is on another rank
             for dep in dependencies(schedule, action):
                 j = index.get(dep)
                 if j is not None and j > i:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.schedules.core import B, F, Action, Schedule, check_sizes, loop_placement
+from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement
 
 
 def gpipe(ranks: int, microbatches: int, chunks: int = 1) -> Schedule:

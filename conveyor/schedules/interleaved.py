@@ -1,56 +1,135 @@
-"""Interleaved 1F1B (Megatron-LM): several chunks per rank, loop placement."""
+"""Interleaved 1F1B (Megatron-LM): several chunks per rank, stage s on rank s % p."""
 
 from __future__ import annotations
 
-from conveyor.schedules.core import (
-    B,
-    F,
-    Action,
-    Schedule,
-    check_sizes,
-    execution_order,
-    loop_placement,
-)
-from conveyor.errors import ScheduleError
+import heapq
+
+from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement
+from conveyor.schedules.one_f_one_b import one_f_one_b_program
 
 
-def _chunk_order(ranks: int, microbatches: int, chunks: int, backward: bool) -> list[tuple[int, int]]:
-    """(chunk, microbatch) in Megatron's order: groups of `ranks` micro-batches, each
-    group through every chunk (reversed for backward); the last group may be smaller."""
-    order = []
+def microbatch_groups(ranks: int, microbatches: int) -> list[range]:
+    """Micro-batches in groups of ``ranks``; the first group also takes the remainder.
+
+    Megatron requires ``ranks`` to divide ``microbatches``. Putting the remainder first
+    (rather than in a short last group) keeps the steady state free of bubbles: with it
+    the interleaved makespan is m(F+B) + (p-1)(F+B)/v for every m >= p.
+    """
+    if microbatches <= ranks:
+        return [range(microbatches)]
+    first = ranks + microbatches % ranks
+    return [range(0, first)] + [range(f, f + ranks) for f in range(first, microbatches, ranks)]
+
+
+def chunk_order(
+    ranks: int, microbatches: int, chunks: int, backward: bool = False
+) -> list[tuple[int, int]]:
+    """(chunk, microbatch) pairs in Megatron's order for one rank.
+
+    Each group of micro-batches (:func:`microbatch_groups`) runs through every chunk in
+    turn, the chunks reversed for backward.
+    """
     chunk_seq = range(chunks - 1, -1, -1) if backward else range(chunks)
-    for first in range(0, microbatches, ranks):
-        group = range(first, min(first + ranks, microbatches))
-        order.extend((c, mb) for c in chunk_seq for mb in group)
-    return order
+    return [
+        (c, mb)
+        for group in microbatch_groups(ranks, microbatches)
+        for c in chunk_seq
+        for mb in group
+    ]
 
 
-def _program(ranks: int, microbatches: int, chunks: int, rank: int, warmup: int) -> tuple[Action, ...]:
-    forwards = [Action(F, c * ranks + rank, mb) for c, mb in _chunk_order(ranks, microbatches, chunks, False)]
-    backwards = [Action(B, c * ranks + rank, mb) for c, mb in _chunk_order(ranks, microbatches, chunks, True)]
+def megatron_warmup(ranks: int, chunks: int, rank: int) -> int:
+    """Megatron's warm-up forward count on ``rank``: 2(p-rank-1) + (v-1)p."""
+    return 2 * (ranks - rank - 1) + (chunks - 1) * ranks
+
+
+def _megatron_program(ranks: int, microbatches: int, chunks: int, rank: int) -> list[Action]:
+    """Warm-up forwards, then one forward / one backward, then the remaining backwards."""
+    forwards = [
+        Action(F, c * ranks + rank, mb) for c, mb in chunk_order(ranks, microbatches, chunks)
+    ]
+    backwards = [
+        Action(B, c * ranks + rank, mb) for c, mb in chunk_order(ranks, microbatches, chunks, True)
+    ]
     total = len(forwards)
-    warmup = min(warmup, total)
+    warmup = min(megatron_warmup(ranks, chunks, rank), total)
     program = forwards[:warmup]
     for i in range(total - warmup):
         program.append(forwards[warmup + i])
         program.append(backwards[i])
-    program.extend(backwards[total - warmup:])
-    return tuple(program)
+    program.extend(backwards[total - warmup :])
+    return program
 
 
-def megatron_warmup(ranks: int, chunks: int, rank: int) -> int:
-    if chunks == 1:
-        return ranks - rank - 1
-    return 2 * (ranks - rank - 1) + (chunks - 1) * ranks
+def _list_scheduled_programs(ranks: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """Megatron's priorities, with the F/B interleaving found by running the pipeline.
+
+    Megatron's fixed warm-up count can deadlock when ``ranks`` does not divide
+    ``microbatches`` (forwards of later chunks arrive at other times than the count
+    assumes), so here each rank runs in ideal time with unit costs: forwards in Megatron's order until its first
+    backward is ready, then alternating backward / forward, taking the other kind when the
+    preferred one is not ready yet. When ``ranks`` divides ``microbatches`` this yields the
+    same warm-up counts as Megatron. The result is a real execution, so it cannot deadlock.
+    """
+    p, m, v = ranks, microbatches, chunks
+    last = p * v - 1
+    never = 1 << 62
+    end_f = [[never] * m for _ in range(p * v)]
+    end_b = [[never] * m for _ in range(p * v)]
+    order = {F: chunk_order(p, m, v), B: chunk_order(p, m, v, backward=True)}
+    total = m * v
+    done = {F: [0] * p, B: [0] * p}
+    prefer_f = [False] * p
+    programs: list[list[Action]] = [[] for _ in range(p)]
+
+    def ready_at(kind: str, rank: int) -> int:
+        c, mb = order[kind][done[kind][rank]]
+        s = c * p + rank
+        if kind == F:
+            return end_f[s - 1][mb] if s > 0 else 0
+        return max(end_f[s][mb], end_b[s + 1][mb] if s < last else 0)
+
+    heap = [(0, r) for r in range(p)]
+    while heap:
+        now, rank = heapq.heappop(heap)
+        kinds = [k for k in (B, F) if done[k][rank] < total]
+        if not kinds:
+            continue
+        if prefer_f[rank]:
+            kinds.reverse()
+        times = [ready_at(k, rank) for k in kinds]
+        kind = next((k for k, t in zip(kinds, times, strict=True) if t <= now), None)
+        if kind is None:
+            # A dependency not yet scheduled ends at now + 1 at the earliest.
+            heapq.heappush(heap, (now + 1 if never in times else min(times), rank))
+            continue
+        c, mb = order[kind][done[kind][rank]]
+        done[kind][rank] += 1
+        (end_f if kind == F else end_b)[c * p + rank][mb] = now + 1
+        prefer_f[rank] = kind == B
+        programs[rank].append(Action(kind, c * p + rank, mb))
+        heapq.heappush(heap, (now + 1, rank))
+    return programs
 
 
 def interleaved_1f1b(ranks: int, microbatches: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B: ``chunks`` stages per rank (stage s on rank s % ranks).
+
+    When ``ranks`` divides ``microbatches`` this is exactly Megatron-LM's order; otherwise
+    (Megatron refuses) the order comes from :func:`_list_scheduled_programs`. With
+    ``chunks`` == 1 it is 1F1B.
+    """
     check_sizes(ranks, microbatches, chunks)
-    warm = [megatron_warmup(ranks, chunks, r) for r in range(ranks)]
+    if chunks == 1:
+        programs = [list(one_f_one_b_program(ranks, microbatches, r)) for r in range(ranks)]
+    elif microbatches % ranks == 0:
+        programs = [_megatron_program(ranks, microbatches, chunks, r) for r in range(ranks)]
+    else:
+        programs = _list_scheduled_programs(ranks, microbatches, chunks)
     return Schedule(
         name="interleaved-1f1b",
         ranks=ranks,
         microbatches=microbatches,
         placement=loop_placement(ranks, chunks),
-        actions=tuple(_program(ranks, microbatches, chunks, r, warm[r]) for r in range(ranks)),
+        actions=tuple(tuple(program) for program in programs),
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.schedules.core import B, F, Action, Schedule, check_sizes, loop_placement
+from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement
 
 
 def one_f_one_b_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
