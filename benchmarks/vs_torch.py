@@ -33,6 +33,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import conveyor
+from conveyor.launch import main as launch
+from conveyor.simulate import simulate
 
 LAYERS, WIDTH, BATCH, MICROBATCHES, PROCS = 8, 1024, 64, 8, 2
 
@@ -71,17 +74,16 @@ def single_process(x: Tensor, y: Tensor) -> Step:
 
     def step() -> None:
         for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            (nn.functional.mse_loss(model(xm), ym) / MICROBATCHES).backward()
+            loss = nn.functional.mse_loss(model(xm), ym) / MICROBATCHES
+            loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
 
     return step
 
 
-def conveyor_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, object]:
+def conveyor_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, conveyor.Pipeline]:
     """One conveyor training step for ``row``, and the Pipeline (for its schedule and timings)."""
-    import conveyor
-
     stages = PROCS * row.chunks
     pipe = conveyor.Pipeline(
         build_model(),
@@ -145,12 +147,10 @@ def timed(step: Step, steps: int, warmup: int, sync: bool = True) -> list[float]
     return times
 
 
-def simulated_bubble(pipe: object, chunks: int) -> float:
+def simulated_bubble(pipe: conveyor.Pipeline, chunks: int) -> float:
     """Bubble of ``pipe``'s schedule simulated with the action costs of its last step."""
-    from conveyor.simulate import simulate
-
     durations: dict[str, list[float]] = {}
-    for _, kind, _, _, start, end in pipe.last_step_timings():  # type: ignore[attr-defined]
+    for _, kind, _, _, start, end in pipe.last_step_timings():
         durations.setdefault(kind, []).append(end - start)
     means: list[dict[str, float]] = [{}] * PROCS
     dist.all_gather_object(means, {k: statistics.fmean(d) for k, d in durations.items()})
@@ -160,13 +160,11 @@ def simulated_bubble(pipe: object, chunks: int) -> float:
         if any(k in m for m in means) else 0.0
         for k in ("F", "B", "W")
     ]
-    return float(simulate(pipe.schedule, cost=(cost[0], cost[1], cost[2]), comm=0.0).bubble)  # type: ignore[attr-defined]
+    return float(simulate(pipe.schedule, cost=(cost[0], cost[1], cost[2]), comm=0.0).bubble)
 
 
 def worker(args: argparse.Namespace) -> None:
     """Runs in each of the 2 processes: build everything, then alternate the runs."""
-    import conveyor
-
     torch.set_num_threads(1)
     conveyor.init()
     rank = dist.get_rank()
@@ -174,11 +172,11 @@ def worker(args: argparse.Namespace) -> None:
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
 
     runs: dict[tuple[str, str], Step] = {}
-    pipes: dict[str, object] = {}
+    pipes: dict[str, conveyor.Pipeline] = {}
     for row in ROWS:
         runs[("conveyor", row.schedule)], pipes[row.schedule] = conveyor_step(row, x, y)
         if row.torch_schedule is not None:
-            placement = pipes[row.schedule].schedule.placement  # type: ignore[attr-defined]
+            placement = pipes[row.schedule].schedule.placement
             runs[("torch", row.schedule)] = torch_step(row, placement, x, y)
     baseline = single_process(x, y) if rank == 0 else None
 
@@ -197,35 +195,33 @@ def worker(args: argparse.Namespace) -> None:
         return
 
     base = statistics.median(one_process)
-    results = []
-    for row in ROWS:
-        ours = statistics.median(times[("conveyor", row.schedule)])
-        theirs = (
-            statistics.median(times[("torch", row.schedule)])
-            if ("torch", row.schedule) in times else None
-        )
-        results.append({
-            "schedule": row.schedule,
-            "chunks": row.chunks,
-            "conveyor_ms": ours * 1e3,
-            "torch_ms": None if theirs is None else theirs * 1e3,
-            "ratio": None if theirs is None else ours / theirs,
-            "speedup": base / ours,
-            "ideal_speedup": PROCS * (1 - bubbles[row.schedule]),
-            "simulated_bubble": bubbles[row.schedule],
-        })
     print(f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
           f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
           f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step\n")
     print("| schedule | conveyor ms | torch ms | conveyor/torch | speed-up vs 1 process "
           "| ideal speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
-    for res in results:
-        torch_ms = "—" if res["torch_ms"] is None else f"{res['torch_ms']:.1f}"
-        ratio = "—" if res["ratio"] is None else f"{res['ratio']:.2f}"
-        name = res["schedule"] + (f" (chunks={res['chunks']})" if res["chunks"] > 1 else "")
-        print(f"| {name} | {res['conveyor_ms']:.1f} | {torch_ms} | {ratio} "
-              f"| {res['speedup']:.2f} | {res['ideal_speedup']:.2f} |")
+    results = []
+    for row in ROWS:
+        ours = statistics.median(times[("conveyor", row.schedule)])
+        theirs = times.get(("torch", row.schedule))
+        torch_s = statistics.median(theirs) if theirs else None
+        bubble = bubbles[row.schedule]
+        name = row.schedule + (f" (chunks={row.chunks})" if row.chunks > 1 else "")
+        print(f"| {name} | {ours * 1e3:.1f} | "
+              + ("— | — |" if torch_s is None else f"{torch_s * 1e3:.1f} | {ours / torch_s:.2f} |")
+              + f" {base / ours:.2f} | {PROCS * (1 - bubble):.2f} |")
+        results.append({
+            "schedule": row.schedule,
+            "chunks": row.chunks,
+            "torch_schedule": row.torch_schedule,
+            "conveyor_ms": ours * 1e3,
+            "torch_ms": None if torch_s is None else torch_s * 1e3,
+            "ratio": None if torch_s is None else ours / torch_s,
+            "speedup": base / ours,
+            "ideal_speedup": PROCS * (1 - bubble),
+            "simulated_bubble": bubble,
+        })
     if args.json:
         report = {
             "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU", "batch": BATCH,
@@ -247,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
-        from conveyor.launch import main as launch
-
         os.environ["OMP_NUM_THREADS"] = "1"
         return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
     worker(args)

@@ -47,10 +47,11 @@ class Pipeline:
         self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
         all_stages = split_sequential(model, self.schedule.stages, balance)
         held = (
-            self.schedule.stages_of(ctx.pp_rank) if ctx.distributed
+            self.schedule.stages_of(ctx.pp_rank)
+            if ctx.distributed
             else tuple(range(self.schedule.stages))
         )
-        self._stages = {s: all_stages[s].to(ctx.device) for s in held}
+        self._stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
         self._engine = Engine(self.schedule, self._stages, loss_fn, ctx)
 
     @staticmethod
@@ -110,7 +111,8 @@ class Pipeline:
             return loss
         holder = self.schedule.placement[-1]
         buf = (
-            loss.detach().to(torch.float32).reshape(1) if loss is not None
+            loss.detach().to(torch.float32).reshape(1)
+            if loss is not None
             else torch.zeros(1, dtype=torch.float32, device=self.context.device)
         )
         try:
@@ -144,8 +146,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ measurement
     def last_step_timings(self) -> list[Timing]:
-        """This process's (rank, kind, stage, microbatch, start, end) for each action of
-        the last step; seconds from the step start."""
+        """(rank, kind, stage, microbatch, start, end) of each action this process ran in
+        the last step, in seconds from the step start; start is when the action's inputs
+        had arrived, so waits on other ranks are not counted as work."""
         return list(self._engine.timings)
 
     def measured_bubble(self) -> float:

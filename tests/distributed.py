@@ -21,12 +21,22 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-    queue: Any, env: dict[str, str],
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+    env: dict[str, str],
 ) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **env,
     )
     torch.set_num_threads(1)
     try:
@@ -45,8 +55,12 @@ def _worker(
 
 
 def run(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240,
-    env: dict[str, str] | None = None, allow_errors: bool = False,
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    allow_errors: bool = False,
     expect: list[int] | None = None,
 ) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` processes; returns results by rank.

@@ -25,8 +25,9 @@ def batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
-def reference(model: nn.Module, steps: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.1
-              ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def reference(
+    model: nn.Module, steps: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.1
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Losses per step, final grads and final parameters of the unsplit model under SGD."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
@@ -42,8 +43,9 @@ def reference(model: nn.Module, steps: list[tuple[torch.Tensor, torch.Tensor]], 
     return losses, grads, params
 
 
-def pipelined(pipe: conveyor.Pipeline, steps: list[tuple[torch.Tensor, torch.Tensor]],
-              lr: float = 0.1) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def pipelined(
+    pipe: conveyor.Pipeline, steps: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.1
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The same as :func:`reference`, through a pipeline (this rank's part)."""
     opt = torch.optim.SGD(pipe.parameters(), lr=lr)
     losses = []
@@ -61,8 +63,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
-                 tol: float = 1e-5) -> None:
+def assert_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 1e-5
+) -> None:
     assert set(got) == set(want), f"{what}: names {sorted(got)} != {sorted(want)}"
     for name in want:
         err = rel_err(got[name], want[name])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,8 +33,9 @@ def _faulty_run(rank: int, how: str, timeout: float) -> str:
     ctx = conveyor.init(timeout=timeout)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Fault(1, 3, how), nn.Linear(8, 4))
-    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=4,
-                             balance=[2, 2], context=ctx)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=nn.functional.mse_loss, microbatches=4, balance=[2, 2], context=ctx
+    )
     x, y = batch(8)
     start = time.monotonic()
     try:
@@ -46,16 +46,18 @@ def _faulty_run(rank: int, how: str, timeout: float) -> str:
 
 
 def test_dead_rank_fails_the_others_with_its_name() -> None:
-    msg, = distributed.run(_faulty_run, 2, "die", 60.0, expect=[0], timeout=120)
+    (msg,) = distributed.run(_faulty_run, 2, "die", 60.0, expect=[0], timeout=120)
     seconds, text = msg.split("s ", 1)
     assert float(seconds) < 30, msg
     assert "rank 1" in text and "rank 0:" in text, msg
     # Rank 1 dies in the forward of micro-batch 2, so rank 0 waits on that gradient.
-    assert "B(stage 0, micro-batch 2) waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
+    assert "B(stage 0, micro-batch 2) waiting for gradients of B(stage 1, micro-batch 2)" in text, (
+        msg
+    )
 
 
 def test_stalled_rank_times_out_within_the_set_limit() -> None:
-    msg, = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120)
+    (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120)
     seconds, text = msg.split("s ", 1)
     assert 2.5 <= float(seconds) < 20, msg
     assert "rank 1" in text and "3 s" in text, msg

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance as min_max_balance
+
+
+class SequentialStage(nn.Sequential):
+    """A run of layers; the first takes all the stage's arguments (tuple/dict inputs)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layers = iter(self)
+        value = next(layers)(*args, **kwargs)
+        for layer in layers:
+            value = layer(value)
+        return value
 
 
 def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -52,7 +64,9 @@ def split_sequential(
                 f"{stages} stages; give one layer count per stage"
             )
         if any(b < 1 for b in sizes):
-            raise ConfigError(f"balance {list(balance)} leaves a stage empty; give every stage >= 1 layer")
+            raise ConfigError(
+                f"balance {list(balance)} leaves a stage empty; give every stage >= 1 layer"
+            )
         if sum(sizes) != len(layers):
             raise ConfigError(
                 f"balance {list(balance)} adds up to {sum(sizes)} layers but the model has "
@@ -61,6 +75,6 @@ def split_sequential(
     out: list[nn.Sequential] = []
     start = 0
     for size in sizes:
-        out.append(nn.Sequential(OrderedDict(layers[start : start + size])))
+        out.append(SequentialStage(OrderedDict(layers[start : start + size])))
         start += size
     return out

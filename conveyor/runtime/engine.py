@@ -32,7 +32,7 @@ from conveyor.runtime.wire import (
     encode_header,
     rebuild,
 )
-from conveyor.schedules import B, F, Action, Schedule, execution_order
+from conveyor.schedules import Action, B, F, Schedule, execution_order
 
 Mode = Literal["train", "eval", "predict"]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -187,19 +187,23 @@ class Engine:
             for i, (rank, action) in enumerate(plan.program):
                 if self.transport is not None:
                     self._post_ahead(plan, i)
-                start = clock()
+                self._start = clock()  # moved past any wait for inputs by _take
                 if action.kind == F:
                     self._forward(action)
                 else:
                     self._backward(action)
-                timings.append((rank, action.kind, action.stage, action.microbatch,
-                                start - t0, clock() - t0))
+                timings.append(
+                    (rank, action.kind, action.stage, action.microbatch, self._start - t0,
+                     clock() - t0)
+                )
         if self.transport is not None:
             self.transport.flush()
         self.timings = timings
         if self._saved:
             left = ", ".join(f"stage {s} micro-batch {m}" for s, m in self._saved)
-            raise PipelineError(f"rank {self.rank}: activations never consumed by a backward: {left}")
+            raise PipelineError(
+                f"rank {self.rank}: activations never consumed by a backward: {left}"
+            )
         outputs = [self._outputs[m] for m in sorted(self._outputs)]
         return self._loss, outputs
 
@@ -249,9 +253,9 @@ class Engine:
         assert self._targets is not None and self._weights is not None
         loss = self.loss_fn(out, self._targets[m])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise PipelineError(
-                "loss_fn must return a scalar tensor (the mean loss of the micro-batch), got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+                f"loss_fn must return a scalar tensor (the mean loss of the micro-batch), got {got}"
             )
         scaled = loss.reshape(()) * self._weights[m]
         total = scaled.detach()
@@ -286,8 +290,12 @@ class Engine:
         where = f"stage {producer.stage} (micro-batch {producer.microbatch})"
         if producer.kind == B:
             for i, g in enumerate(value):
-                self.transport.send(g.contiguous(), consumer, self._tag(producer, i),
-                                    f"sending input gradients of {where}")
+                self.transport.send(
+                    g.contiguous(),
+                    consumer,
+                    self._tag(producer, i),
+                    f"sending input gradients of {where}",
+                )
             self.transport.prune()
             return
         meta, tensors = describe(value)
@@ -301,8 +309,12 @@ class Engine:
         known = self._sent.get(key)
         if known is None:
             header = encode_header(meta, where).to(self.device)
-            self.transport.send(header, consumer, self._tag(producer, _TAG_SLOTS - 1),
-                                f"sending output description of {where}")
+            self.transport.send(
+                header,
+                consumer,
+                self._tag(producer, _TAG_SLOTS - 1),
+                f"sending output description of {where}",
+            )
             self._sent[key] = meta
         elif known != meta:
             raise PipelineError(
@@ -330,6 +342,7 @@ class Engine:
         what = f"{_name(consumer)} waiting for {kind} of {_name(producer)}"
         for work in recv.works:
             self.transport.wait(work, peer, what)
+        self._start = time.perf_counter()
         if producer.kind == B:
             return recv.tensors
         assert recv.meta is not None
@@ -392,7 +405,9 @@ class Engine:
         assert self.transport is not None and recv.header is not None
         assert recv.header_work is not None
         self.transport.wait(
-            recv.header_work, recv.peer, f"waiting for the output description of {_name(recv.producer)}"
+            recv.header_work,
+            recv.peer,
+            f"waiting for the output description of {_name(recv.producer)}",
         )
         meta = decode_header(recv.header)
         self._seen[(self._sig, self._mode, recv.producer)] = meta

@@ -33,8 +33,7 @@ def split(batch: Any, parts: int, what: str) -> list[Any]:
         )
     leaves, spec = pytree.tree_flatten(batch)
     pieces = [
-        torch.tensor_split(x, parts) if isinstance(x, torch.Tensor) else [x] * parts
-        for x in leaves
+        torch.tensor_split(x, parts) if isinstance(x, torch.Tensor) else [x] * parts for x in leaves
     ]
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
 
@@ -44,7 +43,8 @@ def merge(outputs: list[Any]) -> Any:
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     leaves = [
-        torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor)
+        torch.cat([f[0][i] for f in flat])
+        if isinstance(flat[0][0][i], torch.Tensor)
         else flat[0][0][i]
         for i in range(len(flat[0][0]))
     ]

@@ -8,6 +8,7 @@ from conveyor.schedules.core import (
     F,
     Schedule,
     W,
+    check_sizes,
     dependencies,
     execution_order,
     loop_placement,
@@ -15,17 +16,32 @@ from conveyor.schedules.core import (
     v_placement,
     validate,
 )
+from conveyor.schedules.gpipe import gpipe
+from conveyor.schedules.interleaved import interleaved_1f1b
+from conveyor.schedules.one_f_one_b import one_f_one_b
+from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
+from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
 
 __all__ = [
+    "SCHEDULE_NAMES",
     "Action",
     "B",
     "F",
     "Schedule",
     "W",
+    "check_sizes",
     "dependencies",
     "execution_order",
+    "from_table",
+    "get_schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "load_schedule",
     "loop_placement",
     "make_schedule",
+    "one_f_one_b",
+    "save_schedule",
+    "to_table",
     "v_placement",
     "validate",
 ]

@@ -219,7 +219,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
                         + ", ".join(f"{d} on rank {schedule.placement[d.stage]}" for d in missing)
                     )
             raise ScheduleError(
-                f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck)
+                f"schedule {schedule.name!r} deadlocks: "
+                + "; ".join(stuck)
                 + "; reorder the actions so every wait is on work that can finish first"
             )
     return order

@@ -66,10 +66,11 @@ def _list_scheduled_programs(ranks: int, microbatches: int, chunks: int) -> list
 
     Megatron's fixed warm-up count can deadlock when ``ranks`` does not divide
     ``microbatches`` (forwards of later chunks arrive at other times than the count
-    assumes), so here each rank runs in ideal time with unit costs: forwards in Megatron's order until its first
-    backward is ready, then alternating backward / forward, taking the other kind when the
-    preferred one is not ready yet. When ``ranks`` divides ``microbatches`` this yields the
-    same warm-up counts as Megatron. The result is a real execution, so it cannot deadlock.
+    assumes). Here each rank runs in ideal time with unit costs: forwards in Megatron's
+    order until its first backward is ready, then alternating backward / forward, taking
+    the other kind when the preferred one is not ready yet. The result is a real
+    execution, so it cannot deadlock; when ``ranks`` divides ``microbatches`` it reaches
+    the same makespan as Megatron's order.
     """
     p, m, v = ranks, microbatches, chunks
     last = p * v - 1

@@ -1,0 +1,153 @@
+"""A schedule as a plain text table that people can read, write and tweak.
+
+Format (``#`` starts a comment line; blank lines are ignored)::
+
+    # conveyor schedule
+    name: 1f1b
+    ranks: 2
+    microbatches: 2
+    placement: 0 1
+    split_backward: false
+    rank 0: F0,0 F0,1 B0,0 B0,1
+    rank 1: F1,0 B1,0 F1,1 B1,1
+
+``placement`` lists the rank of each stage (stage 0 first). Each action is
+``<kind><stage>,<microbatch>`` with kind F, B or W. A rank's program may be split over
+several ``rank N:`` lines; they are joined in order.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules.core import Action, Schedule, validate
+
+_HEADER = "# conveyor schedule"
+_KEYS = ("name", "ranks", "microbatches", "placement", "split_backward")
+_ACTION = re.compile(r"([FBW])(\d+),(\d+)")
+_RANK_LINE = re.compile(r"rank\s+(\d+)\s*:(.*)")
+
+
+def to_table(schedule: Schedule) -> str:
+    """The text table of ``schedule``; :func:`from_table` reads it back unchanged."""
+    lines = [
+        _HEADER,
+        f"name: {schedule.name}",
+        f"ranks: {schedule.ranks}",
+        f"microbatches: {schedule.microbatches}",
+        "placement: " + " ".join(str(r) for r in schedule.placement),
+        f"split_backward: {'true' if schedule.split_backward else 'false'}",
+    ]
+    for rank, program in enumerate(schedule.actions):
+        lines.append(f"rank {rank}: " + " ".join(str(a) for a in program))
+    return "\n".join(lines) + "\n"
+
+
+def _int(value: str, key: str, where: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ScheduleError(f"{where}: {key} must be an integer, got {value!r}") from None
+    if number < 0:
+        raise ScheduleError(f"{where}: {key} must be >= 0, got {number}")
+    return number
+
+
+def _parse_header(key: str, value: str, where: str) -> str | int | bool | tuple[int, ...]:
+    if key == "name":
+        if not value:
+            raise ScheduleError(f"{where}: name is empty; write e.g. 'name: custom'")
+        return value
+    if key in ("ranks", "microbatches"):
+        return _int(value, key, where)
+    if key == "placement":
+        if not value:
+            raise ScheduleError(f"{where}: placement is empty; list the rank of each stage")
+        return tuple(_int(v, "each placement entry", where) for v in value.split())
+    if value.lower() not in ("true", "false"):
+        raise ScheduleError(f"{where}: split_backward must be true or false, got {value!r}")
+    return value.lower() == "true"
+
+
+def _parse_actions(text: str, where: str) -> list[Action]:
+    actions = []
+    for token in text.split():
+        match = _ACTION.fullmatch(token)
+        if match is None:
+            raise ScheduleError(
+                f"{where}: cannot read action {token!r}; write <kind><stage>,<microbatch> "
+                f"with kind F, B or W, e.g. F0,3"
+            )
+        actions.append(Action(match[1], int(match[2]), int(match[3])))
+    return actions
+
+
+def from_table(text: str, source: str = "<table>") -> Schedule:
+    """Parse a table written by :func:`to_table` (or by hand) and validate it.
+
+    Raises :class:`~conveyor.errors.ScheduleError` naming ``source`` and the line at
+    fault, or the rank and action at fault when the schedule itself is invalid.
+    """
+    header: dict[str, str | int | bool | tuple[int, ...]] = {}
+    programs: dict[int, list[Action]] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        where = f"{source} line {number}"
+        if not line or line.startswith("#"):
+            continue
+        rank_match = _RANK_LINE.fullmatch(line)
+        if rank_match is not None:
+            rank = int(rank_match[1])
+            ranks = header.get("ranks")
+            if not isinstance(ranks, int):
+                raise ScheduleError(f"{where}: 'ranks: N' must come before the rank lines")
+            if rank >= ranks:
+                raise ScheduleError(f"{where}: rank {rank} is out of range 0..{ranks - 1}")
+            programs.setdefault(rank, []).extend(_parse_actions(rank_match[2], where))
+            continue
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if not sep or key not in _KEYS:
+            raise ScheduleError(
+                f"{where}: cannot read {line!r}; expected 'KEY: VALUE' with KEY one of "
+                f"{', '.join(_KEYS)}, or 'rank N: ACTIONS'"
+            )
+        if key in header:
+            raise ScheduleError(f"{where}: {key} is given twice; keep one")
+        header[key] = _parse_header(key, value.strip(), where)
+    for key in ("ranks", "microbatches", "placement"):
+        if key not in header:
+            raise ScheduleError(f"{source}: the '{key}:' line is missing")
+    ranks, microbatches, placement = header["ranks"], header["microbatches"], header["placement"]
+    assert isinstance(ranks, int) and isinstance(microbatches, int)
+    assert isinstance(placement, tuple)
+    for rank in range(ranks):
+        if rank not in programs:
+            raise ScheduleError(f"{source}: no line for rank {rank}; add 'rank {rank}: ...'")
+    name = header.get("name", "custom")
+    split = header.get("split_backward", False)
+    assert isinstance(name, str) and isinstance(split, bool)
+    return validate(
+        Schedule(
+            name=name,
+            ranks=ranks,
+            microbatches=microbatches,
+            placement=placement,
+            actions=tuple(tuple(programs[r]) for r in range(ranks)),
+            split_backward=split,
+        )
+    )
+
+
+def save_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
+    """Write ``schedule`` to ``path`` as a text table."""
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(to_table(schedule))
+
+
+def load_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read and validate a schedule table from ``path``."""
+    with open(path, encoding="utf-8") as file:
+        return from_table(file.read(), source=os.fspath(path))

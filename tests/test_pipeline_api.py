@@ -1,0 +1,106 @@
+"""The rest of the Pipeline contract: eval, predict, state dicts, names, inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.schedules import from_table, to_table
+from tests import distributed
+from tests.models import batch, mlp
+
+
+def _mse(out: Any, y: Any) -> Any:
+    return nn.functional.mse_loss(out, y)
+
+
+def _api(rank: int, pp: int) -> dict[str, Any]:
+    ctx = conveyor.init(pp=pp)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=3, context=ctx)
+    x, y = batch(10)
+    return {
+        "eval": pipe.eval_step(x, y).item(),
+        "predict": pipe.predict(x),
+        "names": [n for n, _ in pipe.named_parameters()],
+        "state": pipe.state_dict(),
+        "grads": [p.grad for p in pipe.parameters()],
+        "stages": len(pipe.stages),
+        "ctx": (ctx.rank, ctx.world_size, ctx.pp_rank, ctx.pp_size, ctx.dp_rank, ctx.dp_size),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_eval_predict_and_state_dict(world: int) -> None:
+    results = [_api(0, 2)] if world == 1 else distributed.run(_api, 2, 2)
+    model = mlp()
+    x, y = batch(10)
+    with torch.no_grad():
+        want_out = model(x)
+    want_loss = _mse(want_out, y).item()
+    names: list[str] = []
+    for rank, r in enumerate(results):
+        assert r["eval"] == pytest.approx(want_loss, rel=1e-6)
+        assert all(g is None for g in r["grads"])  # eval and predict leave no gradients
+        names += r["names"]
+        for k, v in r["state"].items():
+            assert torch.equal(v, model.state_dict()[k])
+        if world == 2:
+            assert r["ctx"] == (rank, 2, rank, 2, 0, 1)
+    last = results[-1]["predict"]
+    assert torch.allclose(last, want_out, rtol=1e-6, atol=1e-7)
+    if world == 2:
+        assert results[0]["predict"] is None
+        assert [r["stages"] for r in results] == [1, 1]
+    else:
+        assert results[0]["ctx"] == (0, 1, 0, 2, 0, 1)
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_load_state_dict_takes_this_ranks_part() -> None:
+    pipe = conveyor.Pipeline(mlp(seed=0), loss_fn=_mse, microbatches=2,
+                             context=conveyor.init(pp=2))
+    other = mlp(seed=5)
+    pipe.load_state_dict(other.state_dict())
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p, other.state_dict()[name])
+    with pytest.raises(conveyor.ConfigError, match="state dict lacks"):
+        pipe.load_state_dict({"0.weight": other[0].weight})
+
+
+class TwoInputs(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + 2 * b
+
+
+def test_tuple_and_dict_inputs_are_unpacked_like_a_model_call() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(TwoInputs(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    y = torch.randn(6, 4)
+    want = _mse(model[1:](model[0](a, b)), y)
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    pipe = conveyor.Pipeline(model, loss_fn=_mse, microbatches=3, balance=[2, 2],
+                             context=conveyor.init(pp=2))
+    assert pipe.train_step((a, b), y).item() == pytest.approx(want.item(), rel=1e-6)
+    for n, p in pipe.named_parameters():
+        assert torch.allclose(p.grad, want_grads[n], rtol=1e-5, atol=1e-7)
+    got = pipe.eval_step({"a": a, "b": b}, y)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_hand_edited_schedule_drives_the_pipeline() -> None:
+    ctx = conveyor.init(pp=2)
+    base = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule="gpipe", context=ctx)
+    text = to_table(base.schedule)
+    sched = from_table(text)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule=sched, context=ctx)
+    x, y = batch(4)
+    assert pipe.train_step(x, y).item() == pytest.approx(base.train_step(x, y).item())
+    with pytest.raises(conveyor.ConfigError, match="is for 2 ranks and 2 micro-batches"):
+        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=4, schedule=sched, context=ctx)
