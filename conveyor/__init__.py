@@ -1,11 +1,19 @@
-"""conveyor: pipeline-parallel training for PyTorch."""
+"""conveyor: pipeline-parallel training for PyTorch.
+
+Names that need torch are imported on first use, so the pure-Python parts (schedules,
+simulator, ``conveyor simulate``) start without loading torch.
+"""
 
 from __future__ import annotations
 
-from conveyor.context import Context, init
+from typing import TYPE_CHECKING, Any
+
 from conveyor.errors import ConfigError, ConveyorError, PipelineError, ScheduleError
-from conveyor.partition import balance
-from conveyor.pipeline import Pipeline
+from conveyor.partition.balance import balance
+
+if TYPE_CHECKING:
+    from conveyor.context import Context, init
+    from conveyor.pipeline import Pipeline
 
 __all__ = [
     "ConfigError",
@@ -18,3 +26,13 @@ __all__ = [
     "init",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"Context": "conveyor.context", "init": "conveyor.context", "Pipeline": "conveyor.pipeline"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

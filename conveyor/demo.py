@@ -19,10 +19,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+Timing = tuple[int, str, int, int, float, float]
+T = TypeVar("T")
 
 MIN_ACCURACY = 0.9
 # Schedules whose every rank holds 2 stages (interleaved or V placement).
@@ -83,22 +88,31 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _gather(value: object) -> list[object]:
+def _gather(value: T) -> list[T]:
     """Every rank's ``value``, on every rank (just ``[value]`` in a world of one)."""
     if not dist.is_initialized():
         return [value]
-    out: list[object] = [None] * dist.get_world_size()
+    out: list[T] = [value] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
 
 
-def _action_means(timings: list[list[tuple[int, str, int, int, float, float]]]) -> dict[str, float]:
-    """Mean duration of each action kind (F, B, W) over the given steps' timings."""
-    durations: dict[str, list[float]] = {}
-    for step in timings:
-        for _, kind, _, _, start, end in step:
-            durations.setdefault(kind, []).append(end - start)
-    return {kind: statistics.fmean(d) for kind, d in durations.items()}
+def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, float, float]]:
+    """Per stage, the mean duration of its F, B and W actions in ``timings`` (0 if none).
+
+    The result is the per-stage cost list :func:`conveyor.simulate.simulate` takes, so a
+    real run can be replayed in simulated time.
+    """
+    sums = [[0.0, 0.0, 0.0] for _ in range(stages)]
+    counts = [[0, 0, 0] for _ in range(stages)]
+    for _, kind, stage, _, start, end in timings:
+        k = "FBW".index(kind)
+        sums[stage][k] += end - start
+        counts[stage][k] += 1
+    return [
+        (s[0] / max(c[0], 1), s[1] / max(c[1], 1), s[2] / max(c[2], 1))
+        for s, c in zip(sums, counts, strict=True)
+    ]
 
 
 def train(args: argparse.Namespace) -> int:
@@ -131,7 +145,7 @@ def train(args: argparse.Namespace) -> int:
     measure_from = max(0, total - 10)  # bubble and action costs: median of the last steps
     step_times: list[float] = []
     bubbles: list[float] = []
-    timings: list[list[tuple[int, str, int, int, float, float]]] = []
+    timings: list[Timing] = []
     bar = tqdm(total=total, desc="train", unit="step", disable=ctx.rank != 0)
     step = 0
     for _ in range(args.epochs):
@@ -144,7 +158,7 @@ def train(args: argparse.Namespace) -> int:
             opt.zero_grad()
             step_times.append(time.perf_counter() - t0)
             if step >= measure_from:
-                timings.append(pipe.last_step_timings())
+                timings += pipe.last_step_timings()
                 bubbles.append(pipe.measured_bubble())
             step += 1
             bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
@@ -156,16 +170,11 @@ def train(args: argparse.Namespace) -> int:
     if out is not None:
         accuracy = (out.argmax(dim=1) == y_test).float().mean().item()
     accuracy = next(a for a in _gather(accuracy) if a is not None)
-    assert isinstance(accuracy, float)
 
-    # Mean action costs over all ranks; with chunks, one rank's share is chunks stages.
-    means = _gather(_action_means(timings))
-    cost = [
-        chunks * statistics.fmean(float(m[k]) for m in means if isinstance(m, dict) and k in m)
-        if any(isinstance(m, dict) and k in m for m in means) else 0.0
-        for k in ("F", "B", "W")
-    ]
-    simulated = simulate(pipe.schedule, cost=(cost[0], cost[1], cost[2]), comm=0.0)
+    # Replay the schedule in simulated time with each stage's measured action costs.
+    everyone = [t for part in _gather(timings) for t in part]
+    costs = measured_costs(everyone, pipe.schedule.stages)
+    simulated = simulate(pipe.schedule, cost=costs, comm=0.0)
     if ctx.rank == 0:
         warm = step_times[3:] or step_times
         print(
@@ -178,12 +187,15 @@ def train(args: argparse.Namespace) -> int:
         )
         print(
             f"bubble: measured {statistics.median(bubbles):.3f}, simulated "
-            f"{simulated.bubble:.3f} (F={cost[0] * 1e3:.3f} ms, B={cost[1] * 1e3:.3f} ms"
-            + (f", W={cost[2] * 1e3:.3f} ms" if cost[2] else "")
-            + " per micro-batch per process)"
+            f"{simulated.bubble:.3f} from the measured costs per stage, "
+            + ("F/B/W" if pipe.schedule.split_backward else "F/B") + " ms: "
+            + ", ".join(
+                "/".join(f"{c * 1e3:.2f}" for c in cost[: 3 if pipe.schedule.split_backward else 2])
+                for cost in costs
+            )
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        if accuracy < MIN_ACCURACY:
+            print(f"FAILED: held-out accuracy below {MIN_ACCURACY:.0%}; train longer (--epochs)")
     return 0 if accuracy >= MIN_ACCURACY else 1
 
 
@@ -195,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         from conveyor.launch import main as launch
 
         return launch(["--nproc-per-node", str(args.nproc), "-m", "conveyor.demo", *argv])
-    return train(args)
+    code = train(args)
+    # After train() has returned, so the pipeline's pending work is gone before its group.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

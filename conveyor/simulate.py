@@ -31,7 +31,15 @@ class Event(NamedTuple):
 
 @dataclass(frozen=True)
 class SimResult:
-    """What :func:`simulate` found. ``events`` are grouped by rank, in program order."""
+    """What :func:`simulate` found.
+
+    ``events``: grouped by rank, in program order. ``makespan``: first start to last end
+    over all ranks. ``span``: the largest, over ranks, of that rank's last end minus its
+    first start. ``bubble``: the idle share of all ranks over the makespan,
+    1 - (busy time of all ranks) / (ranks x makespan), which is 1 - M(F+B+W)/makespan for
+    per-rank costs and stays meaningful for per-stage costs. ``peak_activations``: see
+    :func:`peak_activations`.
+    """
 
     schedule: Schedule
     cost: Cost | tuple[Cost, ...]
@@ -185,12 +193,9 @@ def _label(action: Action, schedule: Schedule) -> str:
 
 
 def _box(action: Action, schedule: Schedule, cells: int) -> str:
-    """The text of one action's box: the longest label that fits with a gap after it,
-    else the kind letter repeated."""
-    for label in (_label(action, schedule), f"{action.kind}{action.microbatch}"):
-        if len(label) < cells:
-            return label.ljust(cells)
-    return action.kind * cells
+    """One action's box: its label and a gap when they fit, else its kind letter."""
+    label = _label(action, schedule)
+    return label.ljust(cells) if len(label) < cells else action.kind * cells
 
 
 def ascii_timeline(result: SimResult, width: int = 120) -> str:

@@ -60,7 +60,8 @@ def test_split_keeps_original_names_and_order() -> None:
 
 
 def test_default_split_balances_parameter_counts() -> None:
-    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 100), nn.Linear(100, 1))
+    widths = [(10, 10), (10, 10), (10, 100), (100, 1)]
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in widths))
     stages = split_sequential(model, 2)
     assert [len(s) for s in stages] == [2, 2]  # 220 | 1201 beats 110 | 1311 and 1320 | 101
 

@@ -69,8 +69,9 @@ def _list_scheduled_programs(ranks: int, microbatches: int, chunks: int) -> list
     assumes). Here each rank runs in ideal time with unit costs: forwards in Megatron's
     order until its first backward is ready, then alternating backward / forward, taking
     the other kind when the preferred one is not ready yet. The result is a real
-    execution, so it cannot deadlock; when ``ranks`` divides ``microbatches`` it reaches
-    the same makespan as Megatron's order.
+    execution, so it cannot deadlock. With the remainder in the first group
+    (:func:`microbatch_groups`) it reaches Megatron's makespan m(F+B) + (p-1)(F+B)/v for
+    every m >= p (tests/test_simulate.py checks this for several F:B ratios).
     """
     p, m, v = ranks, microbatches, chunks
     last = p * v - 1
