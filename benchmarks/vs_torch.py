@@ -12,7 +12,7 @@ while rank 1 waits idle in a barrier.
 
 Prints a markdown table: median step time of each library, their ratio, conveyor's
 speed-up over one process, and the ideal speed-up p * (1 - bubble), with the bubble
-simulated by ``conveyor.simulate`` from the forward/backward costs conveyor measured.
+simulated by ``conveyor.simulate`` from each stage's action times conveyor measured.
 To add a schedule (e.g. a zero-bubble one), add a row to ``ROWS``.
 """
 
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
+from conveyor.demo import Timing, measured_costs
 from conveyor.launch import main as launch
 from conveyor.simulate import simulate
 
@@ -82,8 +83,11 @@ def single_process(x: Tensor, y: Tensor) -> Step:
     return step
 
 
-def conveyor_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, conveyor.Pipeline]:
-    """One conveyor training step for ``row``, and the Pipeline (for its schedule and timings)."""
+def conveyor_step(
+    row: Row, x: Tensor, y: Tensor, timings: list[Timing]
+) -> tuple[Step, conveyor.Pipeline]:
+    """One conveyor training step for ``row`` that adds its action timings to ``timings``,
+    and the Pipeline."""
     stages = PROCS * row.chunks
     pipe = conveyor.Pipeline(
         build_model(),
@@ -99,12 +103,16 @@ def conveyor_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, conveyor.Pipeli
         pipe.train_step(x, y)
         opt.step()
         opt.zero_grad()
+        timings.extend(pipe.last_step_timings())
 
     return step, pipe
 
 
-def torch_step(row: Row, placement: tuple[int, ...], x: Tensor, y: Tensor) -> Step:
-    """One ``torch.distributed.pipelining`` training step on the same stages as conveyor."""
+def torch_step(
+    row: Row, placement: tuple[int, ...], x: Tensor, y: Tensor
+) -> tuple[Step, nn.Module]:
+    """One ``torch.distributed.pipelining`` training step on the same stages as conveyor,
+    and the model whose slices it trains."""
     from torch.distributed import pipelining
 
     assert row.torch_schedule is not None
@@ -128,7 +136,7 @@ def torch_step(row: Row, placement: tuple[int, ...], x: Tensor, y: Tensor) -> St
         opt.step()
         opt.zero_grad()
 
-    return step
+    return step, model
 
 
 def timed(step: Step, steps: int, warmup: int, sync: bool = True) -> list[float]:
@@ -147,20 +155,12 @@ def timed(step: Step, steps: int, warmup: int, sync: bool = True) -> list[float]
     return times
 
 
-def simulated_bubble(pipe: conveyor.Pipeline, chunks: int) -> float:
-    """Bubble of ``pipe``'s schedule simulated with the action costs of its last step."""
-    durations: dict[str, list[float]] = {}
-    for _, kind, _, _, start, end in pipe.last_step_timings():
-        durations.setdefault(kind, []).append(end - start)
-    means: list[dict[str, float]] = [{}] * PROCS
-    dist.all_gather_object(means, {k: statistics.fmean(d) for k, d in durations.items()})
-    # Costs are one rank's whole share per micro-batch: a chunk's cost times chunks.
-    cost = [
-        chunks * statistics.fmean(m[k] for m in means if k in m)
-        if any(k in m for m in means) else 0.0
-        for k in ("F", "B", "W")
-    ]
-    return float(simulate(pipe.schedule, cost=(cost[0], cost[1], cost[2]), comm=0.0).bubble)
+def stage_costs(timings: list[Timing], stages: int) -> list[tuple[float, float, float]]:
+    """Each stage's mean F, B, W action times (seconds) over this and the other ranks'
+    ``timings``."""
+    parts: list[list[Timing]] = [[] for _ in range(PROCS)]
+    dist.all_gather_object(parts, timings)
+    return measured_costs([t for part in parts for t in part], stages)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -173,11 +173,21 @@ def worker(args: argparse.Namespace) -> None:
 
     runs: dict[tuple[str, str], Step] = {}
     pipes: dict[str, conveyor.Pipeline] = {}
+    timings: dict[str, list[Timing]] = {row.schedule: [] for row in ROWS}
+    mismatch = 0.0  # largest weight difference after one step of each library
     for row in ROWS:
-        runs[("conveyor", row.schedule)], pipes[row.schedule] = conveyor_step(row, x, y)
+        runs[("conveyor", row.schedule)], pipe = conveyor_step(row, x, y, timings[row.schedule])
+        pipes[row.schedule] = pipe
         if row.torch_schedule is not None:
-            placement = pipes[row.schedule].schedule.placement
-            runs[("torch", row.schedule)] = torch_step(row, placement, x, y)
+            step, model = torch_step(row, pipe.schedule.placement, x, y)
+            runs[("torch", row.schedule)] = step
+            runs[("conveyor", row.schedule)]()
+            step()
+            torch_params = dict(model.named_parameters())
+            for name, p in pipe.named_parameters():
+                mismatch = max(mismatch, (p - torch_params[name]).abs().max().item())
+    mismatches: list[float] = [0.0] * PROCS
+    dist.all_gather_object(mismatches, mismatch)
     baseline = single_process(x, y) if rank == 0 else None
 
     times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
@@ -190,14 +200,22 @@ def worker(args: argparse.Namespace) -> None:
         keys = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for key in keys:
             times[key] += timed(runs[key], args.steps, args.warmup)
-    bubbles = {row.schedule: simulated_bubble(pipes[row.schedule], row.chunks) for row in ROWS}
+    # Replay each schedule in simulated time with the stage costs conveyor measured.
+    costs = {
+        name: stage_costs(timings[name], pipes[name].schedule.stages) for name in pipes
+    }
+    bubbles = {
+        name: simulate(pipes[name].schedule, cost=cost, comm=0.0).bubble
+        for name, cost in costs.items()
+    }
     if rank != 0:
         return
 
     base = statistics.median(one_process)
     print(f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
           f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
-          f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step\n")
+          f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step; after one step, "
+          f"conveyor's and torch's weights differ by at most {max(mismatches):.1e}\n")
     print("| schedule | conveyor ms | torch ms | conveyor/torch | speed-up vs 1 process "
           "| ideal speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -221,13 +239,15 @@ def worker(args: argparse.Namespace) -> None:
             "speedup": base / ours,
             "ideal_speedup": PROCS * (1 - bubble),
             "simulated_bubble": bubble,
+            "stage_costs_ms": [[c * 1e3 for c in cost] for cost in costs[row.schedule]],
         })
     if args.json:
         report = {
             "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU", "batch": BATCH,
             "microbatches": MICROBATCHES, "processes": PROCS, "threads": 1,
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-            "torch": torch.__version__, "one_process_ms": base * 1e3, "rows": results,
+            "torch": torch.__version__, "one_process_ms": base * 1e3,
+            "max_weight_difference_after_one_step": max(mismatches), "rows": results,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

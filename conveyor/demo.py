@@ -182,7 +182,7 @@ def train(args: argparse.Namespace) -> int:
         )
         print(
             f"median step: {statistics.median(warm) * 1e3:.2f} ms "
-            f"({args.schedule}, {stages} stages on {ctx.pp_size} processes, "
+            f"({args.schedule}, {stages} stage(s) on {ctx.pp_size} process(es), "
             f"{args.microbatches} micro-batches of {args.batch_size // args.microbatches})"
         )
         print(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import conveyor.launch
+from conveyor.demo import measured_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +94,7 @@ def test_demo_trains_two_stages_end_to_end() -> None:
     accuracy = re.search(r"held-out accuracy: ([\d.]+)% \((\d+)/450\)", proc.stdout)
     assert accuracy is not None, proc.stdout
     assert float(accuracy.group(1)) >= 90.0
-    step = re.search(r"median step: ([\d.]+) ms \(1f1b, 2 stages on 2 processes", proc.stdout)
+    step = re.search(r"median step: ([\d.]+) ms \(1f1b, 2 stage\(s\) on 2 process", proc.stdout)
     assert step is not None and float(step.group(1)) > 0
     bubble = re.search(r"bubble: measured ([\d.]+), simulated ([\d.]+)", proc.stdout)
     assert bubble is not None
@@ -112,3 +113,11 @@ def test_demo_fails_when_accuracy_is_low() -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     accuracy = re.search(r"held-out accuracy: ([\d.]+)%", proc.stdout)
     assert accuracy is not None and float(accuracy.group(1)) < 90.0
+
+
+def test_measured_costs_are_per_stage_means() -> None:
+    timings = [
+        (0, "F", 0, 0, 0.0, 1.0), (0, "F", 0, 1, 1.0, 4.0), (1, "F", 1, 0, 1.0, 3.0),
+        (1, "B", 1, 0, 3.0, 7.0), (0, "B", 0, 0, 7.0, 9.0), (0, "W", 0, 0, 9.0, 9.5),
+    ]
+    assert measured_costs(timings, 3) == [(2.0, 2.0, 0.5), (2.0, 4.0, 0.0), (0.0, 0.0, 0.0)]

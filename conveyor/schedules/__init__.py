@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from conveyor.schedules.auto import zero_bubble_auto
 from conveyor.schedules.core import (
     Action,
     B,
@@ -16,11 +17,15 @@ from conveyor.schedules.core import (
     v_placement,
     validate,
 )
+from conveyor.schedules.dualpipev import dualpipev
 from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
+from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
+from conveyor.schedules.zbv import zbv
+from conveyor.schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = [
     "SCHEDULE_NAMES",
@@ -31,6 +36,7 @@ __all__ = [
     "W",
     "check_sizes",
     "dependencies",
+    "dualpipev",
     "execution_order",
     "from_table",
     "get_schedule",
@@ -38,10 +44,15 @@ __all__ = [
     "interleaved_1f1b",
     "load_schedule",
     "loop_placement",
+    "looped_bfs",
     "make_schedule",
     "one_f_one_b",
     "save_schedule",
     "to_table",
     "v_placement",
     "validate",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+    "zero_bubble_auto",
 ]

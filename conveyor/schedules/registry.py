@@ -6,10 +6,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
+from conveyor.schedules.auto import zero_bubble_auto
 from conveyor.schedules.core import Schedule, check_sizes, validate
+from conveyor.schedules.dualpipev import dualpipev
 from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
+from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
+from conveyor.schedules.zbv import zbv
+from conveyor.schedules.zero_bubble import zb_h1, zb_h2
+
+_ONE_CHUNK_HINT = "use 'zbv' or 'dualpipev' for two chunks per rank"
+_V_HINT = "pass chunks=2 (rank r holds stages r and 2*ranks-1-r)"
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,14 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         hint="use 'interleaved-1f1b' for several chunks per rank",
     ),
     "interleaved-1f1b": ScheduleSpec(interleaved_1f1b),
+    "looped-bfs": ScheduleSpec(looped_bfs),
+    "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
+    "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
+    "zbv": ScheduleSpec(lambda p, m, v: zbv(p, m), chunks=2, hint=_V_HINT),
+    "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), chunks=2, hint=_V_HINT),
+    # Unit costs and a cap of p micro-batches; the planner calls zero_bubble_auto with
+    # measured costs.
+    "zb-auto": ScheduleSpec(lambda p, m, v: zero_bubble_auto(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
 }
 
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_REGISTRY)

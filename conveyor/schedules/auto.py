@@ -1,0 +1,95 @@
+"""Memory-bounded zero-bubble scheduling fitted to measured costs (the paper's auto idea).
+
+:func:`zero_bubble_auto` runs the greedy B > F > W list scheduler
+(:func:`~conveyor.schedules.greedy.greedy_programs`) with the real per-stage costs under
+a memory cap, in a few variants (W only where it fits the gap or wherever a rank would
+idle; with or without 1F1B's / ZB-H2's limit on forwards ahead of backwards), simulates
+them beside ZB-H1 and ZB-H2 (where their memory fits the cap) and keeps the fastest.
+Keeping ZB-H1 among the candidates makes the result never slower than ZB-H1 at a cap of
+``ranks`` micro-batches; the greedy variants win where stage costs are uneven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import cast
+
+from conveyor.errors import ConfigError
+from conveyor.schedules.core import Schedule, check_sizes, loop_placement
+from conveyor.schedules.greedy import FILLS, StageCost, greedy_programs
+from conveyor.schedules.zero_bubble import zb_h1, zb_h2
+
+CostSpec = Sequence[float] | Sequence[Sequence[float]]
+
+
+def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
+    if memory_limit is None:
+        return ranks
+    if (
+        isinstance(memory_limit, bool)
+        or not isinstance(memory_limit, int | float)
+        or not memory_limit >= 1  # also rejects NaN
+    ):
+        raise ConfigError(
+            f"memory_limit must be a number of micro-batches >= 1, got {memory_limit!r}"
+        )
+    return int(min(memory_limit, microbatches))  # no rank can hold more than m
+
+
+def zero_bubble_auto(
+    ranks: int,
+    microbatches: int,
+    cost: CostSpec = (1.0, 1.0, 1.0),
+    memory_limit: float | None = None,
+    comm: float = 0.0,
+) -> Schedule:
+    """A split-backward schedule fitted to ``cost`` that holds at most ``memory_limit``.
+
+    ``cost``: (F, B, W) of one rank's stage, or one (F, B, W) per stage (``ranks`` of
+    them; one stage per rank). ``memory_limit``: the most micro-batch activations any
+    rank may hold (default ``ranks``, 1F1B's peak; whole micro-batches count). ``comm``:
+    latency of one transfer between ranks. Returns the candidate with the smallest
+    simulated makespan, then the smallest peak; named ``zb-auto``. Raises
+    :class:`ConfigError` for bad sizes, costs or a limit below 1.
+    """
+    # Imported here: conveyor.simulate imports this package.
+    from conveyor.simulate import is_per_stage, normalize_cost, peak_activations, simulate
+
+    check_sizes(ranks, microbatches)
+    cap = _memory_cap(ranks, microbatches, memory_limit)
+    h1 = zb_h1(ranks, microbatches)
+    normalized = normalize_cost(h1, cost)
+    if is_per_stage(normalized):
+        durations = list(normalized)
+    else:
+        durations = [cast(StageCost, normalized)] * ranks
+    placement = loop_placement(ranks, 1)
+    candidates = [h1, zb_h2(ranks, microbatches)]
+    one_f_one_b = [ranks - r for r in range(ranks)]
+    h2_warmup = [2 * (ranks - r) - 1 for r in range(ranks)]
+    for fill in FILLS:
+        for inflight in (None, one_f_one_b, h2_warmup):
+            programs = greedy_programs(
+                placement, microbatches, durations, [cap] * ranks, inflight, comm, fill
+            )
+            candidates.append(
+                Schedule(
+                    name="zb-auto",
+                    ranks=ranks,
+                    microbatches=microbatches,
+                    placement=placement,
+                    actions=tuple(tuple(program) for program in programs),
+                    split_backward=True,
+                )
+            )
+    best: tuple[float, float, int] | None = None
+    chosen = h1
+    for index, candidate in enumerate(candidates):
+        peak = max(peak_activations(candidate))
+        if peak > cap:
+            continue
+        key = (simulate(candidate, durations, comm).makespan, peak, index)
+        if best is None or key < best:
+            best, chosen = key, candidate
+    return dataclasses.replace(chosen, name="zb-auto")
