@@ -10,9 +10,24 @@ import conveyor
 from tests import distributed
 from tests.models import assert_close, batch, merge, mlp, pipelined, reference
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
-# (micro-batches, batch sizes per step): an even split, and uneven ones that change size.
-SPLITS = [(4, [16, 16, 16]), (3, [10, 7, 11])]
+# (schedule, chunks, micro-batches, batch size of each step): even splits, uneven ones,
+# batch sizes that change between steps, and fewer micro-batches than ranks.
+CONFIGS = [
+    ("gpipe", 1, 4, [16, 16, 16]),
+    ("gpipe", 1, 3, [10, 7, 11]),
+    ("1f1b", 1, 4, [16, 16, 16]),
+    ("1f1b", 1, 3, [10, 7, 11]),
+    ("interleaved-1f1b", 2, 4, [16, 16, 16]),
+    ("interleaved-1f1b", 2, 3, [10, 7, 11]),
+    ("looped-bfs", 2, 3, [10, 7, 11]),
+    ("zb-h1", 1, 4, [16, 16, 16]),
+    ("zb-h1", 1, 3, [10, 7, 11]),
+    ("zb-h2", 1, 5, [10, 7, 11]),
+    ("zbv", 2, 4, [16, 16, 16]),
+    ("zbv", 2, 3, [10, 7, 11]),
+    ("dualpipev", 2, 7, [14, 9, 15]),
+    ("zb-auto", 1, 5, [10, 7, 11]),
+]
 
 
 def _steps(sizes: list[int]) -> list[Any]:
@@ -23,12 +38,11 @@ def _run_all(rank: int, pp: int) -> dict[tuple[str, int, int], Any]:
     """Every schedule and split on this process; returns results keyed by config."""
     ctx = conveyor.init(pp=pp)
     out = {}
-    for name, chunks in SCHEDULES:
-        for m, sizes in SPLITS:
-            pipe = conveyor.Pipeline(
-                mlp(), loss_fn=_mse, microbatches=m, schedule=name, chunks=chunks, context=ctx
-            )
-            out[(name, chunks, m)] = pipelined(pipe, _steps(sizes))
+    for name, chunks, m, sizes in CONFIGS:
+        pipe = conveyor.Pipeline(
+            mlp(), loss_fn=_mse, microbatches=m, schedule=name, chunks=chunks, context=ctx
+        )
+        out[(name, chunks, m)] = pipelined(pipe, _steps(sizes))
     return out
 
 
@@ -39,15 +53,14 @@ def _mse(out: Any, target: Any) -> Any:
 
 
 def _check(results: list[dict[tuple[str, int, int], Any]]) -> None:
-    for name, chunks in SCHEDULES:
-        for m, sizes in SPLITS:
-            want_losses, want_grads, want_params = reference(mlp(), _steps(sizes))
-            per_rank = [r[(name, chunks, m)] for r in results]
-            what = f"{name} chunks={chunks} m={m}"
-            for losses, _, _ in per_rank:
-                assert losses == pytest.approx(want_losses, rel=1e-5), what
-            assert_close(merge([g for _, g, _ in per_rank]), want_grads, what + " grads")
-            assert_close(merge([p for _, _, p in per_rank]), want_params, what + " params")
+    for name, chunks, m, sizes in CONFIGS:
+        want_losses, want_grads, want_params = reference(mlp(), _steps(sizes))
+        per_rank = [r[(name, chunks, m)] for r in results]
+        what = f"{name} chunks={chunks} m={m}"
+        for losses, _, _ in per_rank:
+            assert losses == pytest.approx(want_losses, rel=1e-5), what
+        assert_close(merge([g for _, g, _ in per_rank]), want_grads, what + " grads")
+        assert_close(merge([p for _, _, p in per_rank]), want_params, what + " params")
 
 
 def test_single_process_world_runs_every_schedule() -> None:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
+from conveyor.runtime.split_backward import WeightWork, backward_input
 from conveyor.runtime.transport import Transport, Work
 from conveyor.runtime.wire import (
     HEADER_BYTES,
@@ -96,6 +97,9 @@ class Engine:
             if ctx.distributed
             else None
         )
+        self._params = {
+            s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
+        }
         self._plans: dict[bool, _Plan] = {}
         self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
         self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
@@ -178,6 +182,7 @@ class Engine:
         self._saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._recvs: dict[Action, _Recv] = {}
         self._cursor = dict.fromkeys(plan.incoming, 0)
+        self._weights_pending: dict[tuple[int, int], WeightWork] = {}
         self._outputs: dict[int, Any] = {}
         self._loss: torch.Tensor | None = None
         timings: list[Timing] = []
@@ -190,8 +195,10 @@ class Engine:
                 self._start = clock()  # moved past any wait for inputs by _take
                 if action.kind == F:
                     self._forward(action)
-                else:
+                elif action.kind == B:
                     self._backward(action)
+                else:
+                    self._weights_pending.pop((action.stage, action.microbatch)).run()
                 timings.append(
                     (rank, action.kind, action.stage, action.microbatch, self._start - t0,
                      clock() - t0)
@@ -199,8 +206,10 @@ class Engine:
         if self.transport is not None:
             self.transport.flush()
         self.timings = timings
-        if self._saved:
-            left = ", ".join(f"stage {s} micro-batch {m}" for s, m in self._saved)
+        if self._saved or self._weights_pending:
+            left = ", ".join(
+                f"stage {s} micro-batch {m}" for s, m in [*self._saved, *self._weights_pending]
+            )
             raise PipelineError(
                 f"rank {self.rank}: activations never consumed by a backward: {left}"
             )
@@ -265,15 +274,21 @@ class Engine:
 
     def _backward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
+        # Receive first: posting the gradient receive reads the saved outputs' shapes.
+        grads = None if s == self.last else self._take(Action(B, s + 1, m), action)
         in_leaves, outs = self._saved.pop((s, m))
-        if s == self.last:
-            torch.autograd.backward(outs)
+        if self.schedule.split_backward:
+            got, work = backward_input(outs, grads, in_leaves, self._params[s])
+            self._weights_pending[(s, m)] = work
         else:
-            grads = self._take(Action(B, s + 1, m), action)
             if outs:
                 torch.autograd.backward(outs, grads)
+            got = [x.grad for x in in_leaves]
         if s > 0:
-            grads_in = [x.grad if x.grad is not None else torch.zeros_like(x) for x in in_leaves]
+            grads_in = [
+                g if g is not None else torch.zeros_like(x)
+                for g, x in zip(got, in_leaves, strict=True)
+            ]
             self._deliver(action, grads_in)
 
     # ----------------------------------------------------------------- transfers
