@@ -97,7 +97,7 @@ class Engine:
             if ctx.distributed
             else None
         )
-        self._params = {
+        self._params: dict[int, list[torch.Tensor]] = {
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
         self._plans: dict[bool, _Plan] = {}
