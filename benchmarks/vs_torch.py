@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
-from conveyor.demo import Timing, measured_costs
 from conveyor.launch import main as launch
 from conveyor.simulate import simulate
+from conveyor.trace import Timing, measured_costs
 
 LAYERS, WIDTH, BATCH, MICROBATCHES, PROCS = 8, 1024, 64, 8, 2
 

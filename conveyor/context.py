@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -80,6 +82,8 @@ def init(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
+        # torch 2.13's gloo can abort at interpreter exit when the group is never destroyed.
+        atexit.register(_destroy)
     backend = str(dist.get_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
     pp = world // dp if pp is None else pp
@@ -98,6 +102,12 @@ def init(
         device = torch.device("cpu")
     _current = Context(rank, world, rank, pp, 0, dp, device, backend, True, seconds)
     return _current
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def current() -> Context:

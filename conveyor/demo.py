@@ -19,14 +19,14 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-Timing = tuple[int, str, int, int, float, float]
+from conveyor.trace import Timing, measured_costs
+
 T = TypeVar("T")
 
 MIN_ACCURACY = 0.9
@@ -95,24 +95,6 @@ def _gather(value: T) -> list[T]:
     out: list[T] = [value] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, float, float]]:
-    """Per stage, the mean duration of its F, B and W actions in ``timings`` (0 if none).
-
-    The result is the per-stage cost list :func:`conveyor.simulate.simulate` takes, so a
-    real run can be replayed in simulated time.
-    """
-    sums = [[0.0, 0.0, 0.0] for _ in range(stages)]
-    counts = [[0, 0, 0] for _ in range(stages)]
-    for _, kind, stage, _, start, end in timings:
-        k = "FBW".index(kind)
-        sums[stage][k] += end - start
-        counts[stage][k] += 1
-    return [
-        (s[0] / max(c[0], 1), s[1] / max(c[1], 1), s[2] / max(c[2], 1))
-        for s, c in zip(sums, counts, strict=True)
-    ]
 
 
 def train(args: argparse.Namespace) -> int:

@@ -13,9 +13,10 @@ from conveyor.context import Context, current
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition import split_sequential
 from conveyor.runtime import microbatch
-from conveyor.runtime.engine import Engine, LossFn, Mode, Timing
+from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
+from conveyor.trace import Timing
 
 
 class Pipeline:

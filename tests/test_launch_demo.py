@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import conveyor.launch
-from conveyor.demo import measured_costs
+from conveyor.trace import measured_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 

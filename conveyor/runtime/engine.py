@@ -34,10 +34,10 @@ from conveyor.runtime.wire import (
     rebuild,
 )
 from conveyor.schedules import Action, B, F, Schedule, execution_order
+from conveyor.trace import Timing
 
 Mode = Literal["train", "eval", "predict"]
 LossFn = Callable[[Any, Any], torch.Tensor]
-Timing = tuple[int, str, int, int, float, float]
 
 # How many upcoming actions get their receives posted before they run.
 LOOKAHEAD = 3

@@ -1,0 +1,70 @@
+"""Parameters that several ranks hold copies of (tied weights): keep the copies equal."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.context import Context
+
+
+class SharedParameters:
+    """Sums, over the ranks holding a copy, each step's gradient of a shared parameter.
+
+    Every rank builds the same partition, so every rank creates the same process groups in
+    the same order (``new_group`` is collective over the world).
+    """
+
+    def __init__(
+        self,
+        shared: list[tuple[str, list[int]]],
+        placement: tuple[int, ...],
+        local: dict[int, nn.Module],
+        ctx: Context,
+    ) -> None:
+        self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
+        self._before: list[torch.Tensor | None] = []
+        if not ctx.distributed:
+            return  # one process: the stages share the very same Parameter object
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for name, stages in shared:
+            ranks = tuple(sorted({placement[s] for s in stages}))
+            if len(ranks) < 2:
+                continue
+            if ranks not in groups:
+                members = [ctx.global_rank(r) for r in ranks]
+                group = dist.new_group(members)
+                assert group is not None
+                groups[ranks] = group
+            mine = [s for s in stages if s in local]
+            if mine:
+                param = dict(local[mine[0]].named_parameters())[name]
+                self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @torch.no_grad()
+    def make_equal(self) -> None:
+        """Copy each shared parameter from its lowest rank, so the copies start equal."""
+        for param, group, src in self._entries:
+            dist.broadcast(param.data, src, group=group)
+
+    def remember(self) -> None:
+        """Note the gradients before a step (``.grad`` accumulates across steps)."""
+        self._before = [
+            None if p.grad is None else p.grad.detach().clone() for p, _, _ in self._entries
+        ]
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Add the other copies' gradients of this step to each local copy."""
+        for (param, group, _), before in zip(self._entries, self._before, strict=True):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            step = param.grad if before is None else param.grad - before
+            dist.all_reduce(step, group=group)
+            if before is not None:
+                param.grad.copy_(before + step)
+        self._before = []

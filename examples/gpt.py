@@ -1,0 +1,187 @@
+"""A small character-level GPT, its token embedding tied to the output head, trained with
+conveyor on the Python standard library's own source (a corpus every machine has).
+
+    python examples/gpt.py                                   # one process, 2 stages
+    conveyor launch --nproc-per-node 2 examples/gpt.py       # 2 processes
+    conveyor launch --nproc-per-node 4 examples/gpt.py --schedule interleaved-1f1b --chunks 2
+
+Stages are named MindSpore style: ``block.pipeline_stage = k`` on the first block of each
+stage; the embeddings take stage 0 and the final norm and head the last stage, because
+un-annotated modules take the stage of the data they consume. The tied weight lives on the
+first and the last stage; conveyor finds it and keeps both copies equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import conveyor
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        shape = (x.size(0), x.size(1), self.heads, x.size(2) // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(x.shape))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, blocks, final norm, head tied to the token embedding."""
+
+    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: one Parameter used by two modules
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def annotate(model: GPT, stages: int) -> None:
+    """Put the first block of each of ``stages`` even groups on its stage."""
+    depth = len(model.blocks)
+    for s in range(stages):
+        model.blocks[s * depth // stages].pipeline_stage = s  # type: ignore[assignment]
+
+
+def corpus(limit: int) -> str:
+    """Up to ``limit`` characters of the standard library's Python source, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    size = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= limit:
+            break
+    return "".join(parts)[:limit]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position of the micro-batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def sample(
+    pipe: conveyor.Pipeline,
+    ctx: conveyor.Context,
+    prompt: str,
+    lookup: dict[str, int],
+    chars: int,
+    context: int,
+) -> torch.Tensor:
+    """Sample ``chars`` characters after ``prompt``, one sequence per micro-batch (the
+    pipeline needs at least that many rows); every rank ends with the same tokens."""
+    rows = pipe.microbatches
+    idx = torch.tensor([[lookup[c] for c in prompt]] * rows, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(chars):
+        logits = pipe.predict(idx[:, -context:])
+        nxt = torch.zeros(rows, 1, dtype=torch.long)
+        if logits is not None:
+            probs = torch.softmax(logits[:, -1, :], dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+        if ctx.distributed:
+            dist.broadcast(nxt, pipe.schedule.placement[-1])
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
+    )
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
+    ap.add_argument("--sample", type=int, default=200, help="characters to generate")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
+    text = corpus(args.chars)
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    model = GPT(len(vocab), args.context, args.width, args.depth, args.heads)
+    annotate(model, ctx.pp_size * args.chunks)
+    pipe = conveyor.Pipeline(
+        model,
+        loss_fn=lm_loss,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        context=ctx,
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(1)
+    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    say(
+        f"{len(text):,} characters, vocabulary {len(vocab)}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{pipe.schedule.stages} stages on {ctx.pp_size} ranks ({args.schedule})"
+    )
+    start = time.perf_counter()
+    loss = torch.tensor(math.nan)
+    for step in range(1, args.steps + 1):
+        at = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=gen)
+        x = torch.stack([data[i : i + args.context] for i in at.tolist()])
+        y = torch.stack([data[i + 1 : i + args.context + 1] for i in at.tolist()])
+        loss = pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        if step == 1 or step % max(args.steps // 10, 1) == 0:
+            say(
+                f"step {step:4d}  loss {loss.item():.3f}  "
+                f"{(time.perf_counter() - start) / step * 1000:.0f} ms/step"
+            )
+    out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
+    say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
+    return 0 if math.isfinite(loss.item()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""ResNet-50 on CIFAR-10, split the MindSpore way: ``pipeline_stage`` on layer groups.
+
+    python examples/resnet.py --data cifar-10-batches-bin       # one process, 2 stages
+    conveyor launch --nproc-per-node 2 examples/resnet.py --data cifar-10-batches-bin
+    python examples/resnet.py --steps 5                          # no data: random images
+
+``--data`` is the folder of CIFAR-10's binary version (``data_batch_1.bin`` ...
+``test_batch.bin``: records of one label byte and 3072 pixel bytes). Without it the
+example trains on random data of the same shape, which shows the pipeline running but
+learns nothing. ResNet-50 is defined here (there is no torchvision on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import conveyor
+
+MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
+STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+
+
+class Bottleneck(nn.Module):
+    """1x1 -> 3x3 -> 1x1 convolutions with a projection shortcut when the shape changes."""
+
+    expansion = 4
+
+    def __init__(self, inp: int, width: int, stride: int) -> None:
+        super().__init__()
+        out = width * self.expansion
+        self.conv1 = nn.Conv2d(inp, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+            if stride != 1 or inp != out
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-50 (blocks 3, 4, 6, 3) with a CIFAR stem (3x3 conv, no max-pool)."""
+
+    def __init__(
+        self, blocks: tuple[int, ...] = (3, 4, 6, 3), base: int = 64, classes: int = 10
+    ) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, base, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(base)
+        inp = base
+        layers = []
+        for i, n in enumerate(blocks):
+            width = base * 2**i
+            group = []
+            for j in range(n):
+                group.append(Bottleneck(inp, width, 2 if j == 0 and i > 0 else 1))
+                inp = width * Bottleneck.expansion
+            layers.append(nn.Sequential(*group))
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.fc = nn.Linear(inp, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def annotate(model: ResNet, stages: int) -> None:
+    """Layer groups onto stages, MindSpore style; the stem follows layer1, fc follows layer4."""
+    groups = [model.layer1, model.layer2, model.layer3, model.layer4]
+    if stages <= 4:
+        for i, group in enumerate(groups):
+            group.pipeline_stage = i * stages // 4  # type: ignore[assignment]
+        return
+    blocks = [b for g in groups for b in g]
+    if stages > len(blocks):
+        raise SystemExit(f"ResNet-50 has {len(blocks)} blocks; use at most that many stages")
+    for i, block in enumerate(blocks):
+        block.pipeline_stage = i * stages // len(blocks)  # type: ignore[assignment]
+
+
+def load_cifar(folder: Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (N, 3, 32, 32) normalised, and labels, from CIFAR-10's binary files."""
+    names = [f"data_batch_{i}.bin" for i in range(1, 6)] if train else ["test_batch.bin"]
+    raw = np.concatenate([np.fromfile(folder / n, dtype=np.uint8) for n in names])
+    records = raw.reshape(-1, 3073)
+    labels = torch.from_numpy(records[:, 0].astype(np.int64))
+    images = torch.from_numpy(records[:, 1:].reshape(-1, 3, 32, 32).astype(np.float32)) / 255
+    return (images - MEAN) / STD, labels
+
+
+def random_cifar(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random data with CIFAR-10's shapes, for runs without ``--data``."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 32, 32, generator=gen), torch.randint(10, (n,), generator=gen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=None, help="CIFAR-10 binary folder")
+    ap.add_argument(
+        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
+    )
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: 1 epoch)")
+    ap.add_argument("--base", type=int, default=64, help="width of the first stage (64: ResNet-50)")
+    ap.add_argument("--blocks", default="3,4,6,3")
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
+    if args.data is not None:
+        x_train, y_train = load_cifar(args.data, train=True)
+        x_test, y_test = load_cifar(args.data, train=False)
+    else:
+        x_train, y_train = random_cifar(args.batch_size * max(args.steps, 1))
+        x_test, y_test = random_cifar(args.batch_size)
+    model = ResNet(tuple(int(b) for b in args.blocks.split(",")), args.base)
+    annotate(model, ctx.pp_size * args.chunks)
+    pipe = conveyor.Pipeline(
+        model,
+        loss_fn=F.cross_entropy,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        context=ctx,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    say(
+        f"ResNet: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{pipe.schedule.stages} stages on {ctx.pp_size} ranks ({args.schedule}), "
+        f"{'CIFAR-10' if args.data else 'random data'}: {len(x_train)} images"
+    )
+    order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(1))
+    steps = len(x_train) // args.batch_size
+    if args.steps:
+        steps = min(steps, args.steps)
+    start = time.perf_counter()
+    for step in range(steps):
+        at = order[step * args.batch_size : (step + 1) * args.batch_size]
+        loss = pipe.train_step(x_train[at], y_train[at])
+        opt.step()
+        opt.zero_grad()
+        if step == 0 or (step + 1) % max(steps // 10, 1) == 0:
+            say(
+                f"step {step + 1:5d}/{steps}  loss {loss.item():.3f}  "
+                f"{(time.perf_counter() - start) / (step + 1):.2f} s/step"
+            )
+    model.eval()  # the stages are the model's own modules: batch norm uses running stats
+    correct = 0
+    for i in range(0, len(x_test) - args.microbatches + 1, args.batch_size):
+        out = pipe.predict(x_test[i : i + args.batch_size])
+        if out is not None:
+            correct += int((out.argmax(1) == y_test[i : i + args.batch_size]).sum())
+    if ctx.distributed:
+        buf = torch.tensor([correct])
+        dist.broadcast(buf, pipe.schedule.placement[-1])
+        correct = int(buf.item())
+    say(f"held-out accuracy {correct / len(x_test):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
