@@ -42,18 +42,29 @@ LAYERS, WIDTH, BATCH, MICROBATCHES, PROCS = 8, 1024, 64, 8, 2
 
 
 class Row(NamedTuple):
-    """One benchmark row: conveyor's schedule name and chunks, and torch's equivalent."""
+    """One benchmark row: a conveyor schedule and torch's nearest counterpart.
+
+    ``torch_chunks`` is how many stages per rank torch's schedule runs (its zero-bubble
+    schedules need 2 even where ours need 1).
+    """
 
     schedule: str
     chunks: int
     torch_schedule: str | None  # a class in torch.distributed.pipelining, None if it has none
+    torch_chunks: int = 1
 
 
 ROWS = [
     Row("gpipe", 1, "ScheduleGPipe"),
     Row("1f1b", 1, "Schedule1F1B"),
-    Row("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
+    Row("interleaved-1f1b", 2, "ScheduleInterleaved1F1B", 2),
+    Row("looped-bfs", 2, "ScheduleLoopedBFS", 2),
+    Row("zb-h1", 1, "ScheduleInterleavedZeroBubble", 2),
+    Row("zb-h2", 1, None),
+    Row("zbv", 2, "ScheduleZBVZeroBubble", 2),
+    Row("dualpipev", 2, "ScheduleDualPipeV", 2),
 ]
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 def build_model() -> nn.Sequential:
@@ -108,24 +119,25 @@ def conveyor_step(
     return step, pipe
 
 
-def torch_step(
-    row: Row, placement: tuple[int, ...], x: Tensor, y: Tensor
-) -> tuple[Step, nn.Module]:
-    """One ``torch.distributed.pipelining`` training step on the same stages as conveyor,
-    and the model whose slices it trains."""
+def torch_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, nn.Module]:
+    """One ``torch.distributed.pipelining`` training step of ``row``'s torch schedule on
+    equal slices of the same model, and the model whose slices it trains."""
     from torch.distributed import pipelining
 
     assert row.torch_schedule is not None
     model = build_model()
-    rank, stages = dist.get_rank(), len(placement)
+    rank, stages = dist.get_rank(), PROCS * row.torch_chunks
     size = len(model) // stages
-    mine = [s for s in range(stages) if placement[s] == rank]
+    if row.torch_schedule in V_SCHEDULES:
+        mine = [rank, 2 * PROCS - 1 - rank]
+    else:
+        mine = [s for s in range(stages) if s % PROCS == rank]
     held = [
         pipelining.PipelineStage(model[s * size : (s + 1) * size], s, stages, torch.device("cpu"))
         for s in mine
     ]
     cls = getattr(pipelining, row.torch_schedule)
-    schedule = cls(held[0] if row.chunks == 1 else held, MICROBATCHES, nn.functional.mse_loss)
+    schedule = cls(held[0] if row.torch_chunks == 1 else held, MICROBATCHES, nn.functional.mse_loss)
     opt = torch.optim.SGD([p for h in held for p in h.submod.parameters()], lr=1e-3)
     first, last = 0 in mine, stages - 1 in mine
 
@@ -179,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
         runs[("conveyor", row.schedule)], pipe = conveyor_step(row, x, y, timings[row.schedule])
         pipes[row.schedule] = pipe
         if row.torch_schedule is not None:
-            step, model = torch_step(row, pipe.schedule.placement, x, y)
+            step, model = torch_step(row, x, y)
             runs[("torch", row.schedule)] = step
             runs[("conveyor", row.schedule)]()
             step()
@@ -216,9 +228,10 @@ def worker(args: argparse.Namespace) -> None:
           f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
           f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step; after one step, "
           f"conveyor's and torch's weights differ by at most {max(mismatches):.1e}\n")
-    print("| schedule | conveyor ms | torch ms | conveyor/torch | speed-up vs 1 process "
-          "| ideal speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+    torch_1f1b = statistics.median(times[("torch", "1f1b")])
+    print("| conveyor schedule | conveyor ms | torch schedule | torch ms | conveyor/torch "
+          "| conveyor/torch 1F1B | speed-up vs 1 process | ideal speed-up |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     results = []
     for row in ROWS:
         ours = statistics.median(times[("conveyor", row.schedule)])
@@ -226,16 +239,21 @@ def worker(args: argparse.Namespace) -> None:
         torch_s = statistics.median(theirs) if theirs else None
         bubble = bubbles[row.schedule]
         name = row.schedule + (f" (chunks={row.chunks})" if row.chunks > 1 else "")
-        print(f"| {name} | {ours * 1e3:.1f} | "
+        torch_name = "—" if row.torch_schedule is None else (
+            row.torch_schedule + (f" ({row.torch_chunks} stages/rank)" if row.torch_chunks > 1
+                                  else ""))
+        print(f"| {name} | {ours * 1e3:.1f} | {torch_name} | "
               + ("— | — |" if torch_s is None else f"{torch_s * 1e3:.1f} | {ours / torch_s:.2f} |")
-              + f" {base / ours:.2f} | {PROCS * (1 - bubble):.2f} |")
+              + f" {ours / torch_1f1b:.2f} | {base / ours:.2f} | {PROCS * (1 - bubble):.2f} |")
         results.append({
             "schedule": row.schedule,
             "chunks": row.chunks,
             "torch_schedule": row.torch_schedule,
+            "torch_chunks": row.torch_chunks,
             "conveyor_ms": ours * 1e3,
             "torch_ms": None if torch_s is None else torch_s * 1e3,
             "ratio": None if torch_s is None else ours / torch_s,
+            "ratio_to_torch_1f1b": ours / torch_1f1b,
             "speedup": base / ours,
             "ideal_speedup": PROCS * (1 - bubble),
             "simulated_bubble": bubble,

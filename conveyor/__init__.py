@@ -13,6 +13,8 @@ from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
     from conveyor.context import Context, init
+    from conveyor.partition.annotations import set_stage
+    from conveyor.partition.execution import sequence
     from conveyor.pipeline import Pipeline
 
 __all__ = [
@@ -24,10 +26,18 @@ __all__ = [
     "ScheduleError",
     "balance",
     "init",
+    "sequence",
+    "set_stage",
 ]
 __version__ = "0.1.0"
 
-_LAZY = {"Context": "conveyor.context", "init": "conveyor.context", "Pipeline": "conveyor.pipeline"}
+_LAZY = {
+    "Context": "conveyor.context",
+    "init": "conveyor.context",
+    "Pipeline": "conveyor.pipeline",
+    "sequence": "conveyor.partition.execution",
+    "set_stage": "conveyor.partition.annotations",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,9 +11,10 @@ from torch import nn
 
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError, PipelineError
-from conveyor.partition import split_sequential
+from conveyor.partition import shared_parameters, split_model
 from conveyor.runtime import microbatch
 from conveyor.runtime.engine import Engine, LossFn, Mode
+from conveyor.runtime.shared import SharedParameters
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
 from conveyor.trace import Timing
@@ -46,7 +47,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
-        all_stages = split_sequential(model, self.schedule.stages, balance)
+        all_stages = split_model(model, self.schedule.stages, balance)
         held = (
             self.schedule.stages_of(ctx.pp_rank)
             if ctx.distributed
@@ -54,6 +55,13 @@ class Pipeline:
         )
         self._stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
         self._engine = Engine(self.schedule, self._stages, loss_fn, ctx)
+        # Tied weights on several ranks: copies start equal and their gradients are summed.
+        tied = [
+            (dict(all_stages[stages[0]].named_parameters())[name], stages)
+            for name, stages in shared_parameters(all_stages)
+        ]
+        self._shared = SharedParameters(tied, self.schedule.placement, self._stages, ctx)
+        self._shared.make_equal()
 
     @staticmethod
     def _make_schedule(
@@ -130,7 +138,11 @@ class Pipeline:
 
         Gradients are added to each local parameter's ``.grad``, like ``loss.backward()``.
         """
+        if self._shared:
+            self._shared.remember()
         loss, _ = self._run("train", inputs, targets)
+        if self._shared:
+            self._shared.reduce()
         return self._share_loss(loss)
 
     @torch.no_grad()
@@ -171,9 +183,14 @@ class Pipeline:
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, with their names in the original model."""
+        """This rank's parameters, with their names in the original model; a weight tied
+        across this rank's stages comes once."""
+        seen: set[int] = set()
         for stage in self.stages:
-            yield from stage.named_parameters()
+            for name, p in stage.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (pass them to the optimizer)."""

@@ -46,12 +46,18 @@ def test_unknown_schedule_name() -> None:
         _pipe(schedule="ifib")
 
 
-def test_model_that_is_not_a_layer_list() -> None:
+def test_model_fx_cannot_trace_points_at_the_layer_list_way() -> None:
     class Net(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
 
-    with pytest.raises(conveyor.ConfigError, match=r"pass an nn.Sequential"):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+                x = -x
+            return self.b(self.a(x))
+
+    with pytest.raises(conveyor.ConfigError, match=r"cannot trace.*pass an nn.Sequential"):
         _pipe(model=Net())
 
 

@@ -1,4 +1,5 @@
-"""Model to stage modules. ``balance`` is pure Python; the splitters need torch."""
+"""Model to stage modules. ``balance`` and the annotation rules are pure Python; the
+splitters need torch and are imported on first use."""
 
 from __future__ import annotations
 
@@ -7,14 +8,43 @@ from typing import TYPE_CHECKING, Any
 from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
+    from conveyor.partition.annotations import set_stage, stage_of
+    from conveyor.partition.execution import ExecutionSequence, sequence
+    from conveyor.partition.graph import split_graph
     from conveyor.partition.sequential import layers_of, parameter_costs, split_sequential
+    from conveyor.partition.split import shared_parameters, split_model
 
-__all__ = ["balance", "layers_of", "parameter_costs", "split_sequential"]
+__all__ = [
+    "ExecutionSequence",
+    "balance",
+    "layers_of",
+    "parameter_costs",
+    "sequence",
+    "set_stage",
+    "shared_parameters",
+    "split_graph",
+    "split_model",
+    "split_sequential",
+    "stage_of",
+]
+
+_LAZY = {
+    "layers_of": "sequential",
+    "parameter_costs": "sequential",
+    "split_sequential": "sequential",
+    "set_stage": "annotations",
+    "stage_of": "annotations",
+    "split_graph": "graph",
+    "ExecutionSequence": "execution",
+    "sequence": "execution",
+    "shared_parameters": "split",
+    "split_model": "split",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in {"layers_of", "parameter_costs", "split_sequential"}:
-        from conveyor.partition import sequential
+    if name in _LAZY:
+        import importlib
 
-        return getattr(sequential, name)
+        return getattr(importlib.import_module(f"conveyor.partition.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'conveyor.partition' has no attribute {name!r}")

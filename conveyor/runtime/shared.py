@@ -12,13 +12,15 @@ from conveyor.context import Context
 class SharedParameters:
     """Sums, over the ranks holding a copy, each step's gradient of a shared parameter.
 
+    ``shared`` lists each tied parameter (this process's copy) with the stages using it.
+
     Every rank builds the same partition, so every rank creates the same process groups in
     the same order (``new_group`` is collective over the world).
     """
 
     def __init__(
         self,
-        shared: list[tuple[str, list[int]]],
+        shared: list[tuple[nn.Parameter, list[int]]],
         placement: tuple[int, ...],
         local: dict[int, nn.Module],
         ctx: Context,
@@ -28,7 +30,7 @@ class SharedParameters:
         if not ctx.distributed:
             return  # one process: the stages share the very same Parameter object
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for name, stages in shared:
+        for param, stages in shared:
             ranks = tuple(sorted({placement[s] for s in stages}))
             if len(ranks) < 2:
                 continue
@@ -37,9 +39,7 @@ class SharedParameters:
                 group = dist.new_group(members)
                 assert group is not None
                 groups[ranks] = group
-            mine = [s for s in stages if s in local]
-            if mine:
-                param = dict(local[mine[0]].named_parameters())[name]
+            if any(s in local for s in stages):
                 self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
 
     def __len__(self) -> int:

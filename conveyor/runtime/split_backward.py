@@ -106,9 +106,12 @@ def backward_input(
         return [None] * len(inputs), work
     wanted = [x for x in inputs if x.requires_grad]
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    if not wanted or not roots:
+    if not wanted:
         work.from_outputs = (outputs, grads, params)
         return [None] * len(inputs), work
+    if not roots:  # every output is an input passed through unchanged
+        got = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
+        return _place(inputs, wanted, got), work
     parents = _parents(roots)
     input_nodes = [n for n in (_grad_node(x) for x in wanted) if n is not None]
     on_input_path, _ = _upward(input_nodes, parents, set())

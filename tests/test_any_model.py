@@ -1,0 +1,189 @@
+"""Any model through the real runtime: skips, annotations (both styles), execution
+sequences and a tied-weight GPT equal the unsplit model on 1, 2 and 4 processes, under
+several schedules, after optimizer steps; shapes may change every step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import conveyor
+from tests import distributed
+from tests.models import assert_close
+from tests.zoo import Deep, Net, Skip, TinyGPT, net_sequence
+
+Batch = tuple[Any, torch.Tensor]
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+def _lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def _annotate(blocks: nn.ModuleList, stages: int, style: str) -> None:
+    for s in range(1, stages):
+        block = blocks[s * len(blocks) // stages]
+        if style == "attribute":
+            block.pipeline_stage = s  # type: ignore[assignment]
+        else:
+            conveyor.set_stage(block, s)
+
+
+class WideSkip(Skip):
+    """Skip with 8 blocks: h0 feeds the last block, so it crosses every boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.tanh(self.blocks[0](x))
+        h = h0
+        for block in self.blocks[1:-1]:
+            h = torch.tanh(block(h))
+        return self.blocks[-1](h + h0)
+
+
+def build(kind: str, stages: int) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """A fresh model of ``kind`` split into ``stages`` (same weights every call)."""
+    if kind == "skip":
+        return WideSkip(), _mse
+    if kind in ("attribute", "set_stage"):
+        model = Deep(blocks=8)
+        _annotate(model.blocks, stages, kind)
+        return model, _mse
+    if kind == "sequence":
+        net = Net()
+        net.bn1.eval()  # batch statistics per micro-batch would differ from the whole batch
+        return net_sequence(net), _mse
+    if kind == "gpt":
+        gpt = TinyGPT(layers=8)
+        _annotate(gpt.blocks, stages, "attribute")
+        return gpt, _lm
+    raise ValueError(kind)
+
+
+def batches(kind: str, sizes: list[tuple[int, int]]) -> list[Batch]:
+    g = torch.Generator().manual_seed(3)
+    out: list[Batch] = []
+    for n, t in sizes:
+        if kind == "gpt":
+            idx = torch.randint(0, 11, (n, t + 1), generator=g)
+            out.append((idx[:, :-1], idx[:, 1:]))
+        elif kind == "sequence":
+            out.append((torch.randn(n, 1, 6, 6, generator=g), torch.randn(n, 3, generator=g)))
+        elif kind == "skip":
+            out.append((torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)))
+        else:
+            out.append((torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)))
+    return out
+
+
+Trace = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+def train(params: Any, step: Callable[[Any, Any], torch.Tensor], data: list[Batch]) -> Trace:
+    """(loss, grads, params after the SGD step) of every step."""
+    named = list(params)
+    # A rank may hold only parameter-free stages (a ReLU and a flatten).
+    opt = torch.optim.SGD([p for _, p in named], lr=0.05) if named else None
+    out: Trace = []
+    for x, y in data:
+        loss = float(step(x, y))
+        grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        out.append((loss, grads, {n: p.detach().clone() for n, p in named}))
+    return out
+
+
+def reference(kind: str, stages: int, data: list[Batch]) -> Trace:
+    model, loss_fn = build(kind, stages)
+
+    def step(x: Any, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return train(model.named_parameters(), step, data)
+
+
+# (model, schedule, chunks, micro-batches, (batch, sequence length) of each step)
+CONFIGS = [
+    (kind, sched, chunks, 3, [(6, 5), (7, 3), (5, 4)])
+    for kind in ("skip", "attribute", "set_stage", "sequence", "gpt")
+    for sched, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
+] + [(kind, "zbv", 2, 4, [(8, 5), (9, 2)]) for kind in ("skip", "gpt")]
+
+
+def _run(rank: int, pp: int) -> dict[tuple[str, str, int], Trace]:
+    ctx = conveyor.init(pp=pp)
+    out = {}
+    for kind, sched, chunks, m, sizes in CONFIGS:
+        model, loss_fn = build(kind, pp * chunks)
+        pipe = conveyor.Pipeline(
+            model, loss_fn=loss_fn, microbatches=m, schedule=sched, chunks=chunks, context=ctx
+        )
+        out[(kind, sched, chunks)] = train(pipe.named_parameters(), pipe.train_step,
+                                           batches(kind, sizes))
+    return out
+
+
+def _aliases(kind: str, stages: int) -> dict[str, str]:
+    """Every name of a parameter -> its first name (a tied weight has two)."""
+    model, _ = build(kind, stages)
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _merge_ranks(
+    parts: list[dict[str, torch.Tensor]], alias: dict[str, str], what: str
+) -> dict[str, torch.Tensor]:
+    """One dict from every rank's; the copies of a tied weight must be equal."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            name = alias[name]
+            if name in out:
+                assert torch.equal(out[name], value), f"{what}: copies of {name} differ"
+            else:
+                out[name] = value
+    return out
+
+
+def _check(results: list[dict[tuple[str, str, int], Trace]], pp: int) -> None:
+    for kind, sched, chunks, _, sizes in CONFIGS:
+        want = reference(kind, pp * chunks, batches(kind, sizes))
+        got = [r[(kind, sched, chunks)] for r in results]
+        alias = _aliases(kind, pp * chunks)
+        for i, (loss, grads, params) in enumerate(want):
+            what = f"{kind} {sched} pp={pp} step {i}"
+            for rank_trace in got:
+                assert rank_trace[i][0] == pytest.approx(loss, rel=1e-5), what
+            got_grads = _merge_ranks([t[i][1] for t in got], alias, what)
+            assert_close(got_grads, grads, what + " grads")
+            got_params = _merge_ranks([t[i][2] for t in got], alias, what)
+            assert_close(got_params, params, what + " params")
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_one_process_world(pp: int) -> None:
+    _check([_run(0, pp)], pp)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_multi_process(world: int) -> None:
+    _check(distributed.run(_run, world, world), world)
