@@ -62,3 +62,53 @@ def test_stalled_rank_times_out_within_the_set_limit() -> None:
     assert 2.5 <= float(seconds) < 20, msg
     assert "rank 1" in text and "3 s" in text, msg
     assert "waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
+
+
+class Counter(nn.Module):
+    """Returns its input and how often it was called: a non-tensor that varies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.calls += 1
+        return x, self.calls
+
+
+class UseFirst(nn.Module):
+    def forward(self, value: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return value[0]
+
+
+class ToMeta(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to("meta")
+
+
+def _bad_output_run(rank: int, kind: str) -> str:
+    ctx = conveyor.init(timeout=5)
+    torch.manual_seed(0)
+    middle: list[nn.Module] = [Counter(), UseFirst()] if kind == "varying" else [ToMeta()]
+    model = nn.Sequential(nn.Linear(8, 8), *middle, nn.Linear(8, 4))
+    balance = [2, 2] if kind == "varying" else [2, 1]
+    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
+                             balance=balance, context=ctx)
+    x, y = batch(4)
+    try:
+        for _ in range(3):
+            pipe.train_step(x, y)
+    except conveyor.PipelineError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
+    msg, = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120)
+    want = "stage 0 (micro-batch 0) output changed (output value 1 was 1, now 3)"
+    assert msg.startswith(want), msg
+
+
+def test_a_tensor_on_the_wrong_device_is_reported_with_stage_and_value() -> None:
+    msg, = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
+    assert msg.startswith("stage 0 (micro-batch 0) returned tensor 0 of its output on meta"), msg

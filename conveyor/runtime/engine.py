@@ -314,11 +314,11 @@ class Engine:
             self.transport.prune()
             return
         meta, tensors = describe(value)
-        for t in tensors:
+        for i, t in enumerate(tensors):
             if t.device != self.device:
                 raise PipelineError(
-                    f"{where} returned a tensor on {t.device}, but this rank's device is "
-                    f"{self.device}; move it with .to({str(self.device)!r}) inside the stage"
+                    f"{where} returned tensor {i} of its output on {t.device}, but this rank's "
+                    f"device is {self.device}; move it with .to({str(self.device)!r}) in the stage"
                 )
         key = (self._sig, self._mode, producer)
         known = self._sent.get(key)
@@ -454,5 +454,7 @@ def _difference(old: ValueMeta, new: ValueMeta) -> str:
         return "its structure"
     for i, (a, b) in enumerate(zip(old.leaves, new.leaves, strict=True)):
         if a != b:
-            return f"value {i}: {a} -> {b}"
+            before = f"{a[1]!r}" if isinstance(a, tuple) else f"tensor {a.shape} {a.dtype}"
+            after = f"{b[1]!r}" if isinstance(b, tuple) else f"tensor {b.shape} {b.dtype}"
+            return f"output value {i} was {before}, now {after}"
     return "its description"

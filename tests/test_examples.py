@@ -1,0 +1,69 @@
+"""The examples run end to end on tiny sizes, in one process and under conveyor launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT_TINY = ["--steps", "30", "--chars", "20000", "--width", "32", "--depth", "2",
+            "--context", "16", "--sample", "20"]
+RESNET_TINY = ["--steps", "2", "--base", "8", "--blocks", "1,1,1,1", "--batch-size", "16"]
+
+
+def run(args: list[str], timeout: float = 120) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def losses(out: str) -> list[float]:
+    return [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
+            if line.startswith("step")]
+
+
+def test_gpt_learns_in_one_process() -> None:
+    out = run([sys.executable, "examples/gpt.py", *GPT_TINY])
+    seen = losses(out)
+    assert len(seen) >= 5 and seen[-1] < seen[0] - 1.0, out  # it learns
+    assert "sample:\ndef " in out
+    assert "2 stages on 2 ranks" in out
+
+
+def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
+    out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "4",
+               "examples/gpt.py", *GPT_TINY, "--depth", "8", "--schedule", "interleaved-1f1b",
+               "--chunks", "2", "--steps", "10"], timeout=240)
+    assert "8 stages on 4 ranks (interleaved-1f1b)" in out
+    assert len(losses(out)) >= 2 and "sample:" in out
+
+
+def test_resnet_on_random_data_under_launch() -> None:
+    out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2",
+               "examples/resnet.py", *RESNET_TINY])
+    assert "2 stages on 2 ranks" in out and "random data" in out
+    assert "held-out accuracy" in out
+
+
+@pytest.fixture
+def cifar_dir(tmp_path: Path) -> Path:
+    """Six tiny files in CIFAR-10's binary format (label byte + 3072 pixel bytes)."""
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        records = rng.integers(0, 256, size=(8, 3073), dtype=np.uint8)
+        records[:, 0] %= 10
+        records.tofile(tmp_path / name)
+    return tmp_path
+
+
+def test_resnet_reads_cifar_binary_files(cifar_dir: Path) -> None:
+    out = run([sys.executable, "examples/resnet.py", *RESNET_TINY, "--data", str(cifar_dir)])
+    assert "CIFAR-10: 40 images" in out
+    assert "held-out accuracy" in out
