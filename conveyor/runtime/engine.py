@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
+from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.split_backward import WeightWork, backward_input
 from conveyor.runtime.transport import Transport, Work
 from conveyor.runtime.wire import (
@@ -33,7 +34,7 @@ from conveyor.runtime.wire import (
     encode_header,
     rebuild,
 )
-from conveyor.schedules import Action, B, F, Schedule, execution_order
+from conveyor.schedules import Action, B, F, Schedule, W, execution_order
 from conveyor.trace import Timing
 
 Mode = Literal["train", "eval", "predict"]
@@ -100,6 +101,7 @@ class Engine:
         self._params: dict[int, list[torch.Tensor]] = {
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
+        self._store = LinearWeightStore([p for ps in self._params.values() for p in ps])
         self._plans: dict[bool, _Plan] = {}
         self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
         self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
@@ -188,21 +190,35 @@ class Engine:
         timings: list[Timing] = []
         clock = time.perf_counter
         t0 = clock()
+        program = plan.program
         with torch.set_grad_enabled(train):
-            for i, (rank, action) in enumerate(plan.program):
+            i = 0
+            while i < len(program):
+                rank, action = program[i]
                 if self.transport is not None:
                     self._post_ahead(plan, i)
                 self._start = clock()  # moved past any wait for inputs by _take
+                if action.kind == W:
+                    # Consecutive W of one stage run as one: a GEMM per weight, not per W.
+                    j = i + 1
+                    while j < len(program) and program[j][1][:2] == (W, action.stage):
+                        j += 1
+                    self._weight_gradients(action.stage, [a.microbatch for _, a in program[i:j]])
+                    share = (clock() - self._start) / (j - i)
+                    for k, (_, a) in enumerate(program[i:j]):
+                        start = self._start - t0 + k * share
+                        timings.append((rank, W, a.stage, a.microbatch, start, start + share))
+                    i = j
+                    continue
                 if action.kind == F:
                     self._forward(action)
-                elif action.kind == B:
-                    self._backward(action)
                 else:
-                    self._weights_pending.pop((action.stage, action.microbatch)).run()
+                    self._backward(action)
                 timings.append(
                     (rank, action.kind, action.stage, action.microbatch, self._start - t0,
                      clock() - t0)
                 )
+                i += 1
         if self.transport is not None:
             self.transport.flush()
         self.timings = timings
@@ -248,7 +264,11 @@ class Engine:
         else:
             value = self._take(Action(F, s - 1, m), action)
             in_leaves = _grad_leaves(value) if self._train else []
-        out = call_stage(self.stages[s], value, first=s == 0)
+        if self._train and self.schedule.split_backward:
+            with self._store.capture((s, m)):
+                out = call_stage(self.stages[s], value, first=s == 0)
+        else:
+            out = call_stage(self.stages[s], value, first=s == 0)
         if s < self.last:
             if self._train:
                 self._saved[(s, m)] = (in_leaves, _grad_leaves(out))
@@ -290,6 +310,11 @@ class Engine:
                 for g, x in zip(got, in_leaves, strict=True)
             ]
             self._deliver(action, grads_in)
+
+    def _weight_gradients(self, stage: int, microbatches: list[int]) -> None:
+        for m in microbatches:
+            self._weights_pending.pop((stage, m)).run()
+        self._store.flush([(stage, m) for m in microbatches])
 
     # ----------------------------------------------------------------- transfers
     def _deliver(self, producer: Action, value: Any) -> None:

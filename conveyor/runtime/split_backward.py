@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from conveyor.runtime.deferred_linear import is_deferred
+
 
 def _grad_node(t: torch.Tensor) -> Node | None:
     """The autograd node gradients of ``t`` flow into (its grad accumulator for leaves)."""
@@ -66,7 +68,9 @@ def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
     queue = deque(roots)
     while queue:
         node = queue.popleft()
-        for child, _ in node.next_functions:
+        # A deferred linear's weight and bias get their gradient from its store, not here.
+        edges = node.next_functions[:1] if is_deferred(node) else node.next_functions
+        for child, _ in edges:
             if child is None:
                 continue
             parents[child].append(node)

@@ -1,0 +1,78 @@
+"""Cost of splitting a backward into B (input gradients) and W (weight gradients).
+
+One stage of the benchmark model (4 x Linear(1024, 1024) + ReLU, a micro-batch of 8 rows,
+its input requiring a gradient as on every stage but the first), one thread, through the
+runtime's path: linear layers' weight gradients deferred to W, the rest split by autograd. Blocks of
+ordinary backwards and of B + W alternate (single calls alternating would measure each
+evicting the other's 32 MB of weights and gradients from cache); medians are printed.
+
+    python benchmarks/split_backward.py [--repeats 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.split_backward import backward_input
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=100)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+    params = list(stage.parameters())
+    x = torch.randn(8, 1024, requires_grad=True)
+    g = torch.randn(8, 1024)
+
+    def ordinary() -> float:
+        out = stage(x)
+        t = time.perf_counter()
+        out.backward(g)
+        return time.perf_counter() - t
+
+    store = LinearWeightStore(params)
+
+    def split() -> tuple[float, float]:
+        with store.capture((0, 0)):
+            out = stage(x)
+        t = time.perf_counter()
+        _, work = backward_input([out], [g], [x], params)
+        b = time.perf_counter()
+        work.run()
+        store.flush([(0, 0)])
+        return b - t, time.perf_counter() - b
+
+    full: list[float] = []
+    bs: list[float] = []
+    ws: list[float] = []
+    block = 10
+    for i in range(args.repeats // block + 1):
+        for _ in range(block):
+            f = ordinary()
+            if i:
+                full.append(f)
+        for _ in range(block):
+            b, w = split()
+            if i:
+                bs.append(b)
+                ws.append(w)
+    f, b, w = (statistics.median(v) * 1e3 for v in (full, bs, ws))
+    print(f"ordinary backward {f:.2f} ms | B {b:.2f} ms + W {w:.2f} ms = {b + w:.2f} ms "
+          f"({(b + w) / f:.3f} of ordinary)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Weight gradients of linear layers computed later, several micro-batches at once.
+
+Under a split backward, B needs only ``dX = dY W`` and W only ``dW = dYᵀ X``. For
+``F.linear`` calls on a stage's parameters this module does exactly that: B computes dX
+and keeps (X, dY); W adds ``dYᵀ X`` straight into ``weight.grad`` with one GEMM over every
+micro-batch whose W runs together, instead of one small GEMM, one fresh gradient tensor and
+one accumulation per micro-batch. Other operations go through autograd as usual
+(:mod:`conveyor.runtime.split_backward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: list[Entry]
+    ) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, weight, bias, slot = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.slot, ctx.done = bias, slot, False
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        if not ctx.done:  # a replay of the graph (W of another branch) must not add twice
+            ctx.slot.append((weight, ctx.bias, x, dy))
+            ctx.done = True
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        return dx, None, None, None
+
+
+def is_deferred(node: Node) -> bool:
+    """Whether ``node`` is the backward of a deferred linear (its weight edges carry no
+    gradient: W adds it from the store)."""
+    return getattr(node, "_forward_cls", None) is _DeferredLinear
+
+
+class _Capture(TorchFunctionMode):
+    def __init__(self, params: set[int], slot: list[Entry]) -> None:
+        super().__init__()
+        self.params, self.slot = params, slot
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if id(weight) in self.params and (bias is None or id(bias) in self.params):
+                return _DeferredLinear.apply(x, weight, bias, self.slot)  # type: ignore[no-untyped-call]
+        return func(*args, **kwargs)
+
+
+class LinearWeightStore:
+    """(X, dY) of deferred linear calls per (stage, micro-batch), until W."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = {id(p) for p in params}
+        self._slots: dict[tuple[int, int], list[Entry]] = {}
+
+    @contextmanager
+    def capture(self, key: tuple[int, int]) -> Iterator[None]:
+        """Within this block, linear calls on the stage's parameters are deferred."""
+        slot = self._slots.setdefault(key, [])
+        with _Capture(self._params, slot):
+            yield
+
+    @torch.no_grad()
+    def flush(self, keys: list[tuple[int, int]]) -> None:
+        """Add the weight gradients of ``keys``' micro-batches, one GEMM per weight."""
+        groups: dict[int, list[Entry]] = {}
+        for key in keys:
+            for entry in self._slots.pop(key, []):
+                groups.setdefault(id(entry[0]), []).append(entry)
+        for entries in groups.values():
+            weight, bias = entries[0][0], entries[0][1]
+            xs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, x, _ in entries])
+            dys = torch.cat([dy.reshape(-1, dy.shape[-1]) for _, _, _, dy in entries])
+            if weight.grad is None:
+                weight.grad = dys.t() @ xs
+            else:
+                weight.grad.addmm_(dys.t(), xs)
+            if bias is not None:
+                db = dys.sum(0)
+                bias.grad = db if bias.grad is None else bias.grad.add_(db)
