@@ -61,6 +61,7 @@ ROWS = [
     Row("looped-bfs", 2, "ScheduleLoopedBFS", 2),
     Row("zb-h1", 1, "ScheduleInterleavedZeroBubble", 2),
     Row("zb-h2", 1, None),
+    Row("zb-late", 1, None),
     Row("zbv", 2, "ScheduleZBVZeroBubble", 2),
     Row("dualpipev", 2, "ScheduleDualPipeV", 2),
 ]
@@ -185,9 +186,12 @@ def worker(args: argparse.Namespace) -> None:
 
     runs: dict[tuple[str, str], Step] = {}
     pipes: dict[str, conveyor.Pipeline] = {}
-    timings: dict[str, list[Timing]] = {row.schedule: [] for row in ROWS}
+    rows = [r for r in ROWS if not args.schedules or r.schedule in args.schedules.split(",")]
+    if not any(r.schedule == "1f1b" for r in rows):
+        rows.insert(0, ROWS[1])  # every ratio is also taken against torch's 1F1B
+    timings: dict[str, list[Timing]] = {row.schedule: [] for row in rows}
     mismatch = 0.0  # largest weight difference after one step of each library
-    for row in ROWS:
+    for row in rows:
         runs[("conveyor", row.schedule)], pipe = conveyor_step(row, x, y, timings[row.schedule])
         pipes[row.schedule] = pipe
         if row.torch_schedule is not None:
@@ -233,7 +237,7 @@ def worker(args: argparse.Namespace) -> None:
           "| conveyor/torch 1F1B | speed-up vs 1 process | ideal speed-up |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     results = []
-    for row in ROWS:
+    for row in rows:
         ours = statistics.median(times[("conveyor", row.schedule)])
         theirs = times.get(("torch", row.schedule))
         torch_s = statistics.median(theirs) if theirs else None
@@ -279,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -15,6 +15,7 @@ from conveyor.schedules import (
     SCHEDULE_NAMES,
     Action,
     Schedule,
+    W,
     dualpipev,
     get_schedule,
     gpipe,
@@ -30,9 +31,9 @@ from conveyor.schedules import (
 from conveyor.schedules.greedy import greedy_programs
 from conveyor.simulate import CostSpec, simulate
 
-NEW = ("looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev", "zb-auto")
+NEW = ("looped-bfs", "zb-h1", "zb-h2", "zb-late", "zbv", "dualpipev", "zb-auto")
 V_SCHEDULES = ("zbv", "dualpipev")
-SPLIT = ("zb-h1", "zb-h2", "zbv", "dualpipev", "zb-auto")
+SPLIT = ("zb-h1", "zb-h2", "zb-late", "zbv", "dualpipev", "zb-auto")
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
 
@@ -361,3 +362,17 @@ def test_generating_and_validating_large_zero_bubble_schedules_is_fast() -> None
         # About 0.3 s (zb-h1) and 0.7 s (zbv, twice the actions) on a loaded 2-core box;
         # generous for CI, but far below quadratic time.
         assert time.perf_counter() - start < 4.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 32))
+def test_zb_late_is_1f1b_then_every_w(p: int, m: int) -> None:
+    sched = get_schedule("zb-late", p, m)
+    base = get_schedule("1f1b", p, m)
+    for rank in range(p):
+        program = sched.actions[rank]
+        assert program[: 2 * m] == base.actions[rank]  # 1F1B's F/B order, B now input-only
+        assert program[2 * m :] == tuple(Action(W, rank, mb) for mb in range(m))
+    result = simulate(sched)
+    assert result.peak_activations == (float(m),) * p  # held until the W's at the end
+    assert result.makespan == 2 * (m + p - 1) + m  # F=B=W=1: the 1F1B part, then m W's

@@ -261,6 +261,12 @@ class Engine:
             assert self._inputs is not None
             value = self._inputs[m]
             in_leaves: list[torch.Tensor] = []
+            if self._train and self.schedule.split_backward:
+                # Track the input's gradient (then dropped) so that B, not W, walks the
+                # stage's input path: the first stage's B and W then cost what the
+                # schedule assumes of every stage, instead of B nothing and W everything.
+                value = pytree.tree_map(_track_float, value)
+                in_leaves = _grad_leaves(value)
         else:
             value = self._take(Action(F, s - 1, m), action)
             in_leaves = _grad_leaves(value) if self._train else []
@@ -465,6 +471,12 @@ class Engine:
 
 def _name(action: Action) -> str:
     return f"{action.kind}(stage {action.stage}, micro-batch {action.microbatch})"
+
+
+def _track_float(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().requires_grad_()
+    return x
 
 
 def _fresh_leaf(x: Any) -> Any:

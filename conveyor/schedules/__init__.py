@@ -25,7 +25,7 @@ from conveyor.schedules.one_f_one_b import one_f_one_b
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
 from conveyor.schedules.zbv import zbv
-from conveyor.schedules.zero_bubble import zb_h1, zb_h2
+from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 
 __all__ = [
     "SCHEDULE_NAMES",
@@ -53,6 +53,7 @@ __all__ = [
     "validate",
     "zb_h1",
     "zb_h2",
+    "zb_late",
     "zbv",
     "zero_bubble_auto",
 ]

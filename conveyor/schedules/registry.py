@@ -14,7 +14,7 @@ from conveyor.schedules.interleaved import interleaved_1f1b
 from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
 from conveyor.schedules.zbv import zbv
-from conveyor.schedules.zero_bubble import zb_h1, zb_h2
+from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 
 _ONE_CHUNK_HINT = "use 'zbv' or 'dualpipev' for two chunks per rank"
 _V_HINT = "pass chunks=2 (rank r holds stages r and 2*ranks-1-r)"
@@ -46,6 +46,7 @@ _REGISTRY: dict[str, ScheduleSpec] = {
     "looped-bfs": ScheduleSpec(looped_bfs),
     "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
+    "zb-late": ScheduleSpec(lambda p, m, v: zb_late(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zbv": ScheduleSpec(lambda p, m, v: zbv(p, m), chunks=2, hint=_V_HINT),
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), chunks=2, hint=_V_HINT),
     # Unit costs and a cap of p micro-batches; the planner calls zero_bubble_auto with

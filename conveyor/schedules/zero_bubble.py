@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, loop_placement
 from conveyor.schedules.greedy import greedy_programs
+from conveyor.schedules.one_f_one_b import one_f_one_b
 
 
 def zb_h1_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
@@ -50,6 +51,30 @@ def zb_h1(ranks: int, microbatches: int) -> Schedule:
         microbatches=microbatches,
         placement=loop_placement(ranks, 1),
         actions=tuple(zb_h1_program(ranks, microbatches, r) for r in range(ranks)),
+        split_backward=True,
+    )
+
+
+def zb_late(ranks: int, microbatches: int) -> Schedule:
+    """1F1B's F/B order with split backward and every W at the end; any m >= 1.
+
+    The critical path carries only F and B (the input-gradient half), and the runtime runs a
+    rank's consecutive W's as one, a single GEMM per linear weight over all micro-batches,
+    instead of m small ones. The price is memory: what W needs is held for all m
+    micro-batches, as in GPipe. Fastest of the one-chunk schedules when that fits.
+    """
+    check_sizes(ranks, microbatches)
+    programs = []
+    for program in one_f_one_b(ranks, microbatches).actions:
+        steps = list(program)
+        programs.append(tuple(steps + [Action(W, a.stage, a.microbatch) for a in steps
+                                       if a.kind == B]))
+    return Schedule(
+        name="zb-late",
+        ranks=ranks,
+        microbatches=microbatches,
+        placement=loop_placement(ranks, 1),
+        actions=tuple(programs),
         split_backward=True,
     )
 
