@@ -61,6 +61,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied: one Parameter used by two modules
+        nn.init.normal_(self.tok.weight, std=0.02)  # GPT-2's scale: logits start near 0
+        nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.size(1), device=idx.device)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--chunks", type=int, default=1)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--width", type=int, default=128)
