@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cli import main
+from tests.test_simulate import DESIGN_EXAMPLE
 
 SIMULATE = ["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8"]
 
@@ -17,18 +18,7 @@ SIMULATE = ["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", 
 def test_simulate_json_matches_design(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SIMULATE, "--cost", "1,1,1", "--json"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out) == {
-        "schedule": "1f1b",
-        "ranks": 4,
-        "chunks": 1,
-        "microbatches": 8,
-        "cost": [1.0, 1.0, 1.0],
-        "comm": 0.0,
-        "makespan": 33.0,
-        "span": 33.0,
-        "bubble": 0.2727,
-        "peak_activations": [4.0, 3.0, 2.0, 1.0],
-    }
+    assert json.loads(out) == DESIGN_EXAMPLE
     assert out.count("\n") == 1
 
 

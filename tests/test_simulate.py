@@ -72,20 +72,24 @@ def test_interleaved_peak_counts_a_chunk_as_one_over_v() -> None:
     assert result.peak_activations == (5.5, 4.5, 3.5, 2.5)
 
 
+# The JSON example in DESIGN.md: 1F1B, 4 ranks, 8 micro-batches, F = B = W = 1.
+DESIGN_EXAMPLE = {
+    "schedule": "1f1b",
+    "ranks": 4,
+    "chunks": 1,
+    "microbatches": 8,
+    "cost": [1.0, 1.0, 1.0],
+    "comm": 0.0,
+    "makespan": 33.0,
+    "span": 33.0,
+    "bubble": 0.2727,
+    "peak_activations": [4.0, 3.0, 2.0, 1.0],
+}
+
+
 def test_example_from_design() -> None:
     result = simulate(get_schedule("1f1b", 4, 8), (1, 1, 1))
-    assert result.to_json_dict() == {
-        "schedule": "1f1b",
-        "ranks": 4,
-        "chunks": 1,
-        "microbatches": 8,
-        "cost": [1.0, 1.0, 1.0],
-        "comm": 0.0,
-        "makespan": 33.0,
-        "span": 33.0,
-        "bubble": 0.2727,
-        "peak_activations": [4.0, 3.0, 2.0, 1.0],
-    }
+    assert result.to_json_dict() == DESIGN_EXAMPLE
 
 
 @settings(max_examples=100, deadline=None)
