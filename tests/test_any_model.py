@@ -123,7 +123,13 @@ CONFIGS = [
     (kind, sched, chunks, 3, [(6, 5), (7, 3), (5, 4)])
     for kind in ("skip", "attribute", "set_stage", "sequence", "gpt")
     for sched, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1))
-] + [(kind, "zbv", 2, 4, [(8, 5), (9, 2)]) for kind in ("skip", "gpt")]
+] + [
+    # every other split-backward / V schedule on the skip and the tied-weight models
+    (kind, sched, chunks, m, [(8, 5), (9, 2)])
+    for kind in ("skip", "gpt")
+    for sched, chunks, m in (("zbv", 2, 4), ("dualpipev", 2, 7), ("zb-h2", 1, 4),
+                             ("zb-late", 1, 4), ("zb-auto", 1, 4), ("looped-bfs", 2, 3))
+]
 
 
 def _run(rank: int, pp: int) -> dict[tuple[str, str, int], Trace]:
