@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: ``simulate``, ``demo`` and ``launch``."""
+"""The ``conveyor`` command: ``simulate``, ``demo``, ``launch`` and ``trace``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from conveyor.errors import ConfigError, ScheduleError
 FORWARDED = {
     "demo": ("conveyor.demo", "train the demo network with a pipeline (see README)"),
     "launch": ("conveyor.launch", "run a script in several processes (a front to torchrun)"),
+    "trace": ("conveyor.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,7 +19,8 @@ from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.shared import SharedParameters
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
-from conveyor.trace import Timing
+from conveyor.simulate import simulate
+from conveyor.trace import Timing, chrome_trace, measured_bubble, measured_costs
 
 
 class Pipeline:
@@ -180,6 +183,37 @@ class Pipeline:
             busy, wall = float(buf[0]), float(walls[0])
         ranks = self.schedule.ranks
         return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
+
+    def save_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the last step as one Chrome trace JSON (open it in Perfetto or
+        chrome://tracing): a track per rank, an event per action and per transfer wait.
+
+        A collective in a distributed world: call it on every rank; rank 0 writes. The
+        file also records the schedule's order and the measured and simulated bubble;
+        ``conveyor trace FILE --png PICTURE`` draws it.
+        """
+        parts = [(self._engine.timings, self._engine.waits)]
+        if self.context.distributed:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, parts[0])
+            parts = gathered
+        if self.context.rank != 0:
+            return
+        timings = [t for part, _ in parts for t in part]
+        waits = [w for _, part in parts for w in part]
+        sched = self.schedule
+        simulated = simulate(sched, cost=measured_costs(timings, sched.stages)).bubble
+        info: dict[str, object] = {
+            "schedule": sched.name,
+            "ranks": sched.ranks,
+            "chunks": sched.chunks,
+            "microbatches": sched.microbatches,
+            "measured_bubble": measured_bubble(timings, sched.ranks),
+            "simulated_bubble": simulated,
+            "order": [[str(a) for a in program] for program in sched.actions],
+        }
+        with open(path, "w") as f:
+            json.dump(chrome_trace(timings, waits, info), f)
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -5,7 +5,9 @@ Pure Python (no torch import).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 Timing = tuple[int, str, int, int, float, float]
 """(rank, kind, stage, microbatch, start, end) of one action, seconds from the step start."""
@@ -27,3 +29,84 @@ def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, 
         (s[0] / max(c[0], 1), s[1] / max(c[1], 1), s[2] / max(c[2], 1))
         for s, c in zip(sums, counts, strict=True)
     ]
+
+
+def measured_bubble(timings: Iterable[Timing], ranks: int) -> float:
+    """1 - busy time / (ranks x the span from the first start to the last end)."""
+    rows = list(timings)
+    if not rows:
+        return 0.0
+    busy = sum(end - start for *_, start, end in rows)
+    wall = max(r[5] for r in rows) - min(r[4] for r in rows)
+    return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
+
+
+def chrome_trace(
+    timings: Iterable[Timing], waits: Iterable[Timing], info: dict[str, object]
+) -> dict[str, object]:
+    """A Chrome trace (``chrome://tracing``, Perfetto): a track per rank, an event per
+    action and per wait for a transfer; ``info`` goes to ``otherData``."""
+    events: list[dict[str, object]] = []
+    ranks: set[int] = set()
+    for rank, kind, stage, mb, start, end in timings:
+        ranks.add(rank)
+        events.append({
+            "name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
+            "ts": start * 1e6, "dur": (end - start) * 1e6,
+            "args": {"kind": kind, "stage": stage, "microbatch": mb},
+        })
+    for rank, kind, stage, mb, start, end in waits:
+        what = "activations" if kind == "F" else "gradients"
+        events.append({
+            "name": f"wait {what} {kind}{stage},{mb}", "cat": "wait", "ph": "X", "pid": 0,
+            "tid": rank, "ts": start * 1e6, "dur": (end - start) * 1e6,
+            "args": {"waits_for": kind, "stage": stage, "microbatch": mb},
+        })
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in sorted(ranks)
+    ]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": info}
+
+
+def actions_of(trace: dict[str, Any]) -> list[Timing]:
+    """The action events of a trace made by :func:`chrome_trace`, in start order."""
+    rows = [
+        (e["tid"], e["args"]["kind"], e["args"]["stage"], e["args"]["microbatch"],
+         e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        for e in trace["traceEvents"] if e.get("cat") in ("F", "B", "W")
+    ]
+    return sorted(rows, key=lambda r: (r[4], r[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``conveyor trace FILE.json --png FILE.png``: draw a saved trace as a timeline."""
+    import argparse
+
+    from conveyor.pictures import draw_timeline
+
+    parser = argparse.ArgumentParser(prog="conveyor trace", description=main.__doc__)
+    parser.add_argument("file", help="a trace written by pipe.save_trace(path)")
+    parser.add_argument("--png", required=True, help="the picture to write")
+    args = parser.parse_args(argv)
+    with open(args.file) as f:
+        trace = json.load(f)
+    info = trace.get("otherData", {})
+    waits = [
+        (e["tid"], "wait", e["args"]["stage"], e["args"]["microbatch"], e["ts"] / 1e6,
+         (e["ts"] + e["dur"]) / 1e6)
+        for e in trace["traceEvents"] if e.get("cat") == "wait"
+    ]
+    title = (
+        f"{info.get('schedule', '?')}: {info.get('ranks', '?')} ranks, "
+        f"{info.get('microbatches', '?')} micro-batches; bubble measured "
+        f"{info.get('measured_bubble', float('nan')):.3f}, simulated "
+        f"{info.get('simulated_bubble', float('nan')):.3f} (grey: waiting for a transfer)"
+    )
+    draw_timeline(actions_of(trace) + waits, args.png, title)
+    print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

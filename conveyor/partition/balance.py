@@ -48,3 +48,91 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def balance_within(
+    costs: Sequence[float],
+    stages: int,
+    memory: Sequence[float] | Sequence[Sequence[float]],
+    limit: float,
+) -> list[int]:
+    """Like :func:`balance`, but every stage's memory must stay within ``limit``.
+
+    ``memory``: bytes each layer needs, or one such list per stage (``memory[s][i]``: what
+    layer i needs when it sits on stage s, e.g. activations times the micro-batches stage
+    s holds at once). A stage needs the sum over its layers. Exact min-max over the splits
+    that fit; raises :class:`ConfigError` when none does, naming the smallest limit that
+    would.
+    """
+    n = len(costs)
+    balance(costs, stages)  # same argument checks and messages
+    rows: list[list[float]]
+    if all(isinstance(m, int | float) for m in memory):
+        flat = [float(m) for m in memory]  # type: ignore[arg-type]
+        rows = [flat] * stages
+    else:
+        rows = [[float(v) for v in row] for row in memory]  # type: ignore[union-attr]
+    if len(rows) != stages or any(len(row) != n for row in rows):
+        raise ConfigError(
+            f"memory must give one number per layer ({n}), or one such list per stage ({stages})"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    mem_prefix = []
+    for row in rows:
+        acc = [0.0]
+        for v in row:
+            acc.append(acc[-1] + v)
+        mem_prefix.append(acc)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    # Largest stage memory of the split that reaches best[k][i] (to report the bound).
+    need = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = need[0][0] = 0.0
+    for k in range(1, stages + 1):
+        acc = mem_prefix[k - 1]
+        for i in range(k, n - (stages - k) + 1):
+            for j in sorted(range(k - 1, i), key=lambda j: abs(j - (i - i / k))):
+                if best[k - 1][j] == inf:
+                    continue
+                mem = acc[i] - acc[j]
+                if mem > limit:
+                    need[k][i] = min(need[k][i], max(need[k - 1][j], mem))
+                    continue
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i] = value
+                    cut[k][i] = j
+            if best[k][i] == inf and need[k][i] == inf:
+                need[k][i] = min(
+                    (max(need[k - 1][j], acc[i] - acc[j]) for j in range(k - 1, i)),
+                    default=inf,
+                )
+    if best[stages][n] == inf:
+        smallest = _smallest_limit(mem_prefix, stages, n)
+        raise ConfigError(
+            f"no split of {n} layers into {stages} stages fits {limit:.4g} bytes per stage; "
+            f"the best split needs {smallest:.4g} bytes on its largest stage: raise the memory "
+            f"limit, use more ranks, or hold fewer micro-batches at once"
+        )
+    sizes: list[int] = []
+    i = n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def _smallest_limit(mem_prefix: list[list[float]], stages: int, n: int) -> float:
+    """The smallest largest-stage memory over all contiguous splits (min-max of memory)."""
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        acc = mem_prefix[k - 1]
+        for i in range(k, n - (stages - k) + 1):
+            best[k][i] = min(max(best[k - 1][j], acc[i] - acc[j]) for j in range(k - 1, i))
+    return best[stages][n]

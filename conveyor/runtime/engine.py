@@ -106,6 +106,8 @@ class Engine:
         self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
         self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
         self.timings: list[Timing] = []
+        # (rank, "F" or "B" of the producer waited for, its stage, micro-batch, start, end)
+        self.waits: list[Timing] = []
 
     # ----------------------------------------------------------------- planning
     def _plan(self, train: bool) -> _Plan:
@@ -189,7 +191,8 @@ class Engine:
         self._loss: torch.Tensor | None = None
         timings: list[Timing] = []
         clock = time.perf_counter
-        t0 = clock()
+        t0 = self._t0 = clock()  # after the signature broadcast: ranks start together
+        self._waits: list[Timing] = []
         program = plan.program
         with torch.set_grad_enabled(train):
             i = 0
@@ -222,6 +225,7 @@ class Engine:
         if self.transport is not None:
             self.transport.flush()
         self.timings = timings
+        self.waits = self._waits
         if self._saved or self._weights_pending:
             left = ", ".join(
                 f"stage {s} micro-batch {m}" for s, m in [*self._saved, *self._weights_pending]
@@ -386,9 +390,13 @@ class Engine:
         recv = self._recvs.pop(producer)
         kind = "activations" if producer.kind == F else "gradients"
         what = f"{_name(consumer)} waiting for {kind} of {_name(producer)}"
+        began = time.perf_counter()
         for work in recv.works:
             self.transport.wait(work, peer, what)
         self._start = time.perf_counter()
+        if self._start - began > 1e-5:  # a real wait, not an already finished receive
+            self._waits.append((self.rank, producer.kind, producer.stage, producer.microbatch,
+                                began - self._t0, self._start - self._t0))
         if producer.kind == B:
             return recv.tensors
         assert recv.meta is not None
