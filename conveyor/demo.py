@@ -99,9 +99,8 @@ def _gather(value: T) -> list[T]:
 
 def train(args: argparse.Namespace) -> int:
     """Train and evaluate on this rank; return the exit code."""
-    from tqdm import tqdm
-
     import conveyor
+    from conveyor.progress import Progress
     from conveyor.simulate import simulate
 
     ctx = conveyor.init()
@@ -128,7 +127,7 @@ def train(args: argparse.Namespace) -> int:
     step_times: list[float] = []
     bubbles: list[float] = []
     timings: list[Timing] = []
-    bar = tqdm(total=total, desc="train", unit="step", disable=ctx.rank != 0)
+    progress = Progress(pipe, total, every=per_epoch)  # a log line per epoch
     step = 0
     for _ in range(args.epochs):
         order = torch.randperm(len(x_train), generator=gen)
@@ -139,13 +138,12 @@ def train(args: argparse.Namespace) -> int:
             opt.step()
             opt.zero_grad()
             step_times.append(time.perf_counter() - t0)
+            progress.step(loss, len(idx))
             if step >= measure_from:
                 timings += pipe.last_step_timings()
                 bubbles.append(pipe.measured_bubble())
             step += 1
-            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
-            bar.update()
-    bar.close()
+    progress.close()
 
     out = pipe.predict(x_test)
     accuracy = None

@@ -70,9 +70,9 @@ def draw_timeline(
     kinds = sorted({e[1] for e in rows}, key="FBW".find)
     axes.legend(
         handles=[Patch(color=_COLOURS.get(k, "#999999"), label=k) for k in kinds],
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        ncol=len(kinds),
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),  # right of the plot, clear of a long title
+        ncol=1,
         frameon=False,
         fontsize=8,
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import sysconfig
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.progress import Progress
 
 
 class Block(nn.Module):
@@ -166,20 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{pipe.schedule.stages} stages on {ctx.pp_size} ranks ({args.schedule})"
     )
-    start = time.perf_counter()
+    progress = Progress(pipe, args.steps, every=max(args.steps // 10, 1))
     loss = torch.tensor(math.nan)
-    for step in range(1, args.steps + 1):
+    for _ in range(args.steps):
         at = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=gen)
         x = torch.stack([data[i : i + args.context] for i in at.tolist()])
         y = torch.stack([data[i + 1 : i + args.context + 1] for i in at.tolist()])
         loss = pipe.train_step(x, y)
         opt.step()
         opt.zero_grad()
-        if step == 1 or step % max(args.steps // 10, 1) == 0:
-            say(
-                f"step {step:4d}  loss {loss.item():.3f}  "
-                f"{(time.perf_counter() - start) / step * 1000:.0f} ms/step"
-            )
+        progress.step(loss, args.batch_size)
+    progress.close()
     out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
     return 0 if math.isfinite(loss.item()) else 1

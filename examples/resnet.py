@@ -13,7 +13,6 @@ learns nothing. ResNet-50 is defined here (there is no torchvision on this machi
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.progress import Progress
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
@@ -156,17 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = len(x_train) // args.batch_size
     if args.steps:
         steps = min(steps, args.steps)
-    start = time.perf_counter()
+    progress = Progress(pipe, steps, every=max(steps // 10, 1))
     for step in range(steps):
         at = order[step * args.batch_size : (step + 1) * args.batch_size]
         loss = pipe.train_step(x_train[at], y_train[at])
         opt.step()
         opt.zero_grad()
-        if step == 0 or (step + 1) % max(steps // 10, 1) == 0:
-            say(
-                f"step {step + 1:5d}/{steps}  loss {loss.item():.3f}  "
-                f"{(time.perf_counter() - start) / (step + 1):.2f} s/step"
-            )
+        progress.step(loss, len(at))
+    progress.close()
     model.eval()  # the stages are the model's own modules: batch norm uses running stats
     correct = 0
     for i in range(0, len(x_test) - args.microbatches + 1, args.batch_size):
