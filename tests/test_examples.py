@@ -33,6 +33,8 @@ def test_gpt_learns_in_one_process() -> None:
     out = run([sys.executable, "examples/gpt.py", *GPT_TINY])
     seen = losses(out)
     assert len(seen) >= 5 and seen[-1] < seen[0] - 1.0, out  # it learns
+    log = next(line for line in out.splitlines() if line.startswith("step"))
+    assert "ms/step" in log and "samples/s" in log and "bubble" in log
     assert "sample:\ndef " in out
     assert "2 stages on 2 ranks" in out
 
