@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from conveyor.partition.annotations import set_stage
     from conveyor.partition.execution import sequence
     from conveyor.pipeline import Pipeline
+    from conveyor.plan import plan
+    from conveyor.profile import profile
 
 __all__ = [
     "ConfigError",
@@ -26,6 +28,8 @@ __all__ = [
     "ScheduleError",
     "balance",
     "init",
+    "plan",
+    "profile",
     "sequence",
     "set_stage",
 ]
@@ -35,6 +39,8 @@ _LAZY = {
     "Context": "conveyor.context",
     "init": "conveyor.context",
     "Pipeline": "conveyor.pipeline",
+    "plan": "conveyor.plan",
+    "profile": "conveyor.profile",
     "sequence": "conveyor.partition.execution",
     "set_stage": "conveyor.partition.annotations",
 }

@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: ``simulate``, ``demo``, ``launch`` and ``trace``."""
+"""The ``conveyor`` command: ``simulate``, ``demo``, ``launch``, ``trace`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ FORWARDED = {
     "demo": ("conveyor.demo", "train the demo network with a pipeline (see README)"),
     "launch": ("conveyor.launch", "run a script in several processes (a front to torchrun)"),
     "trace": ("conveyor.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
+    "plan": ("conveyor.plan_cli", "pick split, schedule and micro-batches for FILE.py's model"),
 }
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition import shared_parameters, split_model
+from conveyor.plan import Plan, plan_for_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.shared import SharedParameters
@@ -29,6 +30,11 @@ class Pipeline:
     Build it the same way on every rank. ``train_step`` returns the whole batch's loss on
     every rank and leaves in each local parameter's ``.grad`` the gradient the unsplit model
     would have; step your optimizer over ``pipe.parameters()`` as usual.
+
+    ``schedule="auto"`` asks :func:`conveyor.plan` for the schedule, chunks and balance
+    (keeping ``microbatches``), profiling the model on ``sample=(inputs, targets)`` within
+    ``memory_limit`` bytes per rank; the result is ``pipe.plan``. In a distributed world
+    every rank must build the pipeline at the same time (planning is collective).
     """
 
     def __init__(
@@ -41,6 +47,8 @@ class Pipeline:
         chunks: int = 1,
         balance: list[int] | None = None,
         context: Context | None = None,
+        sample: tuple[Any, Any] | None = None,
+        memory_limit: float | None = None,
     ) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -49,6 +57,17 @@ class Pipeline:
         self.context = ctx = context if context is not None else current()
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.plan: Plan | None = None
+        if schedule == "auto":
+            if sample is None:
+                raise ConfigError(
+                    "schedule='auto' profiles the model on a batch: pass sample=(inputs, "
+                    "targets), e.g. your first batch"
+                )
+            self.plan = plan_for_pipeline(
+                model, sample[0], sample[1], loss_fn, ctx.pp_size, microbatches, memory_limit
+            )
+            schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
         self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
         all_stages = split_model(model, self.schedule.stages, balance)
         held = (

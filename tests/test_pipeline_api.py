@@ -104,3 +104,34 @@ def test_a_hand_edited_schedule_drives_the_pipeline() -> None:
     assert pipe.train_step(x, y).item() == pytest.approx(base.train_step(x, y).item())
     with pytest.raises(conveyor.ConfigError, match="is for 2 ranks and 2 micro-batches"):
         conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=4, schedule=sched, context=ctx)
+
+
+def _auto(rank: int) -> tuple[str, float, dict[str, torch.Tensor]]:
+    ctx = conveyor.init()
+    x, y = batch(12)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=3, schedule="auto",
+                             sample=(x, y), context=ctx)
+    assert pipe.plan is not None and pipe.schedule.name == pipe.plan.schedule
+    loss = pipe.train_step(x, y).item()
+    return pipe.schedule.name, loss, {n: p.grad for n, p in pipe.named_parameters()}
+
+
+def test_auto_schedule_plans_and_stays_exact() -> None:
+    results = distributed.run(_auto, 2)
+    model = mlp()
+    x, y = batch(12)
+    want = _mse(model(x), y)
+    want.backward()
+    assert results[0][0] == results[1][0]  # every rank runs the same plan
+    grads: dict[str, torch.Tensor] = {}
+    for _, loss, part in results:
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+        grads.update(part)
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_auto_schedule_needs_a_sample() -> None:
+    with pytest.raises(conveyor.ConfigError, match=r"pass sample=\(inputs, targets\)"):
+        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule="auto",
+                          context=conveyor.init(pp=2))

@@ -87,29 +87,20 @@ def balance_within(
         mem_prefix.append(acc)
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    # Largest stage memory of the split that reaches best[k][i] (to report the bound).
-    need = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = need[0][0] = 0.0
+    best[0][0] = 0.0
     for k in range(1, stages + 1):
         acc = mem_prefix[k - 1]
         for i in range(k, n - (stages - k) + 1):
             for j in sorted(range(k - 1, i), key=lambda j: abs(j - (i - i / k))):
                 if best[k - 1][j] == inf:
                     continue
-                mem = acc[i] - acc[j]
-                if mem > limit:
-                    need[k][i] = min(need[k][i], max(need[k - 1][j], mem))
+                if acc[i] - acc[j] > limit:
                     continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i] = value
                     cut[k][i] = j
-            if best[k][i] == inf and need[k][i] == inf:
-                need[k][i] = min(
-                    (max(need[k - 1][j], acc[i] - acc[j]) for j in range(k - 1, i)),
-                    default=inf,
-                )
     if best[stages][n] == inf:
         smallest = _smallest_limit(mem_prefix, stages, n)
         raise ConfigError(
