@@ -2,10 +2,11 @@
 parameter balance, on 2 processes (gloo, one thread each).
 
 Models: the benchmark model of ``vs_torch.py`` (8 x Linear(1024) + ReLU, batch 64, MSE)
-and an unbalanced one (widths 256 -> 2048 -> 256 -> 64 with GELUs and a wide LayerNorm, whose
-parameter counts say little about their time). For each: plan on both ranks, run the
-chosen configuration, and print predicted vs measured median step (no optimizer step; the
-planner does not count it). For the unbalanced model the same schedule also runs with the
+and an unbalanced one (small Linears on 64 tokens per sample, then a large head once per
+sample: parameter counts say little about time). For each: plan on both ranks (with its
+calibration run), then measure the chosen configuration independently in a fresh
+``Pipeline`` and print predicted vs measured median step (no optimizer step; the planner
+does not count it). For the unbalanced model the same schedule also runs with the
 parameter-balanced split (``balance=None``).
 
     python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3]
@@ -33,6 +34,7 @@ from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
 
 BATCH, PROCS = 64, 2
+TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 6  # the unbalanced model's input: BATCH x TOKENS x WIDTH
 TIMINGS: list[Timing] = []  # action timings of the planned runs, for the replay
 
 
@@ -45,28 +47,31 @@ def benchmark_model() -> tuple[nn.Sequential, int, int]:
     return nn.Sequential(*layers), 1024, 1024
 
 
+class MeanOverTokens(nn.Module):
+    """(batch, tokens, features) -> (batch, features)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1)
+
+
 def unbalanced_model() -> tuple[nn.Sequential, int, int]:
-    """Very different widths; the parameter-free GELU / LayerNorm on 4096 features cost time
-    that a parameter count does not see."""
+    """Parameters and time disagree: six Linear(128, 128) (16 K parameters each) run on
+    all 64 tokens of every sample, then a head of 1.3 M parameters runs once per sample.
+    Per parameter the token layers cost 64x more, so the parameter-balanced split puts
+    all of them on one stage."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = [
-        nn.Linear(256, 2048),
+    layers: list[nn.Module] = []
+    for _ in range(TOKEN_LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    layers += [
+        MeanOverTokens(),
+        nn.Linear(WIDTH, 1024),
         nn.ReLU(),
-        nn.Linear(2048, 2048),
+        nn.Linear(1024, 1024),
         nn.ReLU(),
-        nn.Linear(2048, 256),
-        nn.ReLU(),
-        nn.Linear(256, 4096),
-        nn.GELU(),
-        nn.LayerNorm(4096, elementwise_affine=False),
-        nn.GELU(),
-        nn.LayerNorm(4096, elementwise_affine=False),
-        nn.GELU(),
-        nn.Linear(4096, 64),
-        nn.ReLU(),
-        nn.Linear(64, 64),
+        nn.Linear(1024, 64),
     ]
-    return nn.Sequential(*layers), 256, 64
+    return nn.Sequential(*layers), WIDTH, 64
 
 
 def median_step(step: Callable[[], None], steps: int, warmup: int) -> float:
@@ -125,10 +130,8 @@ def worker(args: argparse.Namespace) -> None:
     for label, build in (("benchmark", benchmark_model), ("unbalanced", unbalanced_model)):
         model, width_in, width_out = build()
         gen = torch.Generator().manual_seed(1)
-        x, y = (
-            torch.randn(BATCH, width_in, generator=gen),
-            torch.randn(BATCH, width_out, generator=gen),
-        )
+        shape = (BATCH, width_in) if label == "benchmark" else (BATCH, TOKENS, width_in)
+        x, y = torch.randn(*shape, generator=gen), torch.randn(BATCH, width_out, generator=gen)
         t0 = time.perf_counter()
         chosen = plan(model, x, y, nn.functional.mse_loss, PROCS)
         took = time.perf_counter() - t0
@@ -137,6 +140,11 @@ def worker(args: argparse.Namespace) -> None:
                 model, x, y, chosen.microbatches, chosen.built, chosen.chunks, chosen.balance
             )
         }
+        cal = chosen.calibration
+        if cal is not None:  # the calibration's own run again: how reproducible a step is
+            runs["reference"] = pipeline_step(
+                model, x, y, cal.microbatches, cal.schedule, cal.chunks, list(cal.balance)
+            )
         if label == "unbalanced":
             runs["parameter-balanced"] = pipeline_step(
                 model, x, y, chosen.microbatches, chosen.built, chosen.chunks, None
@@ -161,9 +169,16 @@ def worker(args: argparse.Namespace) -> None:
             f"\n## {label}: planned in {took:.1f} s: {chosen.schedule} chunks={chosen.chunks} "
             f"microbatches={chosen.microbatches} balance={chosen.balance}"
         )
+        if cal is not None:
+            print(
+                f"calibrated on {cal.schedule} balance={list(cal.balance)}: measured "
+                f"{cal.measured * 1e3:.2f} ms; scale F,B,W {[round(v, 2) for v in cal.scale]}, "
+                f"latency {cal.latency * 1e3:.3f} ms, overhead {cal.overhead * 1e3:.2f} ms"
+            )
         print(
             f"predicted {chosen.predicted_step * 1e3:.2f} ms, measured {got * 1e3:.2f} ms, "
-            f"measured/predicted {got / chosen.predicted_step:.3f}"
+            f"measured/predicted {got / chosen.predicted_step:.3f} (rounds: "
+            f"{', '.join(f'{t * 1e3:.2f}' for t in measured['planned'])} ms)"
         )
         print(
             f"replayed with measured action times: {replay * 1e3:.2f} ms; "
@@ -171,6 +186,12 @@ def worker(args: argparse.Namespace) -> None:
             f"{[[round(c * 1e3, 2) for c in st] for st in chosen_costs(chosen)]} / "
             f"{[[round(c * 1e3, 2) for c in st] for st in real]}"
         )
+        if "reference" in measured and cal is not None:
+            print(
+                f"calibration reference re-measured: "
+                f"{statistics.median(measured['reference']) * 1e3:.2f} ms "
+                f"(in calibration {cal.measured * 1e3:.2f} ms)"
+            )
         if "parameter-balanced" in measured:
             other = statistics.median(measured["parameter-balanced"])
             print(

@@ -8,15 +8,28 @@ refined by simulation: moving one unit across a stage boundary is kept while the
 step gets shorter. Each candidate's step time is the simulated makespan with the measured
 per-stage (F, B, W) and transfer time, plus a fixed per-action overhead; its memory per
 rank is parameters + gradients + the activations the schedule holds at its peak.
+
+An isolated profile underestimates a real step: ranks computing at once slow each other
+(shared cores, caches, memory bandwidth) and transfers wait. So in a distributed world the
+planner calibrates (:func:`calibrate_family`): at each micro-batch count it runs a few
+real steps of one reference per schedule family (:data:`REFERENCES`: ``1f1b``, ``zb-h1``,
+``interleaved-1f1b``, ``zbv``; time-balanced), scales F, B and W by measured / profiled
+action time, and fits the per-transfer latency that makes the simulated reference step
+equal the measured one.
+Every candidate is then predicted from those few numbers, not measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from conveyor.errors import ConfigError
@@ -34,6 +47,47 @@ from conveyor.simulate import simulate
 # calls themselves), measured on CPU/gloo as (measured step - simulated step) / actions
 # of 1F1B on the benchmark model; ``benchmarks/plan_accuracy.py`` re-checks it.
 ACTION_OVERHEAD = 60e-6
+
+# The reference run per schedule family (split backward?, several chunks per rank?) that
+# calibration measures: chunked schedules send twice as often, which one latency fitted
+# on a one-chunk run underestimates.
+Family = tuple[bool, bool]
+REFERENCES: dict[Family, tuple[str, int]] = {
+    (False, False): ("1f1b", 1),
+    (True, False): ("zb-h1", 1),
+    (False, True): ("interleaved-1f1b", 2),
+    (True, True): ("zbv", 2),
+}
+CALIBRATION_WARMUP = 2
+CALIBRATION_STEPS = 4
+
+
+def family(schedule: Schedule) -> Family:
+    """The calibration family of ``schedule``: (split backward, chunks > 1)."""
+    return schedule.split_backward, schedule.chunks > 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a short real run of ``schedule`` (one schedule family) at ``microbatches``
+    taught. ``scale``: measured / profiled seconds of F, B and W (B: the whole backward
+    when the family does not split it); ``latency``: seconds per transfer that make the
+    simulated step of the reference equal ``measured``; ``overhead``: seconds per step
+    left over (negative when even zero latency simulates a longer step)."""
+
+    schedule: str
+    chunks: int
+    split: bool
+    microbatches: int
+    balance: tuple[int, ...]
+    scale: tuple[float, float, float]
+    latency: float
+    overhead: float
+    measured: float
+
+    def apply(self, prof: Profile) -> Profile:
+        """``prof`` with this family's scaled times and fitted latency."""
+        return prof.calibrated(*self.scale, split=self.split, latency=self.latency)
 
 
 @dataclass(frozen=True)
@@ -68,7 +122,8 @@ class Plan:
     alternatives: list[Candidate]
     built: Schedule
     memory_limit: float | None = None
-    profile: Profile | None = None  # the measurements at the chosen micro-batch count
+    profile: Profile | None = None  # the (calibrated) measurements the choice was made on
+    calibration: Calibration | None = None  # of the chosen schedule's family, if any
 
     def table(self) -> str:
         """The ranked alternatives as a markdown table."""
@@ -211,8 +266,11 @@ def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Sc
     return zero_bubble_auto(ranks, m, costs, memory_limit=cap, comm=prof.comm(bal))
 
 
-def evaluate(schedule: Schedule, prof: Profile, limit: float | None) -> Candidate:
-    """Balance ``schedule`` for ``prof`` and predict its step time and memory."""
+def evaluate(
+    schedule: Schedule, prof: Profile, limit: float | None, overhead: float = 0.0
+) -> Candidate:
+    """Balance ``schedule`` for ``prof`` and predict its step time (plus ``overhead``
+    seconds per step) and memory."""
     bal = _balanced(schedule, prof, limit)
     peaks = peak_memory(schedule, prof, bal)
     return Candidate(
@@ -220,9 +278,122 @@ def evaluate(schedule: Schedule, prof: Profile, limit: float | None) -> Candidat
         chunks=schedule.chunks,
         microbatches=schedule.microbatches,
         balance=tuple(bal),
-        predicted_step=predict_step(schedule, prof, bal),
+        predicted_step=predict_step(schedule, prof, bal) + overhead,
         peak_memory=tuple(peaks),
         fits=_fits(peaks, limit),
+    )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _run_reference(
+    model: nn.Module | Sequence[nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    schedule: Schedule,
+    balance: Sequence[int],
+) -> tuple[float, list[tuple[float, float, float]]]:
+    """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
+    of ``schedule``; a collective. Gradients already in ``.grad`` are left as they were."""
+    from conveyor.pipeline import Pipeline  # the pipeline imports the planner
+    from conveyor.trace import Timing, measured_costs
+
+    module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
+    params = list(module.parameters())
+    keep = [p.grad for p in params]
+    pipe = Pipeline(
+        module,
+        loss_fn=loss_fn,
+        microbatches=schedule.microbatches,
+        schedule=schedule,
+        chunks=schedule.chunks,
+        balance=list(balance),
+    )
+    steps: list[float] = []
+    timings: list[Timing] = []
+    for i in range(CALIBRATION_WARMUP + CALIBRATION_STEPS):
+        for p in params:
+            p.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.train_step(inputs, targets)
+        dist.barrier()
+        if i >= CALIBRATION_WARMUP:
+            steps.append(time.perf_counter() - t0)
+            timings += pipe.last_step_timings()
+    for p, g in zip(params, keep, strict=True):
+        p.grad = g
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (steps, timings))
+    # Every rank computes the same numbers from the same gathered data.
+    step = statistics.median(max(s) for s in zip(*(g[0] for g in gathered), strict=True))
+    costs = measured_costs([t for g in gathered for t in g[1]], schedule.stages)
+    return step, costs
+
+
+def _fit_latency(schedule: Schedule, prof: Profile, balance: Sequence[int], step: float) -> float:
+    """The link latency at which the simulated step of ``schedule`` is ``step`` (0 when
+    even zero latency simulates a longer step)."""
+
+    def sim(latency: float) -> float:
+        return predict_step(schedule, dataclasses.replace(prof, latency=latency), balance)
+
+    lo, hi = 0.0, step
+    if sim(lo) >= step:
+        return 0.0
+    while sim(hi) < step:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sim(mid) < step else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate_family(
+    model: nn.Module | Sequence[nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    prof: Profile,
+    ranks: int,
+    kind: Family,
+    memory_limit: float | None = None,
+) -> Calibration | None:
+    """Calibrate ``prof`` for one schedule family by a few real steps of its reference
+    schedule (:data:`REFERENCES`), time-balanced; a collective. None when the reference
+    cannot run here (too few micro-batches or units)."""
+    split = kind[0]
+    name, chunks = REFERENCES[kind]
+    try:
+        if ranks * chunks > len(prof.layers):
+            return None
+        ref = get_schedule(name, ranks, prof.microbatches, chunks)
+        bal = _balanced(ref, prof, memory_limit)
+    except ConfigError:
+        return None
+    step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal)
+    predicted = prof.costs(bal, split)
+    scale = tuple(
+        sum(r[k] for r in real) / p if (p := sum(c[k] for c in predicted)) > 0 else 1.0
+        for k in range(3)
+    )
+    f, b, w = scale
+    scaled = prof.calibrated(f, b, w, split=split, latency=prof.latency)
+    latency = _fit_latency(ref, scaled, bal, step)
+    scaled = dataclasses.replace(scaled, latency=latency)
+    return Calibration(
+        schedule=ref.name,
+        chunks=chunks,
+        split=split,
+        microbatches=prof.microbatches,
+        balance=tuple(bal),
+        scale=(f, b, w),
+        latency=latency,
+        overhead=step - predict_step(ref, scaled, bal),
+        measured=step,
     )
 
 
@@ -237,6 +408,7 @@ def plan(
     microbatch_counts: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
     profiles: dict[int, Profile] | None = None,
+    calibrate: bool = True,
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks that fits ``memory_limit``
     bytes per rank (parameters + gradients + activations; optimizer state not included).
@@ -244,8 +416,10 @@ def plan(
     ``inputs`` / ``targets``: one sample batch as for ``train_step``. In a distributed world
     every rank must call it (profiling and link measurement are collectives); all ranks get
     the same plan. ``microbatch_counts`` / ``schedules`` narrow the search; ``profiles``
-    (micro-batch count -> :class:`Profile`) skips profiling for those counts. Raises
-    :class:`ConfigError` when no candidate fits the limit.
+    (micro-batch count -> :class:`Profile`) skips profiling for those counts. With
+    ``calibrate`` (used only when the world is ``ranks`` processes) each count's profile
+    is calibrated by short real runs (:func:`calibrate_family`, about a second per
+    count). Raises :class:`ConfigError` when no candidate fits the limit.
     """
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
@@ -258,31 +432,45 @@ def plan(
     )
     names = [n for n in (schedules or SCHEDULE_NAMES)]
     cache = dict(profiles or {})
-    rows: list[tuple[Candidate, Schedule]] = []
+    real = calibrate and _distributed() and dist.get_world_size() == ranks
+    rows: list[tuple[Candidate, Schedule, Profile, Calibration | None]] = []
     for m in counts:
         prof = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
         cache[m] = prof
+        cals = {
+            kind: calibrate_family(
+                model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit
+            )
+            if real
+            else None
+            for kind in REFERENCES
+        }
         for name in names:
             for chunks in _chunk_options(name):
                 if ranks * chunks > n_units:
                     continue
                 try:
                     if name == "zb-auto":
-                        built = _auto_schedule(ranks, m, prof, memory_limit)
+                        cal = cals[True, False]
+                        fitted = cal.apply(prof) if cal else prof
+                        built = _auto_schedule(ranks, m, fitted, memory_limit)
                         if built is None:
                             continue
                     else:
                         built = get_schedule(name, ranks, m, chunks)
                 except ConfigError:
                     continue  # e.g. too few micro-batches for this schedule
-                rows.append((evaluate(built, prof, memory_limit), built))
+                cal = cals[family(built)]
+                fitted = cal.apply(prof) if cal else prof
+                cand = evaluate(built, fitted, memory_limit, cal.overhead if cal else 0.0)
+                rows.append((cand, built, fitted, cal))
     if not rows:
         raise ConfigError(
             f"no schedule can run {ranks} ranks on a model of {n_units} units with "
             f"micro-batch counts {counts}; use fewer ranks"
         )
     rows.sort(key=lambda r: (not r[0].fits, r[0].predicted_step, max(r[0].peak_memory)))
-    best, built = rows[0]
+    best, built, best_prof, best_cal = rows[0]
     if not best.fits:
         least = min(rows, key=lambda r: max(r[0].peak_memory))[0]
         raise ConfigError(
@@ -297,10 +485,11 @@ def plan(
         balance=list(best.balance),
         predicted_step=best.predicted_step,
         peak_memory=list(best.peak_memory),
-        alternatives=[c for c, _ in rows],
+        alternatives=[r[0] for r in rows],
         built=built,
         memory_limit=memory_limit,
-        profile=cache[best.microbatches],
+        profile=best_prof,
+        calibration=best_cal,
     )
 
 
@@ -331,9 +520,12 @@ def plan_for_pipeline(
 
 
 __all__ = [
+    "Calibration",
     "Candidate",
     "Plan",
+    "calibrate_family",
     "evaluate",
+    "family",
     "peak_memory",
     "plan",
     "plan_for_pipeline",

@@ -104,6 +104,28 @@ class Profile:
                 out.append((sum(u.forward_plain for u in part), sum(u.backward for u in part), 0.0))
         return out
 
+    def calibrated(
+        self, forward: float, backward: float, weight: float, split: bool, latency: float
+    ) -> Profile:
+        """This profile with F, B and W times scaled by what a real run measured (for the
+        split backward when ``split``, else for plain F and the whole backward) and the
+        link latency replaced: see :func:`conveyor.plan.calibrate_family`."""
+
+        def scale(u: LayerProfile) -> LayerProfile:
+            if split:
+                return dataclasses.replace(
+                    u,
+                    forward=u.forward * forward,
+                    backward_input=u.backward_input * backward,
+                    backward_weight=u.backward_weight * weight,
+                )
+            return dataclasses.replace(
+                u, forward_plain=u.forward_plain * forward, backward=u.backward * backward
+            )
+
+        layers = tuple(scale(u) for u in self.layers)
+        return dataclasses.replace(self, layers=layers, latency=latency)
+
     def comm(self, balance: Sequence[int]) -> float:
         """Seconds of the slowest transfer between stages of ``balance``:
         latency + boundary bytes / bandwidth (the simulator takes one number)."""

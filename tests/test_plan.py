@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance_within
 from conveyor.plan import plan
 from conveyor.plan_cli import main as plan_main
-from conveyor.profile import profile
+from conveyor.profile import LayerProfile, Profile, profile
 
 
 def _model() -> nn.Sequential:
@@ -61,22 +62,37 @@ def test_balance_within_limit_and_error() -> None:
         balance_within([1, 1, 1, 1], 2, [1, 1, 1, 5], 4)
 
 
-def test_planner_respects_memory_limit() -> None:
-    x, y = _batch()
-    model = _model()
-    free = plan(model, x, y, nn.functional.mse_loss, 2, microbatch_counts=[4])
-    assert free.alternatives[0].schedule == free.schedule
-    fastest = free.alternatives[0]
-    # A limit just under the fastest candidate's peak forces a different, fitting choice.
-    limit = max(fastest.peak_memory) - 1
-    smaller = [c for c in free.alternatives if max(c.peak_memory) <= limit]
-    if not smaller:
-        pytest.skip("every candidate needs the same memory on this model")
-    bounded = plan(model, x, y, nn.functional.mse_loss, 2, limit, microbatch_counts=[4])
-    assert max(bounded.peak_memory) <= limit
-    assert (bounded.schedule, bounded.balance) != (fastest.schedule, list(fastest.balance))
+def _uniform_profile(microbatches: int) -> Profile:
+    """4 equal units with 1 MB of activations each and a slow link (3 ms per transfer):
+    GPipe, which sends each direction in one burst, beats the interleaving schedules but
+    holds all micro-batches at once."""
+    unit = LayerProfile(
+        "unit", forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
+        backward_weight=0.5e-3, backward=1.5e-3, activations=1 << 20, parameters=1 << 10,
+        output=1 << 10,
+    )
+    return Profile((unit,) * 4, microbatches, 2, latency=3e-3, bandwidth=1e12)
+
+
+def test_fastest_schedule_does_not_fit_so_plan_picks_the_next() -> None:
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    x, y = torch.randn(16, 2), torch.randn(16, 2)
+    kwargs: dict[str, Any] = {
+        "microbatch_counts": [8],
+        "profiles": {8: _uniform_profile(8)},
+        "schedules": ["gpipe", "zb-late", "1f1b", "zb-h1"],
+    }
+    free = plan(model, x, y, nn.functional.mse_loss, 2, **kwargs)
+    assert free.schedule == "gpipe"
+    # 2 units x 8 micro-batches x 1 MB of activations, plus parameters and gradients.
+    assert max(free.peak_memory) == 16 * 2**20 + 2 * 2 * 2**10
+    assert free.predicted_step < free.alternatives[1].predicted_step
+    bounded = plan(model, x, y, nn.functional.mse_loss, 2, 8 * 2**20, **kwargs)
+    assert bounded.schedule == "zb-h1"  # the fastest that holds at most 2 micro-batches
+    assert max(bounded.peak_memory) <= 8 * 2**20
+    assert [c.schedule for c in bounded.alternatives if not c.fits] == ["gpipe", "zb-late"]
     with pytest.raises(ConfigError, match="no configuration fits"):
-        plan(model, x, y, nn.functional.mse_loss, 2, 10.0, microbatch_counts=[4])
+        plan(model, x, y, nn.functional.mse_loss, 2, 2**20, **kwargs)
 
 
 def test_table_lists_ranked_alternatives() -> None:
