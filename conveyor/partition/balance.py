@@ -41,13 +41,7 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
                 if value < best[k][i]:
                     best[k][i] = value
                     cut[k][i] = j
-    sizes: list[int] = []
-    i = n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    return _sizes(cut, stages, n)
 
 
 def balance_within(
@@ -108,13 +102,7 @@ def balance_within(
             f"the best split needs {smallest:.4g} bytes on its largest stage: raise the memory "
             f"limit, use more ranks, or hold fewer micro-batches at once"
         )
-    sizes: list[int] = []
-    i = n
-    for k in range(stages, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    return _sizes(cut, stages, n)
 
 
 def _smallest_limit(mem_prefix: list[list[float]], stages: int, n: int) -> float:
@@ -127,3 +115,14 @@ def _smallest_limit(mem_prefix: list[list[float]], stages: int, n: int) -> float
         for i in range(k, n - (stages - k) + 1):
             best[k][i] = min(max(best[k - 1][j], acc[i] - acc[j]) for j in range(k - 1, i))
     return best[stages][n]
+
+
+def _sizes(cut: list[list[int]], stages: int, n: int) -> list[int]:
+    """Layers per stage, read back from the dynamic programme's best cut points."""
+    sizes: list[int] = []
+    i = n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
