@@ -7,16 +7,26 @@ works here::
     python -m conveyor.launch --nnodes 2 --node-rank 0 --master-addr host0 \\
         --nproc-per-node 4 train.py
 
-One difference: ``OMP_NUM_THREADS`` is set to 1 when it is not already set, so on CPU each
-process computes with one thread and the processes do not fight over the cores (torchrun
-itself only does that, with a warning, for more than one process per node). Set
-``OMP_NUM_THREADS`` yourself to give each process more threads.
+Two differences, each only when the variable is not already set:
+
+- ``OMP_NUM_THREADS=1``, so on CPU each process computes with one thread and the processes
+  do not fight over the cores (torchrun itself only does that, with a warning, for more
+  than one process per node). Set it yourself to give each process more threads.
+- glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` (1 GiB): freed
+  gradient and activation buffers stay in the heap for the next step instead of going back
+  to the OS, which otherwise makes every step fault in fresh pages (measured: 8 fused weight
+  gradients of 4 x Linear(1024) cost 12.3 ms with ``.grad`` set to None each step, 8.6 ms
+  with these set, 7.0 ms with ``.grad`` kept). Memory then stays at its peak, as with
+  PyTorch's caching allocators.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+# glibc reads these at process start, so the launcher sets them for its workers.
+MALLOC_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else list(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for name in MALLOC_TUNABLES:
+        os.environ.setdefault(name, str(1 << 30))
     try:
         run(parse_args(args))  # type: ignore[no-untyped-call]
     except ChildFailedError as e:

@@ -20,13 +20,15 @@ import os, sys
 import torch
 print(f"rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} "
       f"omp={os.environ.get('OMP_NUM_THREADS')} threads={torch.get_num_threads()} "
+      f"mmap={os.environ.get('MALLOC_MMAP_THRESHOLD_')} "
       f"args={sys.argv[1:]}", flush=True)
 sys.exit(3 if os.environ['RANK'] == os.environ.get('FAIL_RANK') else 0)
 """
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK")}
+    unset = ("OMP_NUM_THREADS", "RANK", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
@@ -55,17 +57,17 @@ def test_launch_runs_two_ranks_with_one_thread_each(script: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     ranks = _ranks(proc.stdout)
     assert ranks == {
-        "0": "world=2 omp=1 threads=1 args=['--lr', '0.1']",
-        "1": "world=2 omp=1 threads=1 args=['--lr', '0.1']",
+        "0": "world=2 omp=1 threads=1 mmap=1073741824 args=['--lr', '0.1']",
+        "1": "world=2 omp=1 threads=1 mmap=1073741824 args=['--lr', '0.1']",
     }
 
 
 def test_launch_keeps_the_users_omp_num_threads(script: Path) -> None:
-    proc = _launch(script, OMP_NUM_THREADS="2")
+    proc = _launch(script, OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
     assert proc.returncode == 0, proc.stderr
     ranks = _ranks(proc.stdout)
     assert sorted(ranks) == ["0", "1"]
-    assert all(v == "world=2 omp=2 threads=2 args=[]" for v in ranks.values())
+    assert all(v == "world=2 omp=2 threads=2 mmap=65536 args=[]" for v in ranks.values())
 
 
 def test_launch_returns_the_failing_workers_exit_code(script: Path) -> None:
@@ -81,7 +83,7 @@ def test_launch_main_in_process(
     assert conveyor.launch.main(["--nproc-per-node", "2", str(script), "x"]) == 0
     assert os.environ["OMP_NUM_THREADS"] == "1"
     ranks = _ranks(capfd.readouterr().out)
-    assert ranks["0"] == ranks["1"] == "world=2 omp=1 threads=1 args=['x']"
+    assert ranks["0"] == ranks["1"] == "world=2 omp=1 threads=1 mmap=1073741824 args=['x']"
 
 
 @pytest.mark.timeout(60)
