@@ -14,7 +14,7 @@ from torch import nn
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition import shared_parameters, split_model
-from conveyor.plan import Plan, plan_for_pipeline
+from conveyor.plan import Plan, plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.shared import SharedParameters
@@ -64,8 +64,9 @@ class Pipeline:
                     "schedule='auto' profiles the model on a batch: pass sample=(inputs, "
                     "targets), e.g. your first batch"
                 )
-            self.plan = plan_for_pipeline(
-                model, sample[0], sample[1], loss_fn, ctx.pp_size, microbatches, memory_limit
+            self.plan = plan(
+                model, sample[0], sample[1], loss_fn, ctx.pp_size, memory_limit,
+                microbatch_counts=[microbatches],  # keep the user's micro-batch count
             )
             schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
         self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)

@@ -493,32 +493,6 @@ def plan(
     )
 
 
-def plan_for_pipeline(
-    model: nn.Module | Sequence[nn.Module],
-    sample_inputs: Any,
-    sample_targets: Any,
-    loss_fn: LossFn,
-    ranks: int,
-    microbatches_hint: int | None = None,
-    memory_limit: float | None = None,
-) -> Plan:
-    """What ``Pipeline(schedule="auto")`` needs: a plan for its first batch.
-
-    With ``microbatches_hint`` (the Pipeline's ``microbatches``) only that count is
-    considered, so the pipeline keeps the micro-batch count the user asked for.
-    """
-    counts = None if microbatches_hint is None else [microbatches_hint]
-    return plan(
-        model,
-        sample_inputs,
-        sample_targets,
-        loss_fn,
-        ranks,
-        memory_limit,
-        microbatch_counts=counts,
-    )
-
-
 __all__ = [
     "Calibration",
     "Candidate",
@@ -528,7 +502,6 @@ __all__ = [
     "family",
     "peak_memory",
     "plan",
-    "plan_for_pipeline",
     "predict_step",
     "refine",
 ]
