@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
+from conveyor.context import in_torchrun
 from conveyor.launch import main as launch
 from conveyor.plan import Plan, plan
 from conveyor.simulate import simulate
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args(argv)
-    if "RANK" not in os.environ:
+    if not in_torchrun():
         os.environ["OMP_NUM_THREADS"] = "1"
         return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
     worker(args)

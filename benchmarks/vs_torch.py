@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
+from conveyor.context import in_torchrun
 from conveyor.launch import main as launch
 from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
     args = p.parse_args(argv)
-    if "RANK" not in os.environ:
+    if not in_torchrun():
         os.environ["OMP_NUM_THREADS"] = "1"
         return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
     worker(args)

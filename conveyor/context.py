@@ -50,7 +50,8 @@ def _timeout_from(timeout: float | None) -> float:
     return float(os.environ.get("CONVEYOR_TIMEOUT", DEFAULT_TIMEOUT))
 
 
-def _in_torchrun() -> bool:
+def in_torchrun() -> bool:
+    """Whether this process was started by torchrun (or ``conveyor launch``)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
@@ -69,7 +70,7 @@ def init(
     seconds = _timeout_from(timeout)
     if dp < 1 or (pp is not None and pp < 1):
         raise ConfigError(f"pp and dp must be >= 1, got pp={pp}, dp={dp}")
-    distributed = dist.is_available() and (dist.is_initialized() or _in_torchrun())
+    distributed = dist.is_available() and (dist.is_initialized() or in_torchrun())
     if not distributed:
         if dp != 1:
             raise ConfigError(

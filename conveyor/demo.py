@@ -15,7 +15,6 @@ is at least 90%, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from conveyor.context import in_torchrun
 from conveyor.trace import Timing, measured_costs
 
 T = TypeVar("T")
@@ -82,10 +82,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="processes to launch outside torchrun")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _gather(value: T) -> list[T]:
@@ -183,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the demo; outside torchrun, launch it in ``--nproc`` processes first."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if not _under_torchrun() and args.nproc > 1:
+    if not in_torchrun() and args.nproc > 1:
         from conveyor.launch import main as launch
 
         return launch(["--nproc-per-node", str(args.nproc), "-m", "conveyor.demo", *argv])
