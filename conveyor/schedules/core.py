@@ -137,33 +137,51 @@ def _check_shape(schedule: Schedule) -> None:
             raise ScheduleError(f"schedule {schedule.name!r}: rank {r} holds no stage")
 
 
+def _bad_action(schedule: Schedule, rank: int, action: Action, kinds: tuple[str, ...]) -> str:
+    """Why ``action`` may not appear in ``rank``'s program, or '' when it may."""
+    kind, s, mb = action
+    if kind not in kinds:
+        return (
+            f"rank {rank}: action {action} has kind {kind!r}; this schedule allows "
+            f"{'/'.join(kinds)} (set split_backward=True to use W)"
+        )
+    if not (0 <= s < schedule.stages and 0 <= mb < schedule.microbatches):
+        return (
+            f"rank {rank}: action {action} is out of range "
+            f"(stages 0..{schedule.stages - 1}, microbatches 0..{schedule.microbatches - 1})"
+        )
+    if schedule.placement[s] != rank:
+        return (
+            f"rank {rank}: action {action} runs stage {s}, which is placed on rank "
+            f"{schedule.placement[s]}; move it to that rank's program"
+        )
+    return ""
+
+
 def _check_complete(schedule: Schedule) -> None:
     kinds = (F, B, W) if schedule.split_backward else (F, B)
-    seen: dict[Action, int] = {}
-    for rank, action in schedule:
-        kind, s, mb = action
-        if kind not in kinds:
-            raise ScheduleError(
-                f"rank {rank}: action {action} has kind {kind!r}; this schedule allows "
-                f"{'/'.join(kinds)} (set split_backward=True to use W)"
-            )
-        if not (0 <= s < schedule.stages and 0 <= mb < schedule.microbatches):
-            raise ScheduleError(
-                f"rank {rank}: action {action} is out of range "
-                f"(stages 0..{schedule.stages - 1}, microbatches 0..{schedule.microbatches - 1})"
-            )
-        if schedule.placement[s] != rank:
-            raise ScheduleError(
-                f"rank {rank}: action {action} runs stage {s}, which is placed on rank "
-                f"{schedule.placement[s]}; move it to that rank's program"
-            )
-        if action in seen:
-            raise ScheduleError(f"rank {rank}: action {action} appears twice; keep one")
-        seen[action] = rank
-    if len(seen) == schedule.stages * schedule.microbatches * len(kinds):
+    stages, m = schedule.stages, schedule.microbatches
+    seen: set[Action] = set()
+    for rank, program in enumerate(schedule.actions):
+        own = set(schedule.stages_of(rank))
+        for action in program:
+            kind, s, mb = action
+            # Plain comparisons first: this loop runs for every action of every schedule.
+            if kind not in kinds or s not in own or not 0 <= mb < m or not 0 <= s < stages:
+                raise ScheduleError(_bad_action(schedule, rank, action, kinds))
+        # A stage lives on one rank, so a repeated action repeats within one program.
+        before = len(seen)
+        seen.update(program)
+        if len(seen) - before != len(program):
+            counted: set[Action] = set()
+            for action in program:
+                if action in counted:
+                    raise ScheduleError(f"rank {rank}: action {action} appears twice; keep one")
+                counted.add(action)
+    if len(seen) == stages * m * len(kinds):
         return  # every action seen is distinct, in range and of an allowed kind
-    for s in range(schedule.stages):
-        for mb in range(schedule.microbatches):
+    for s in range(stages):
+        for mb in range(m):
             for kind in kinds:
                 if Action(kind, s, mb) not in seen:
                     raise ScheduleError(
@@ -250,6 +268,10 @@ def validate(schedule: Schedule) -> Schedule:
     """
     _check_shape(schedule)
     _check_complete(schedule)
-    _check_local_order(schedule)
-    execution_order(schedule)
+    try:
+        execution_order(schedule)
+    except ScheduleError:
+        # A rank that orders its own actions wrongly also deadlocks; name the swap instead.
+        _check_local_order(schedule)
+        raise
     return schedule
