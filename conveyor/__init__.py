@@ -12,6 +12,7 @@ from conveyor.errors import ConfigError, ConveyorError, PipelineError, ScheduleE
 from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
+    from conveyor.checkpoint import load, load_model_state, save
     from conveyor.context import Context, init
     from conveyor.partition.annotations import set_stage
     from conveyor.partition.execution import sequence
@@ -28,8 +29,11 @@ __all__ = [
     "ScheduleError",
     "balance",
     "init",
+    "load",
+    "load_model_state",
     "plan",
     "profile",
+    "save",
     "sequence",
     "set_stage",
 ]
@@ -38,6 +42,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Context": "conveyor.context",
     "init": "conveyor.context",
+    "load": "conveyor.checkpoint",
+    "load_model_state": "conveyor.checkpoint",
+    "save": "conveyor.checkpoint",
     "Pipeline": "conveyor.pipeline",
     "plan": "conveyor.plan",
     "profile": "conveyor.profile",

@@ -5,13 +5,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from conveyor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -23,6 +28,12 @@ class Context:
     ``distributed`` is False for the world of one process, which then runs the stages of
     all ``pp_size`` pipeline ranks itself. ``timeout`` (seconds) bounds every wait on a
     peer rank.
+
+    Global rank = ``dp_rank * pp_size + pp_rank``: consecutive ranks form one pipeline
+    replica. ``pp_group`` holds this replica's ranks and ``dp_group`` the ranks with this
+    ``pp_rank`` in every replica (both ``None`` with ``dp_size == 1``: the pipeline is then
+    the whole default group and there is nothing to average). ``mesh`` is the
+    ``(dp, pp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` they come from.
     """
 
     rank: int
@@ -35,10 +46,13 @@ class Context:
     backend: str | None
     distributed: bool
     timeout: float
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    dp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this process's replica."""
-        return pp_rank
+        return self.dp_rank * self.pp_size + pp_rank
 
 
 _current: Context | None = None
@@ -63,8 +77,11 @@ def init(
     Reads the ``torchrun`` environment (or an already initialised default process group).
     ``pp`` defaults to world_size // dp; ``backend`` to ``nccl`` with CUDA, else ``gloo``.
     Without a distributed environment this is a world of one process that runs all ``pp``
-    pipeline ranks itself. ``timeout`` (seconds, default ``$CONVEYOR_TIMEOUT`` or 300)
-    bounds every wait on another rank, so a dead or stalled peer raises instead of hanging.
+    pipeline ranks itself. With ``dp > 1`` the world is ``dp`` pipeline replicas of ``pp``
+    consecutive ranks each; every replica trains on its own shard of the batch and
+    gradients are averaged over the replicas. ``timeout`` (seconds, default
+    ``$CONVEYOR_TIMEOUT`` or 300) bounds every wait on another rank, so a dead or stalled
+    peer raises instead of hanging.
     """
     global _current
     seconds = _timeout_from(timeout)
@@ -74,8 +91,8 @@ def init(
     if not distributed:
         if dp != 1:
             raise ConfigError(
-                f"dp={dp} needs {dp} processes; launch with `conveyor launch --nproc-per-node "
-                f"{(pp or 1) * dp} script.py` (dp > 1 also needs data-parallel support)"
+                f"dp={dp} needs pp x dp processes; launch with `conveyor launch "
+                f"--nproc-per-node {(pp or 1) * dp} script.py`, or use dp=1 in one process"
             )
         _current = Context(0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds)
         return _current
@@ -87,22 +104,72 @@ def init(
         atexit.register(_destroy)
     backend = str(dist.get_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
+    if pp is None and world % dp:
+        raise ConfigError(
+            f"dp={dp} does not divide the world size {world}; launch a multiple of {dp} "
+            f"processes or pick a dp that divides {world}"
+        )
     pp = world // dp if pp is None else pp
     if pp * dp != world:
         raise ConfigError(
             f"world size {world} is not pp x dp = {pp} x {dp}; launch {pp * dp} processes or "
             f"change pp/dp so that pp * dp == {world}"
         )
-    if dp != 1:
-        raise ConfigError("dp > 1 (data x pipeline parallelism) is not supported yet; use dp=1")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    _current = Context(rank, world, rank, pp, 0, dp, device, backend, True, seconds)
+    if dp == 1:
+        _current = Context(rank, world, rank, pp, 0, 1, device, backend, True, seconds)
+        return _current
+    mesh = _device_mesh(device.type, backend, dp, pp, seconds)
+    _current = Context(
+        rank,
+        world,
+        rank % pp,
+        pp,
+        rank // pp,
+        dp,
+        device,
+        backend,
+        True,
+        seconds,
+        pp_group=mesh.get_group("pp"),
+        dp_group=mesh.get_group("dp"),
+        mesh=mesh,
+    )
     return _current
+
+
+def _device_mesh(device_type: str, backend: str, dp: int, pp: int, seconds: float) -> DeviceMesh:
+    """The ``(dp, pp)`` mesh: rank = dp_rank * pp + pp_rank; its groups get our time-out.
+
+    Collective over the whole world (every rank creates every group).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs: dict[str, Any] = {}
+    options = _group_options(backend, seconds)
+    if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
+        kwargs["backend_override"] = {"dp": (backend, options[0]), "pp": (backend, options[1])}
+    # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
+    return init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"), **kwargs)
+
+
+def _group_options(backend: str, seconds: float) -> tuple[Any, Any] | None:
+    """Fresh backend options (one per mesh dimension) carrying a ``seconds`` time-out."""
+    if backend == "gloo":
+        make: Any = dist.ProcessGroupGloo._Options  # type: ignore[attr-defined]
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        make = dist.ProcessGroupNCCL.Options
+    else:
+        return None
+    pair = (make(), make())
+    for options in pair:
+        options._timeout = datetime.timedelta(seconds=seconds)
+    return pair
 
 
 def _destroy() -> None:

@@ -10,6 +10,11 @@ Run it with ``conveyor demo`` (or ``python -m conveyor.demo``): outside ``torchr
 launches itself in ``--nproc`` processes through :mod:`conveyor.launch`, one compute
 thread each; under ``torchrun`` it just runs. Exit code 0 when the held-out accuracy
 is at least 90%, 1 otherwise.
+
+With ``--checkpoint DIR`` it saves every ``--save-every`` steps and, started again (or
+restarted by ``--max-restarts``), resumes from the last checkpoint: the batches are a
+function of the step number, so the resumed run sees exactly the batches the lost one
+would have.
 """
 
 from __future__ import annotations
@@ -74,14 +79,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument(
-        "--chunks", type=int, default=None,
+        "--chunks",
+        type=int,
+        default=None,
         help="stages per process (default: 2 for interleaved and V schedules, else 1)",
     )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--nproc", type=int, default=2, help="processes to launch outside torchrun")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="save to DIR every --save-every steps; resume from it when it holds one",
+    )
+    p.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when launching itself: restart all processes up to N times when one dies "
+        "(resuming from --checkpoint)",
+    )
+    args = p.parse_args(argv)
+    if args.save_every < 1:
+        p.error("--save-every must be >= 1")
+    return args
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> Tensor:
+    """The shuffle of epoch ``epoch``: a function of (seed, epoch) alone, the same on every
+    rank and in a resumed run."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
 def _gather(value: T) -> list[T]:
@@ -96,6 +127,7 @@ def _gather(value: T) -> list[T]:
 def train(args: argparse.Namespace) -> int:
     """Train and evaluate on this rank; return the exit code."""
     import conveyor
+    from conveyor.checkpoint import exists
     from conveyor.progress import Progress
     from conveyor.simulate import simulate
 
@@ -115,30 +147,38 @@ def train(args: argparse.Namespace) -> int:
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     x_train, y_train, x_test, y_test = load_data(args.seed)
 
-    # Every rank draws the same shuffles, so all ranks see the same batches.
-    gen = torch.Generator().manual_seed(args.seed)
     per_epoch = len(x_train) // args.batch_size  # full batches only
     total = args.epochs * per_epoch
-    measure_from = max(0, total - 10)  # bubble and action costs: median of the last steps
+    start = 0
+    if args.checkpoint is not None and exists(args.checkpoint):
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, total)
+        if ctx.rank == 0:
+            print(f"resumed from {args.checkpoint} at step {start} of {total}", flush=True)
+    measure_from = max(start, total - 10)  # bubble and action costs: median of the last steps
     step_times: list[float] = []
     bubbles: list[float] = []
     timings: list[Timing] = []
-    progress = Progress(pipe, total, every=per_epoch)  # a log line per epoch
-    step = 0
-    for _ in range(args.epochs):
-        order = torch.randperm(len(x_train), generator=gen)
-        for i in range(per_epoch):
-            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            t0 = time.perf_counter()
-            loss = pipe.train_step(x_train[idx], y_train[idx])
-            opt.step()
-            opt.zero_grad()
-            step_times.append(time.perf_counter() - t0)
-            progress.step(loss, len(idx))
-            if step >= measure_from:
-                timings += pipe.last_step_timings()
-                bubbles.append(pipe.measured_bubble())
-            step += 1
+    progress = Progress(pipe, total - start, every=per_epoch)  # a log line per epoch
+    progress.count = start
+    order = epoch_order(len(x_train), start // per_epoch, args.seed)
+    for step in range(start, total):
+        # Every rank computes the same batch from the step number alone.
+        if step % per_epoch == 0:
+            order = epoch_order(len(x_train), step // per_epoch, args.seed)
+        i = step % per_epoch
+        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+        t0 = time.perf_counter()
+        loss = pipe.train_step(x_train[idx], y_train[idx])
+        opt.step()
+        opt.zero_grad()
+        step_times.append(time.perf_counter() - t0)
+        progress.step(loss, len(idx))
+        if step >= measure_from:
+            timings += pipe.last_step_timings()
+            bubbles.append(pipe.measured_bubble())
+        done = step + 1
+        if args.checkpoint is not None and (done % args.save_every == 0 or done == total):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
     progress.close()
 
     out = pipe.predict(x_test)
@@ -150,12 +190,11 @@ def train(args: argparse.Namespace) -> int:
     # Replay the schedule in simulated time with each stage's measured action costs.
     everyone = [t for part in _gather(timings) for t in part]
     costs = measured_costs(everyone, pipe.schedule.stages)
-    simulated = simulate(pipe.schedule, cost=costs, comm=0.0)
     if ctx.rank == 0:
+        print(f"held-out accuracy: {accuracy:.1%} ({round(accuracy * len(y_test))}/{len(y_test)})")
+    if ctx.rank == 0 and step_times:  # none when resumed from a finished run
+        simulated = simulate(pipe.schedule, cost=costs, comm=0.0)
         warm = step_times[3:] or step_times
-        print(
-            f"held-out accuracy: {accuracy:.1%} ({round(accuracy * len(y_test))}/{len(y_test)})"
-        )
         print(
             f"median step: {statistics.median(warm) * 1e3:.2f} ms "
             f"({args.schedule}, {stages} stage(s) on {ctx.pp_size} process(es), "
@@ -164,14 +203,15 @@ def train(args: argparse.Namespace) -> int:
         print(
             f"bubble: measured {statistics.median(bubbles):.3f}, simulated "
             f"{simulated.bubble:.3f} from the measured costs per stage, "
-            + ("F/B/W" if pipe.schedule.split_backward else "F/B") + " ms: "
+            + ("F/B/W" if pipe.schedule.split_backward else "F/B")
+            + " ms: "
             + ", ".join(
                 "/".join(f"{c * 1e3:.2f}" for c in cost[: 3 if pipe.schedule.split_backward else 2])
                 for cost in costs
             )
         )
-        if accuracy < MIN_ACCURACY:
-            print(f"FAILED: held-out accuracy below {MIN_ACCURACY:.0%}; train longer (--epochs)")
+    if ctx.rank == 0 and accuracy < MIN_ACCURACY:
+        print(f"FAILED: held-out accuracy below {MIN_ACCURACY:.0%}; train longer (--epochs)")
     return 0 if accuracy >= MIN_ACCURACY else 1
 
 
@@ -182,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     if not in_torchrun() and args.nproc > 1:
         from conveyor.launch import main as launch
 
-        return launch(["--nproc-per-node", str(args.nproc), "-m", "conveyor.demo", *argv])
+        restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
+        return launch(
+            ["--nproc-per-node", str(args.nproc), *restarts, "-m", "conveyor.demo", *argv]
+        )
     code = train(args)
     # After train() has returned, so the pipeline's pending work is gone before its group.
     if dist.is_initialized():

@@ -18,6 +18,22 @@ Two differences, each only when the variable is not already set:
   gradients of 4 x Linear(1024) cost 12.3 ms with ``.grad`` set to None each step, 8.6 ms
   with these set, 7.0 ms with ``.grad`` kept). Memory then stays at its peak, as with
   PyTorch's caching allocators.
+
+Surviving a lost process: ``--max-restarts N`` is torchrun's elastic restart. When a worker
+dies, torchrun stops the others (conveyor's bounded waits, ``conveyor.init(timeout=...)``,
+make sure none hangs meanwhile) and starts them all again, up to N times; a script that
+saves with :func:`conveyor.save` and resumes with :func:`conveyor.load` then loses at most
+the steps since its last checkpoint::
+
+    conveyor launch --nproc-per-node 2 --max-restarts 3 train.py --checkpoint ckpt
+
+For that, with ``--max-restarts`` above 0 the launcher also sets, unless set,
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: in torch 2.13 the restarted workers otherwise
+reuse the first attempt's rendezvous store and their process group connects to the dead
+workers' stale addresses (pytorch/pytorch#135712); and on one machine it uses the c10d
+rendezvous on a free port (``--standalone``) instead of the static one, whose store also
+outlives the attempt. On several machines use ``--rdzv-backend c10d --rdzv-endpoint
+HOST:PORT --rdzv-id JOB`` for restarts.
 """
 
 from __future__ import annotations
@@ -42,8 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in MALLOC_TUNABLES:
         os.environ.setdefault(name, str(1 << 30))
+    config = parse_args(args)  # type: ignore[no-untyped-call]
+    if config.max_restarts > 0:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        if config.rdzv_backend == "static" and str(config.nnodes) in ("1", "1:1"):
+            config.standalone = True
     try:
-        run(parse_args(args))  # type: ignore[no-untyped-call]
+        run(config)  # type: ignore[no-untyped-call]
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
         codes = [f.exitcode for f in e.failures.values() if f.exitcode > 0]

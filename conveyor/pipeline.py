@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition import shared_parameters, split_model
 from conveyor.plan import Plan, plan
 from conveyor.runtime import microbatch
+from conveyor.runtime.data_parallel import DataParallel, global_loss
 from conveyor.runtime.engine import Engine, LossFn, Mode
+from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.shared import SharedParameters
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
@@ -35,6 +38,23 @@ class Pipeline:
     (keeping ``microbatches``), profiling the model on ``sample=(inputs, targets)`` within
     ``memory_limit`` bytes per rank; the result is ``pipe.plan``. In a distributed world
     every rank must build the pipeline at the same time (planning is collective).
+
+    Data x pipeline parallelism (``conveyor.init(pp=P, dp=D)`` on P x D processes): each of
+    the D pipeline replicas passes its own shard of the global batch (pick it with
+    ``ctx.dp_rank`` / ``ctx.dp_size``; shards may differ in size). Replicas start from
+    replica 0's parameters; ``train_step`` averages each stage's gradient over the replicas,
+    weighted by shard size (started as soon as the stage's last backward has run), so
+    ``.grad`` gets the global batch's gradient and the returned loss is the global batch's.
+    ``pipe.clip_grad_norm_`` clips by the norm over the whole model.
+
+    ``recompute=True`` (every stage) or a collection of global stage indices (0 to
+    pp x chunks - 1) keeps only those stages' inputs from F to B and re-runs their forward
+    at B (under the RNG state F had, so dropout repeats its masks): less activation memory
+    for one more forward (not where a micro-batch's B directly follows its F: nothing would
+    be freed). Modules that change state in forward (BatchNorm's running statistics) update
+    twice. ``autocast=torch.bfloat16`` (or ``torch.float16``) runs every
+    stage's forward and the loss under ``torch.autocast``; parameters and gradients keep
+    their dtype, activations cross ranks in the autocast dtype.
     """
 
     def __init__(
@@ -49,6 +69,8 @@ class Pipeline:
         context: Context | None = None,
         sample: tuple[Any, Any] | None = None,
         memory_limit: float | None = None,
+        recompute: bool | Iterable[int] = False,
+        autocast: torch.dtype | None = None,
     ) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -77,7 +99,14 @@ class Pipeline:
             else tuple(range(self.schedule.stages))
         )
         self._stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
-        self._engine = Engine(self.schedule, self._stages, loss_fn, ctx)
+        self._engine = Engine(
+            self.schedule,
+            self._stages,
+            loss_fn,
+            ctx,
+            recompute=recompute_stages(recompute, self.schedule.stages),
+            autocast=autocast_dtype(autocast),
+        )
         # Tied weights on several ranks: copies start equal and their gradients are summed.
         tied = [
             (dict(all_stages[stages[0]].named_parameters())[name], stages)
@@ -85,6 +114,12 @@ class Pipeline:
         ]
         self._shared = SharedParameters(tied, self.schedule.placement, self._stages, ctx)
         self._shared.make_equal()
+        # Data parallel replicas: start equal, average gradients while the pipeline drains.
+        self._dp: DataParallel | None = None
+        if ctx.distributed and ctx.dp_size > 1:
+            self._dp = DataParallel(self.schedule, self._stages, ctx)
+            self._dp.make_equal(self._stages)
+            self._engine.after_action = self._dp.after_action
 
     @staticmethod
     def _make_schedule(
@@ -137,10 +172,20 @@ class Pipeline:
                 weights = [microbatch.batch_size(t, "targets") / total for t in mb_targets]
         return self._engine.run(mode, mb_inputs, mb_targets, weights)
 
-    def _share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+    def _shard_size(self, targets: Any) -> int | None:
+        """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
+        if self._dp is None or not self._holds(self.schedule.stages - 1):
+            return None
+        if targets is None:
+            self._split(targets, "targets", needed=True)  # raises the usual error
+        return microbatch.batch_size(targets, "targets")
+
+    def _share_loss(self, loss: torch.Tensor | None, size: int | None) -> torch.Tensor:
         if not self.context.distributed:
             assert loss is not None
             return loss
+        if self._dp is not None:
+            return global_loss(loss, size, self.context)
         holder = self.schedule.placement[-1]
         buf = (
             loss.detach().to(torch.float32).reshape(1)
@@ -148,7 +193,7 @@ class Pipeline:
             else torch.zeros(1, dtype=torch.float32, device=self.context.device)
         )
         try:
-            dist.broadcast(buf, self.context.global_rank(holder))
+            dist.broadcast(buf, self.context.global_rank(holder), group=self.context.pp_group)
         except Exception as exc:
             raise PipelineError(
                 f"rank {self.context.pp_rank}: receiving the loss from rank {holder} failed "
@@ -160,19 +205,36 @@ class Pipeline:
         """Forward and backward of one batch; returns the batch loss (detached) on every rank.
 
         Gradients are added to each local parameter's ``.grad``, like ``loss.backward()``.
+        With data parallelism: ``.grad`` += the shard-size-weighted mean over the replicas
+        of this step's gradient, and the loss is the global batch's.
         """
+        dp = self._dp
+        size = self._shard_size(targets)
+        if dp is not None:
+            dp.begin(size)  # puts the gradients of earlier steps aside
         if self._shared:
             self._shared.remember()
-        loss, _ = self._run("train", inputs, targets)
-        if self._shared:
-            self._shared.reduce()
-        return self._share_loss(loss)
+        try:
+            loss, _ = self._run("train", inputs, targets)
+            if dp is not None:
+                dp.wait()  # each .grad: this step's gradient, averaged over the replicas
+            if self._shared:
+                self._shared.reduce()
+        except BaseException:
+            if dp is not None:
+                dp.abort()
+            raise
+        if dp is not None:
+            dp.restore()
+        return self._share_loss(loss, size)
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """The batch loss without gradients, on every rank."""
+        """The batch loss without gradients, on every rank (the global batch's with data
+        parallelism)."""
+        size = self._shard_size(targets)
         loss, _ = self._run("eval", inputs, targets)
-        return self._share_loss(loss)
+        return self._share_loss(loss, size)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -188,7 +250,8 @@ class Pipeline:
         return list(self._engine.timings)
 
     def measured_bubble(self) -> float:
-        """1 - busy time / (ranks x step time) of the last step, over all pipeline ranks.
+        """1 - busy time / (ranks x step time) of the last step, over all pipeline ranks
+        (of this replica, with data parallelism).
 
         A collective in a distributed world: call it on every rank.
         """
@@ -198,8 +261,8 @@ class Pipeline:
         if self.context.distributed:
             buf = torch.tensor([busy, wall], dtype=torch.float64)
             walls = torch.tensor([wall], dtype=torch.float64)
-            dist.all_reduce(buf[:1])
-            dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+            dist.all_reduce(buf[:1], group=self.context.pp_group)
+            dist.all_reduce(walls, op=dist.ReduceOp.MAX, group=self.context.pp_group)
             busy, wall = float(buf[0]), float(walls[0])
         ranks = self.schedule.ranks
         return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
@@ -208,14 +271,14 @@ class Pipeline:
         """Write the last step as one Chrome trace JSON (open it in Perfetto or
         chrome://tracing): a track per rank, an event per action and per transfer wait.
 
-        A collective in a distributed world: call it on every rank; rank 0 writes. The
-        file also records the schedule's order and the measured and simulated bubble;
-        ``conveyor trace FILE --png PICTURE`` draws it.
+        A collective in a distributed world: call it on every rank; rank 0 writes (with data
+        parallelism, the step of replica 0). The file also records the schedule's order and
+        the measured and simulated bubble; ``conveyor trace FILE --png PICTURE`` draws it.
         """
         parts = [(self._engine.timings, self._engine.waits)]
         if self.context.distributed:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, parts[0])
+            gathered: list[Any] = [None] * self.context.pp_size
+            dist.all_gather_object(gathered, parts[0], group=self.context.pp_group)
             parts = gathered
         if self.context.rank != 0:
             return
@@ -234,6 +297,54 @@ class Pipeline:
         }
         with open(path, "w") as f:
             json.dump(chrome_trace(timings, waits, info), f)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole model's gradients like :func:`torch.nn.utils.clip_grad_norm_`.
+
+        The total norm covers every stage on every rank, each parameter once (a tied
+        weight with copies on several ranks; data-parallel replicas, which hold equal
+        gradients after ``train_step``). Every local gradient is scaled by
+        ``min(1, max_norm / (total + 1e-6))``; returns the total norm (float32), the same on
+        every rank. ``norm_type``: any p > 0, or ``inf``. A collective in a distributed world:
+        call it on every rank.
+        """
+        p = float(norm_type)
+        if not p > 0:
+            raise ConfigError(
+                f"norm_type must be > 0 or inf, got {norm_type!r}; use 2.0 (the default) or "
+                f"float('inf')"
+            )
+        ctx = self.context
+        params = [q for q in self.parameters() if q.grad is not None]
+        copies = self._shared.copies()  # tied copies counted on another rank
+        # Per-parameter norms in at least float32, combined in float64 (the same on all ranks).
+        norms = [
+            torch.linalg.vector_norm(g, p, dtype=torch.promote_types(g.dtype, torch.float32))
+            for g in (q.grad for q in params if id(q) not in copies)
+            if g is not None
+        ]
+        stacked = (
+            torch.stack([n.double() for n in norms])
+            if norms
+            else torch.zeros(1, dtype=torch.float64, device=ctx.device)
+        )
+        total: torch.Tensor
+        if not ctx.distributed:
+            total = torch.linalg.vector_norm(stacked, p)
+        elif math.isinf(p):
+            total = stacked.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=ctx.pp_group)
+        else:
+            total = torch.linalg.vector_norm(stacked, p).pow(p)
+            dist.all_reduce(total, group=ctx.pp_group)
+            total = total.pow(1.0 / p)
+        total = total.float()
+        scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for q in params:
+            assert q.grad is not None
+            q.grad.mul_(scale.to(q.grad.device))
+        return total
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

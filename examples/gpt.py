@@ -4,11 +4,16 @@ conveyor on the Python standard library's own source (a corpus every machine has
     python examples/gpt.py                                   # one process, 2 stages
     conveyor launch --nproc-per-node 2 examples/gpt.py       # 2 processes
     conveyor launch --nproc-per-node 4 examples/gpt.py --schedule interleaved-1f1b --chunks 2
+    conveyor launch --nproc-per-node 2 --max-restarts 3 examples/gpt.py --checkpoint ckpt
 
 Stages are named MindSpore style: ``block.pipeline_stage = k`` on the first block of each
 stage; the embeddings take stage 0 and the final norm and head the last stage, because
 un-annotated modules take the stage of the data they consume. The tied weight lives on the
 first and the last stage; conveyor finds it and keeps both copies equal.
+
+With ``--checkpoint DIR`` the run saves every ``--save-every`` steps and resumes from DIR
+when started again (or restarted by ``--max-restarts``): batch ``k`` is drawn from a
+generator seeded with ``k``, so a resumed run sees the batches the lost one would have.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.checkpoint import exists
 from conveyor.progress import Progress
 
 
@@ -140,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
     ap.add_argument("--sample", type=int, default=200, help="characters to generate")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from")
+    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -159,16 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         context=ctx,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1)
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
     say(
         f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{pipe.schedule.stages} stages on {ctx.pp_size} ranks ({args.schedule})"
     )
-    progress = Progress(pipe, args.steps, every=max(args.steps // 10, 1))
-    loss = torch.tensor(math.nan)
-    for _ in range(args.steps):
+    start = 0
+    if args.checkpoint and exists(args.checkpoint):
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, args.steps)
+        say(f"resumed from {args.checkpoint} at step {start}")
+    progress = Progress(pipe, args.steps - start, every=max(args.steps // 10, 1))
+    progress.count = start
+    loss = torch.tensor(0.0)
+    for step in range(start, args.steps):
+        # The batch of a step depends on the step alone: resuming repeats nothing.
+        gen = torch.Generator().manual_seed(step)
         at = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=gen)
         x = torch.stack([data[i : i + args.context] for i in at.tolist()])
         y = torch.stack([data[i + 1 : i + args.context + 1] for i in at.tolist()])
@@ -176,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad()
         progress.step(loss, args.batch_size)
+        done = step + 1
+        if args.checkpoint and (done % args.save_every == 0 or done == args.steps):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
     progress.close()
     out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))

@@ -3,11 +3,17 @@
     python examples/resnet.py --data cifar-10-batches-bin       # one process, 2 stages
     conveyor launch --nproc-per-node 2 examples/resnet.py --data cifar-10-batches-bin
     python examples/resnet.py --steps 5                          # no data: random images
+    conveyor launch --nproc-per-node 2 --max-restarts 3 examples/resnet.py \
+        --data cifar-10-batches-bin --checkpoint ckpt            # survives a lost process
 
 ``--data`` is the folder of CIFAR-10's binary version (``data_batch_1.bin`` ...
 ``test_batch.bin``: records of one label byte and 3072 pixel bytes). Without it the
 example trains on random data of the same shape, which shows the pipeline running but
 learns nothing. ResNet-50 is defined here (there is no torchvision on this machine).
+
+With ``--checkpoint DIR`` the run saves every ``--save-every`` steps (model, batch-norm
+statistics, optimizer) and resumes from DIR when started again; step ``k`` trains on
+images ``k * batch ... (k + 1) * batch`` of one fixed shuffle, so nothing is repeated.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.checkpoint import exists
 from conveyor.progress import Progress
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
@@ -125,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=int, default=64, help="width of the first stage (64: ResNet-50)")
     ap.add_argument("--blocks", default="3,4,6,3")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from")
+    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -156,13 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     steps = len(x_train) // args.batch_size
     if args.steps:
         steps = min(steps, args.steps)
-    progress = Progress(pipe, steps, every=max(steps // 10, 1))
-    for step in range(steps):
+    start = 0
+    if args.checkpoint and exists(args.checkpoint):
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, steps)
+        say(f"resumed from {args.checkpoint} at step {start}")
+    progress = Progress(pipe, steps - start, every=max(steps // 10, 1))
+    progress.count = start
+    for step in range(start, steps):
         at = order[step * args.batch_size : (step + 1) * args.batch_size]
         loss = pipe.train_step(x_train[at], y_train[at])
         opt.step()
         opt.zero_grad()
         progress.step(loss, len(at))
+        done = step + 1
+        if args.checkpoint and (done % args.save_every == 0 or done == steps):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
     progress.close()
     model.eval()  # the stages are the model's own modules: batch norm uses running stats
     correct = 0

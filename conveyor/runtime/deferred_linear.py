@@ -5,7 +5,9 @@ Under a split backward, B needs only ``dX = dY W`` and W only ``dW = dYᵀ X``. 
 and keeps (X, dY); W adds ``dYᵀ X`` straight into ``weight.grad`` with one GEMM over every
 micro-batch whose W runs together, instead of one small GEMM, one fresh gradient tensor and
 one accumulation per micro-batch. Other operations go through autograd as usual
-(:mod:`conveyor.runtime.split_backward`).
+(:mod:`conveyor.runtime.split_backward`). Under ``torch.autocast`` the call computes as
+autocast's linear does (X, W and bias in the autocast dtype); X and dY are kept in that
+dtype and W's GEMM runs in it, its result added to the parameter's own-dtype gradient.
 """
 
 from __future__ import annotations
@@ -20,29 +22,40 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+# What autocast casts to its lower precision (float64 is left alone).
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: list[Entry]
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slot: list[Entry],
+        cast: torch.dtype | None,
     ) -> torch.Tensor:
+        if cast is not None:  # autocast: x comes cast already, the parameters are cast here
+            weight = weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, weight, bias, slot = inputs
-        ctx.save_for_backward(x, weight)
+        x, weight, bias, slot, _ = inputs
+        ctx.save_for_backward(x, weight)  # the parameter itself: cast again in backward
         ctx.bias, ctx.slot, ctx.done = bias, slot, False
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         x, weight = ctx.saved_tensors
         if not ctx.done:  # a replay of the graph (W of another branch) must not add twice
-            ctx.slot.append((weight, ctx.bias, x, dy))
+            # x detached: its graph (every saved tensor before it) need not live until W.
+            ctx.slot.append((weight, ctx.bias, x.detach(), dy))
             ctx.done = True
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        return dx, None, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return dy @ weight.to(dy.dtype), None, None, None, None
 
 
 def is_deferred(node: Node) -> bool:
@@ -64,7 +77,13 @@ class _Capture(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if id(weight) in self.params and (bias is None or id(bias) in self.params):
-                return _DeferredLinear.apply(x, weight, bias, self.slot)  # type: ignore[no-untyped-call]
+                device = x.device.type
+                if not torch.is_autocast_enabled(device):
+                    return _DeferredLinear.apply(x, weight, bias, self.slot, None)  # type: ignore[no-untyped-call]
+                # As autocast's linear: x, weight and bias in the autocast dtype.
+                cast = torch.get_autocast_dtype(device)
+                if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
+                    return _DeferredLinear.apply(x.to(cast), weight, bias, self.slot, cast)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
 
@@ -93,10 +112,13 @@ class LinearWeightStore:
             weight, bias = entries[0][0], entries[0][1]
             xs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, x, _ in entries])
             dys = torch.cat([dy.reshape(-1, dy.shape[-1]) for _, _, _, dy in entries])
-            if weight.grad is None:
+            if dys.dtype != weight.dtype:  # autocast: a low-precision GEMM, fp32 gradient
+                gw = (dys.t() @ xs).to(weight.dtype)
+                weight.grad = gw if weight.grad is None else weight.grad.add_(gw)
+            elif weight.grad is None:
                 weight.grad = dys.t() @ xs
             else:
                 weight.grad.addmm_(dys.t(), xs)
             if bias is not None:
-                db = dys.sum(0)
+                db = dys.sum(0, dtype=bias.dtype)
                 bias.grad = db if bias.grad is None else bias.grad.add_(db)

@@ -9,6 +9,8 @@ same code is correct on NCCL, which matches by order, and gloo, which matches by
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 import zlib
 from collections.abc import Callable
@@ -23,6 +25,13 @@ from torch.utils import _pytree as pytree
 from conveyor.context import Context
 from conveyor.errors import PipelineError
 from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.recompute import (
+    RngState,
+    discard_saved,
+    replay_rng,
+    rng_state,
+    shape_only,
+)
 from conveyor.runtime.split_backward import WeightWork, backward_input
 from conveyor.runtime.transport import Transport, Work
 from conveyor.runtime.wire import (
@@ -65,6 +74,8 @@ class _Plan:
     program: list[tuple[int, Action]]
     remote_input: list[Action | None]  # per program index: the remote message it consumes
     incoming: dict[int, list[Action]]  # per peer: producers of messages to us, in send order
+    # (stage, micro-batch) whose B comes right after its F: recompute would free nothing.
+    adjacent: frozenset[tuple[int, int]] = frozenset()
 
 
 def call_stage(stage: nn.Module, value: Any, first: bool) -> Any:
@@ -84,12 +95,26 @@ class Engine:
     """Runs train / eval / predict steps of one schedule over this process's stages."""
 
     def __init__(
-        self, schedule: Schedule, stages: dict[int, nn.Module], loss_fn: LossFn, ctx: Context
+        self,
+        schedule: Schedule,
+        stages: dict[int, nn.Module],
+        loss_fn: LossFn,
+        ctx: Context,
+        *,
+        recompute: frozenset[int] = frozenset(),
+        autocast: torch.dtype | None = None,
     ) -> None:
+        """``recompute``: global indices of stages whose forward is re-run at B instead of
+        keeping its activations; ``autocast``: the dtype stage forwards run under
+        ``torch.autocast`` (None: as the model is)."""
         self.schedule = schedule
         self.stages = stages
         self.loss_fn = loss_fn
         self.ctx = ctx
+        self.recompute = frozenset(s for s in recompute if s in stages)
+        self.autocast = autocast
+        # Neither option: the forward runs exactly the original, option-free code.
+        self._plain = not self.recompute and autocast is None
         self.device = ctx.device
         self.last = schedule.stages - 1
         self.rank = ctx.pp_rank
@@ -108,6 +133,9 @@ class Engine:
         self.timings: list[Timing] = []
         # (rank, "F" or "B" of the producer waited for, its stage, micro-batch, start, end)
         self.waits: list[Timing] = []
+        # Called after each action of a step (after a fused run of W, with each of them):
+        # data parallelism starts reducing a stage's gradients after its last B / W.
+        self.after_action: Callable[[Action], None] | None = None
 
     # ----------------------------------------------------------------- planning
     def _plan(self, train: bool) -> _Plan:
@@ -133,6 +161,11 @@ class Engine:
                 if sent:
                     incoming[peer] = sent
             plan = _Plan(program, remote, incoming)
+        plan.adjacent = frozenset(
+            (a.stage, a.microbatch)
+            for (_, a), (_, b) in itertools.pairwise(plan.program)
+            if a.kind == F and b.kind == B and (a.stage, a.microbatch) == (b.stage, b.microbatch)
+        )
         self._plans[train] = plan
         return plan
 
@@ -178,6 +211,7 @@ class Engine:
         """
         train = mode == "train"
         plan = self._plan(train)
+        self._adjacent = plan.adjacent
         self._mode: Mode = mode
         self._train = train
         self._sig = self._agree_signature(inputs)
@@ -187,6 +221,8 @@ class Engine:
         self._recvs: dict[Action, _Recv] = {}
         self._cursor = dict.fromkeys(plan.incoming, 0)
         self._weights_pending: dict[tuple[int, int], WeightWork] = {}
+        # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
+        self._stash: dict[tuple[int, int], tuple[Any, RngState]] = {}
         self._outputs: dict[int, Any] = {}
         self._loss: torch.Tensor | None = None
         timings: list[Timing] = []
@@ -211,6 +247,8 @@ class Engine:
                     for k, (_, a) in enumerate(program[i:j]):
                         start = self._start - t0 + k * share
                         timings.append((rank, W, a.stage, a.microbatch, start, start + share))
+                        if self.after_action is not None:
+                            self.after_action(a)
                     i = j
                     continue
                 if action.kind == F:
@@ -218,9 +256,17 @@ class Engine:
                 else:
                     self._backward(action)
                 timings.append(
-                    (rank, action.kind, action.stage, action.microbatch, self._start - t0,
-                     clock() - t0)
+                    (
+                        rank,
+                        action.kind,
+                        action.stage,
+                        action.microbatch,
+                        self._start - t0,
+                        clock() - t0,
+                    )
                 )
+                if self.after_action is not None:
+                    self.after_action(action)
                 i += 1
         if self.transport is not None:
             self.transport.flush()
@@ -255,7 +301,7 @@ class Engine:
                 f"on this rank"
             )
         buf = torch.tensor([sig], dtype=torch.int64, device=self.device)
-        dist.broadcast(buf, self.ctx.global_rank(holder))
+        dist.broadcast(buf, self.ctx.global_rank(holder), group=self.ctx.pp_group)
         return int(buf.item())
 
     # ----------------------------------------------------------------- compute
@@ -274,14 +320,20 @@ class Engine:
         else:
             value = self._take(Action(F, s - 1, m), action)
             in_leaves = _grad_leaves(value) if self._train else []
-        if self._train and self.schedule.split_backward:
+        scaled: torch.Tensor | None = None
+        if not self._plain:
+            out, scaled = self._forward_with_options(s, m, value)
+        elif self._train and self.schedule.split_backward:
             with self._store.capture((s, m)):
                 out = call_stage(self.stages[s], value, first=s == 0)
         else:
             out = call_stage(self.stages[s], value, first=s == 0)
         if s < self.last:
             if self._train:
-                self._saved[(s, m)] = (in_leaves, _grad_leaves(out))
+                outs = _grad_leaves(out)
+                if self._stash and (s, m) in self._stash:  # recomputed at B: shapes only
+                    outs = [shape_only(t) for t in outs]
+                self._saved[(s, m)] = (in_leaves, outs)
             self._deliver(action, out)
             return
         if self._mode == "predict":
@@ -289,6 +341,17 @@ class Engine:
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
             )
             return
+        if scaled is None:
+            scaled = self._scaled_loss(out, m)
+        total = scaled.detach()
+        self._loss = total if self._loss is None else self._loss + total
+        if self._train:
+            # A recomputed last stage keeps nothing: B recomputes the loss too.
+            recomputed = self._stash and (s, m) in self._stash
+            self._saved[(s, m)] = (in_leaves, [] if recomputed else [scaled])
+
+    def _scaled_loss(self, out: Any, m: int) -> torch.Tensor:
+        """The micro-batch's loss times its share of the batch."""
         assert self._targets is not None and self._weights is not None
         loss = self.loss_fn(out, self._targets[m])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -296,17 +359,54 @@ class Engine:
             raise PipelineError(
                 f"loss_fn must return a scalar tensor (the mean loss of the micro-batch), got {got}"
             )
-        scaled = loss.reshape(()) * self._weights[m]
-        total = scaled.detach()
-        self._loss = total if self._loss is None else self._loss + total
-        if self._train:
-            self._saved[(s, m)] = (in_leaves, [scaled])
+        return loss.reshape(()) * self._weights[m]
+
+    def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, torch.Tensor | None]:
+        """F under autocast and/or recompute; returns the output and, on the last stage
+        (outside predict), the scaled loss, computed under the same autocast."""
+        recompute = self._train and s in self.recompute and (s, m) not in self._adjacent
+        if recompute:
+            self._stash[(s, m)] = (value, rng_state(self.device))
+        capture = self._train and self.schedule.split_backward and not recompute
+        scaled = None
+        with contextlib.ExitStack() as stack:
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+            if recompute:
+                # Build the graph (outputs know which of them need gradients), save nothing.
+                stack.enter_context(discard_saved())
+            with self._store.capture((s, m)) if capture else contextlib.nullcontext():
+                out = call_stage(self.stages[s], value, first=s == 0)
+            if s == self.last and self._mode != "predict":
+                scaled = self._upcast(self._scaled_loss(out, m))
+        return out, scaled
+
+    def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
+        """B of a recompute stage: its forward again, from the kept input and RNG state;
+        returns the outputs to differentiate."""
+        value, rng = self._stash.pop((s, m))
+        split = self.schedule.split_backward
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(replay_rng(rng, self.device))
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+            with self._store.capture((s, m)) if split else contextlib.nullcontext():
+                out = call_stage(self.stages[s], value, first=s == 0)
+            if s == self.last:
+                return [self._upcast(self._scaled_loss(out, m))]
+        return _grad_leaves(out)
+
+    def _upcast(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss computed in the autocast dtype, in float32 (micro-batch losses add up)."""
+        return loss.float() if self.autocast is not None and loss.dtype == self.autocast else loss
 
     def _backward(self, action: Action) -> None:
         s, m = action.stage, action.microbatch
         # Receive first: posting the gradient receive reads the saved outputs' shapes.
         grads = None if s == self.last else self._take(Action(B, s + 1, m), action)
         in_leaves, outs = self._saved.pop((s, m))
+        if self._stash and (s, m) in self._stash:
+            outs = self._rerun(s, m)
         if self.schedule.split_backward:
             got, work = backward_input(outs, grads, in_leaves, self._params[s])
             self._weights_pending[(s, m)] = work
@@ -395,8 +495,16 @@ class Engine:
             self.transport.wait(work, peer, what)
         self._start = time.perf_counter()
         if self._start - began > 1e-5:  # a real wait, not an already finished receive
-            self._waits.append((self.rank, producer.kind, producer.stage, producer.microbatch,
-                                began - self._t0, self._start - self._t0))
+            self._waits.append(
+                (
+                    self.rank,
+                    producer.kind,
+                    producer.stage,
+                    producer.microbatch,
+                    began - self._t0,
+                    self._start - self._t0,
+                )
+            )
         if producer.kind == B:
             return recv.tensors
         assert recv.meta is not None

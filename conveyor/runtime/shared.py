@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,7 +17,9 @@ class SharedParameters:
     ``shared`` lists each tied parameter (this process's copy) with the stages using it.
 
     Every rank builds the same partition, so every rank creates the same process groups in
-    the same order (``new_group`` is collective over the world).
+    the same order (``new_group`` is collective over the world): for each set of pipeline
+    ranks sharing a parameter, one group per data-parallel replica, holding that
+    replica's ranks of the set. Gradients are summed within the replica only.
     """
 
     def __init__(
@@ -27,23 +31,33 @@ class SharedParameters:
     ) -> None:
         self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
         self._before: list[torch.Tensor | None] = []
+        self._rank = 0
         if not ctx.distributed:
             return  # one process: the stages share the very same Parameter object
+        timeout = datetime.timedelta(seconds=ctx.timeout)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for param, stages in shared:
             ranks = tuple(sorted({placement[s] for s in stages}))
             if len(ranks) < 2:
                 continue
             if ranks not in groups:
-                members = [ctx.global_rank(r) for r in ranks]
-                group = dist.new_group(members)
-                assert group is not None
-                groups[ranks] = group
+                for replica in range(ctx.dp_size):
+                    members = [replica * ctx.pp_size + r for r in ranks]
+                    group = dist.new_group(members, timeout=timeout)
+                    if replica == ctx.dp_rank:
+                        assert group is not None
+                        groups[ranks] = group
             if any(s in local for s in stages):
                 self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
+        self._rank = ctx.rank
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def copies(self) -> set[int]:
+        """``id`` of each local parameter whose first copy lives on another rank (to count a
+        tied parameter once in a norm over the whole model)."""
+        return {id(p) for p, _, src in self._entries if src != self._rank}
 
     @torch.no_grad()
     def make_equal(self) -> None:

@@ -45,19 +45,26 @@ class Transport:
 
     def wait(self, work: Work, peer: int, what: str) -> None:
         """Wait for ``work`` at most ``timeout`` seconds, naming ``what`` if it fails."""
+        me, them = self.name(self.rank), self.name(peer)
         try:
             ok = work.wait(self._delta)
         except Exception as exc:
             raise PipelineError(
-                f"rank {self.rank}: {what} from rank {peer} failed ({_short(exc)}); rank "
-                f"{peer} may have died or stalled (time-out {self.timeout:g} s, set with "
-                f"conveyor.init(timeout=...) or $CONVEYOR_TIMEOUT)"
+                f"{me}: {what} from {them} failed ({_short(exc)}); {them} may have died or "
+                f"stalled (time-out {self.timeout:g} s, set with conveyor.init(timeout=...) or "
+                f"$CONVEYOR_TIMEOUT)"
             ) from exc
         if ok is False:
             raise PipelineError(
-                f"rank {self.rank}: {what} from rank {peer} did not arrive within "
-                f"{self.timeout:g} s; rank {peer} may have died or stalled"
+                f"{me}: {what} from {them} did not arrive within {self.timeout:g} s; {them} "
+                f"may have died or stalled"
             )
+
+    def name(self, rank: int) -> str:
+        """``rank N`` for pipeline rank ``rank``; with data parallelism, the global rank
+        and the pipeline rank (``rank 3 (pipeline rank 1)``)."""
+        index = self.to_global(rank)
+        return f"rank {rank}" if index == rank else f"rank {index} (pipeline rank {rank})"
 
     def flush(self) -> None:
         """Wait for every send started since the last flush."""
@@ -67,8 +74,8 @@ class Transport:
                 work.wait(self._delta)
             except Exception as exc:
                 raise PipelineError(
-                    f"rank {self.rank}: {what} failed ({_short(exc)}); the receiving rank may "
-                    f"have died or stalled (time-out {self.timeout:g} s)"
+                    f"{self.name(self.rank)}: {what} failed ({_short(exc)}); the receiving rank "
+                    f"may have died or stalled (time-out {self.timeout:g} s)"
                 ) from exc
 
     def prune(self) -> None:

@@ -1,0 +1,256 @@
+"""Data x pipeline parallelism: average each step's gradients over the pipeline replicas.
+
+With ``conveyor.init(pp=P, dp=D)`` the world is D replicas of one P-rank pipeline; replica
+r trains on its own shard of the global batch. After a step, every stage's gradient must be
+the global batch's: ``sum_r (n_r / N) * g_r``, where ``g_r`` is replica r's gradient of its
+shard's mean loss, ``n_r`` its shard size and ``N`` the global batch size (with even shards,
+the plain mean over replicas).
+
+A stage's gradients are final once the last backward (or W) of that stage has run on this
+rank, usually well before the pipeline has drained: the engine reports every action to
+:meth:`DataParallel.after_action`, which then flattens those gradients into one buffer per
+dtype and starts an asynchronous all-reduce in the ``dp`` group, overlapping the rest of
+the step; :meth:`DataParallel.wait` finishes them at the end of the step.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.context import Context
+from conveyor.errors import PipelineError
+from conveyor.schedules import Action, F, Schedule
+
+T = TypeVar("T", bound=torch.Tensor)
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are final when all of ``stages`` are done."""
+
+    stages: frozenset[int]
+    params: list[nn.Parameter]
+    # In flight: (all-reduce work, flat buffer, the buffer's parameters) per dtype/device.
+    pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    launched: bool = False
+
+
+class DataParallel:
+    """Averages one pipeline rank's gradients of each step over the data-parallel replicas.
+
+    ``.grad`` accumulates across steps, like ``backward()``: :meth:`begin` puts each
+    gradient aside so the step writes only its own contribution, :meth:`wait` replaces that
+    with the replicas' weighted mean, and :meth:`restore` adds back what was put aside.
+    Tied parameters need no care here: their cross-rank sum (``SharedParameters``) and this
+    mean are both linear in the step's gradient, so run the sum between :meth:`wait` and
+    :meth:`restore`.
+    """
+
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], ctx: Context) -> None:
+        if not ctx.distributed or ctx.dp_group is None:
+            raise ValueError("DataParallel needs a distributed context with dp_size > 1")
+        self._ctx = ctx
+        self._group = ctx.dp_group
+        self._delta = datetime.timedelta(seconds=ctx.timeout)
+        users: dict[int, set[int]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for s in sorted(stages):
+            for p in stages[s].parameters():
+                if p.requires_grad:
+                    users.setdefault(id(p), set()).add(s)
+                    params.setdefault(id(p), p)
+        self._params = list(params.values())
+        by_stages: dict[frozenset[int], list[nn.Parameter]] = {}
+        for key, p in params.items():
+            by_stages.setdefault(frozenset(users[key]), []).append(p)
+        self._buckets = [_Bucket(s, ps) for s, ps in by_stages.items()]
+        # The last backward / W of each local stage in this rank's program.
+        last: dict[int, Action] = {}
+        for action in schedule.actions[ctx.pp_rank]:
+            if action.kind != F and action.stage in stages:
+                last[action.stage] = action
+        self._final = {a: s for s, a in last.items()}
+        self._stash: list[torch.Tensor | None] | None = None
+        self._done: set[int] = set()
+        self._weight = 1.0
+        self.launched_early = 0  # buckets started by after_action (the rest by wait)
+
+    # ----------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def make_equal(self, stages: dict[int, nn.Module]) -> None:
+        """Copy parameters and buffers from replica 0, so all replicas start equal."""
+        seen: set[int] = set()
+        tensors: list[torch.Tensor] = []
+        for s in sorted(stages):
+            for t in [*stages[s].parameters(), *stages[s].buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors.append(t)
+        src = self._ctx.pp_rank  # global rank of this pipeline rank in replica 0
+        for group in _by_dtype(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._collective(
+                dist.broadcast(flat, src, group=self._group, async_op=True),
+                f"copying the parameters of replica 0 (rank {src})",
+            )
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    # ----------------------------------------------------------------- one step
+    def begin(self, size: int | None) -> None:
+        """Start a training step; ``size`` is this replica's batch size on the rank holding
+        the last stage, None elsewhere. Collective over the world."""
+        ctx = self._ctx
+        sizes = torch.zeros(ctx.dp_size, dtype=torch.float64, device=ctx.device)
+        if size is not None:
+            sizes[ctx.dp_rank] = size
+        self._collective(
+            dist.all_reduce(sizes, async_op=True), "exchanging the replicas' batch sizes"
+        )
+        counts = sizes.tolist()
+        if min(counts) <= 0:
+            raise PipelineError(
+                f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a "
+                f"non-empty shard"
+            )
+        self._weight = counts[ctx.dp_rank] / sum(counts)
+        self._stash = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._done = set()
+        for bucket in self._buckets:
+            bucket.pending, bucket.launched = [], False
+
+    def after_action(self, action: Action) -> None:
+        """Engine hook: after a stage's last backward / W, start reducing what is final."""
+        stage = self._final.get(action)
+        if stage is None or self._stash is None:
+            return
+        self._done.add(stage)
+        for bucket in self._buckets:
+            if not bucket.launched and bucket.stages <= self._done:
+                self._launch(bucket)
+                self.launched_early += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        for params in _by_dtype(bucket.params):
+            p0 = params[0]
+            n = sum(p.numel() for p in params)
+            # This step's gradients, then one flag per parameter: did it get a gradient?
+            flat = torch.empty(n + len(params), dtype=p0.dtype, device=p0.device)
+            offset = 0
+            for p in params:
+                part = flat[offset : offset + p.numel()]
+                if p.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(p.grad.reshape(-1))
+                offset += p.numel()
+            flags = [0.0 if p.grad is None else 1.0 for p in params]
+            flat[n:].copy_(torch.tensor(flags, dtype=p0.dtype))
+            flat.mul_(self._weight)
+            for p in params:
+                p.grad = None  # now in the buffer; wait() puts the mean back
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
+            assert work is not None
+            bucket.pending.append((work, flat, params))
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Finish the reductions: each ``.grad`` is this step's replica-weighted mean."""
+        for bucket in self._buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self._buckets:
+            for work, flat, params in bucket.pending:
+                self._collective(work, "averaging gradients over the data-parallel replicas")
+                n = flat.numel() - len(params)
+                had = flat[n:].tolist()
+                offset = 0
+                for p, flag in zip(params, had, strict=True):
+                    if flag != 0:  # some replica produced a gradient for p
+                        p.grad = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+            bucket.pending = []
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Add back the gradients :meth:`begin` put aside: ``.grad = before + mean``."""
+        stash, self._stash = self._stash, None
+        assert stash is not None
+        for p, before in zip(self._params, stash, strict=True):
+            if before is None:
+                continue
+            if p.grad is not None:
+                before.add_(p.grad)
+            p.grad = before
+
+    def abort(self) -> None:
+        """After a failed step: give back the gradients from before it."""
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            for p, before in zip(self._params, stash, strict=True):
+                p.grad = before
+        for bucket in self._buckets:
+            bucket.pending = []
+
+    def _collective(self, work: dist.Work | None, what: str) -> None:
+        assert work is not None
+        ranks = [r * self._ctx.pp_size + self._ctx.pp_rank for r in range(self._ctx.dp_size)]
+        try:
+            ok = work.wait(self._delta)
+        except Exception as exc:
+            raise PipelineError(
+                f"rank {self._ctx.rank}: {what} failed ({_short(exc)}); a rank among {ranks} "
+                f"(or another replica) may have died or stalled (time-out "
+                f"{self._ctx.timeout:g} s, set with conveyor.init(timeout=...))"
+            ) from exc
+        if ok is False:
+            raise PipelineError(
+                f"rank {self._ctx.rank}: {what} did not finish within {self._ctx.timeout:g} s; "
+                f"a rank among {ranks} may have died or stalled"
+            )
+
+
+def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> torch.Tensor:
+    """The global batch's loss on every rank: replica losses weighted by shard size.
+
+    ``loss``/``size`` are given on the rank holding each replica's last stage (None
+    elsewhere). Collective over the world.
+    """
+    buf = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    if loss is not None:
+        assert size is not None
+        buf[0] = loss.detach().to(torch.float64) * size
+        buf[1] = size
+    try:
+        dist.all_reduce(buf)
+    except Exception as exc:
+        raise PipelineError(
+            f"rank {ctx.rank}: combining the replicas' losses failed ({_short(exc)}); another "
+            f"rank may have died or stalled"
+        ) from exc
+    return (buf[0] / buf[1]).to(torch.float32)
+
+
+def _by_dtype(tensors: list[T]) -> list[list[T]]:
+    """``tensors`` grouped by (dtype, device), in first-seen order."""
+    groups: dict[tuple[torch.dtype, torch.device], list[T]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

@@ -1,0 +1,157 @@
+"""Activation recompute and mixed precision: option checks and the pieces the engine uses.
+
+Recompute, done by the engine itself rather than with ``torch.utils.checkpoint``: F runs
+the stage with every tensor autograd would save dropped on the spot (the graph is still
+built, so the outputs know exactly which of them need a gradient), keeps the stage input
+and the RNG state, and hands the outputs on. B re-runs the forward from that input with
+the same RNG state (dropout draws the same masks) and then does its backward, whole or
+split. ``torch.utils.checkpoint(use_reentrant=False)`` recomputes once per backward call
+(per autograd graph task), and a split backward makes two calls, B and W: it ran the
+forward three times and, with the deferred linear weight gradients, lost some of them.
+
+Mixed precision: each stage's forward (and its recompute, and the loss on the last stage)
+runs under ``torch.autocast``; parameters and gradients stay in their own dtype.
+
+:class:`TensorMemory` measures what recompute saves: the peak bytes of tensors created
+during a block that are alive at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conveyor.errors import ConfigError
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def recompute_stages(option: bool | Iterable[int], stages: int) -> frozenset[int]:
+    """The global stage indices ``Pipeline(recompute=...)`` names: True is every stage."""
+    if isinstance(option, bool):
+        return frozenset(range(stages)) if option else frozenset()
+    try:
+        chosen = list(option)
+    except TypeError:
+        raise ConfigError(
+            f"recompute must be True/False or a collection of stage indices, got {option!r}"
+        ) from None
+    for s in chosen:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < stages:
+            raise ConfigError(
+                f"recompute names stage {s!r}, but this pipeline's stages are 0..{stages - 1} "
+                f"(global indices, pp x chunks = {stages} stages); pass indices in that range"
+            )
+    return frozenset(chosen)
+
+
+def autocast_dtype(option: object) -> torch.dtype | None:
+    """Check ``Pipeline(autocast=...)``: None, ``torch.bfloat16`` or ``torch.float16``."""
+    if option is None or option in AUTOCAST_DTYPES:
+        return option
+    raise ConfigError(
+        f"autocast must be torch.bfloat16 or torch.float16 (or None for full precision), "
+        f"got {option!r}"
+    )
+
+
+def rng_state(device: torch.device) -> RngState:
+    """The CPU generator's state and, on CUDA, the device generator's."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def replay_rng(state: RngState, device: torch.device) -> Iterator[None]:
+    """Run the block from ``state``; the generators continue afterwards as if it had not
+    run."""
+    cpu, cuda = state
+    before = rng_state(device)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before[0])
+        if before[1] is not None:
+            torch.cuda.set_rng_state(before[1], device)
+
+
+def _drop(_: torch.Tensor) -> None:
+    return None
+
+
+def _never(_: None) -> torch.Tensor:
+    raise RuntimeError(
+        "a backward reached the forward graph of a recomputed stage; recompute stages are "
+        "differentiated through their re-run forward only"
+    )
+
+
+def discard_saved() -> torch.autograd.graph.saved_tensors_hooks:
+    """Build the graph but keep none of the tensors autograd would save for backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never)
+
+
+def shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A storage-free stand-in with ``t``'s shape and dtype (for posting receives)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+class TensorMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Bytes of tensor storages created inside the block and still alive: ``current`` and
+    ``peak``.
+
+    Every new storage an operator returns (not a view of, or an in-place result on, one of
+    its inputs) is counted until it is freed, including storages only autograd's saved
+    tensors keep alive, received activations and temporaries; tensors that existed before
+    the block (parameters, existing ``.grad``) are not. For CPU runs, which have no
+    allocator statistics; on CUDA ``torch.cuda.max_memory_allocated`` says the same.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and _counted(t)
+        }
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _counted(t):
+                storage = t.untyped_storage()
+                key, size = id(storage), storage.nbytes()
+                if size == 0 or key in self._live or storage.data_ptr() in inputs:
+                    continue
+                self._live[key] = size
+                self.current += size
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now."""
+        self.peak = self.current
+
+
+def _counted(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.device.type != "meta"
