@@ -9,7 +9,7 @@ calibration run), then measure the chosen configuration independently in a fresh
 does not count it). For the unbalanced model the same schedule also runs with the
 parameter-balanced split (``balance=None``).
 
-    python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3]
+    python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3] [--microbatches 8]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
 
 BATCH, PROCS = 64, 2
-TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 6  # the unbalanced model's input: BATCH x TOKENS x WIDTH
+TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 12 # the unbalanced model's input: BATCH x TOKENS x WIDTH
 TIMINGS: list[Timing] = []  # action timings of the planned runs, for the replay
 
 
@@ -56,7 +56,7 @@ class MeanOverTokens(nn.Module):
 
 
 def unbalanced_model() -> tuple[nn.Sequential, int, int]:
-    """Parameters and time disagree: six Linear(128, 128) (16 K parameters each) run on
+    """Parameters and time disagree: twelve Linear(128, 128) (16 K parameters each) run on
     all 64 tokens of every sample, then a head of 1.3 M parameters runs once per sample.
     Per parameter the token layers cost 64x more, so the parameter-balanced split puts
     all of them on one stage."""
@@ -134,7 +134,8 @@ def worker(args: argparse.Namespace) -> None:
         shape = (BATCH, width_in) if label == "benchmark" else (BATCH, TOKENS, width_in)
         x, y = torch.randn(*shape, generator=gen), torch.randn(BATCH, width_out, generator=gen)
         t0 = time.perf_counter()
-        chosen = plan(model, x, y, nn.functional.mse_loss, PROCS)
+        counts = [args.microbatches] if args.microbatches else None
+        chosen = plan(model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts)
         took = time.perf_counter() - t0
         runs = {
             "planned": pipeline_step(
@@ -209,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        help="plan for this micro-batch count, as Pipeline(schedule='auto') does; 0: let "
+        "the planner choose it too",
+    )
     args = p.parse_args(argv)
     if not in_torchrun():
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -59,7 +59,7 @@ REFERENCES: dict[Family, tuple[str, int]] = {
     (True, True): ("zbv", 2),
 }
 CALIBRATION_WARMUP = 2
-CALIBRATION_STEPS = 4
+CALIBRATION_STEPS = 6
 
 
 def family(schedule: Schedule) -> Family:
