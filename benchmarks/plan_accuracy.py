@@ -35,7 +35,7 @@ from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
 
 BATCH, PROCS = 64, 2
-TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 12 # the unbalanced model's input: BATCH x TOKENS x WIDTH
+TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 12  # the unbalanced model's input: BATCH x TOKENS x WIDTH
 TIMINGS: list[Timing] = []  # action timings of the planned runs, for the replay
 
 

@@ -438,9 +438,7 @@ def plan(
         prof = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
         cache[m] = prof
         cals = {
-            kind: calibrate_family(
-                model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit
-            )
+            kind: calibrate_family(model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit)
             if real
             else None
             for kind in REFERENCES
