@@ -64,6 +64,34 @@ def test_stalled_rank_times_out_within_the_set_limit() -> None:
     assert "waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
 
 
+def _stalled_dp_run(rank: int, timeout: float) -> str:
+    ctx = conveyor.init(pp=2, dp=2, timeout=timeout)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Fault(3, 3, "hang"), nn.Linear(8, 4))
+    pipe = conveyor.Pipeline(
+        model, loss_fn=nn.functional.mse_loss, microbatches=4, balance=[2, 2], context=ctx
+    )
+    x, y = batch(8)
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y)
+    except conveyor.PipelineError as exc:
+        return f"{time.monotonic() - start:.1f}s {exc}"
+    return "no error"
+
+
+def test_stalled_rank_under_data_parallelism_fails_every_other_rank() -> None:
+    # Rank 3 (pipeline rank 1 of replica 1) hangs: its pipeline peer times out on the
+    # transfer, the other replica on the gradient average; nobody waits forever.
+    msgs = distributed.run(_stalled_dp_run, 4, 3.0, expect=[0, 1, 2], timeout=120)
+    for rank, msg in zip((0, 1, 2), msgs, strict=False):
+        seconds, text = msg.split("s ", 1)
+        assert 2.5 <= float(seconds) < 30, msg
+        assert f"rank {rank}" in text, msg
+    assert "rank 3" in msgs[2] and "B(stage 1, micro-batch 2)" in msgs[2], msgs[2]
+    assert "averaging gradients" in msgs[0] + msgs[1], msgs
+
+
 class Counter(nn.Module):
     """Returns its input and how often it was called: a non-tensor that varies."""
 
@@ -92,8 +120,9 @@ def _bad_output_run(rank: int, kind: str) -> str:
     middle: list[nn.Module] = [Counter(), UseFirst()] if kind == "varying" else [ToMeta()]
     model = nn.Sequential(nn.Linear(8, 8), *middle, nn.Linear(8, 4))
     balance = [2, 2] if kind == "varying" else [2, 1]
-    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
-                             balance=balance, context=ctx)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=nn.functional.mse_loss, microbatches=2, balance=balance, context=ctx
+    )
     x, y = batch(4)
     try:
         for _ in range(3):
@@ -104,11 +133,11 @@ def _bad_output_run(rank: int, kind: str) -> str:
 
 
 def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
-    msg, = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120)
+    (msg,) = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120)
     want = "stage 0 (micro-batch 0) output changed (output value 1 was 1, now 3)"
     assert msg.startswith(want), msg
 
 
 def test_a_tensor_on_the_wrong_device_is_reported_with_stage_and_value() -> None:
-    msg, = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
+    (msg,) = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
     assert msg.startswith("stage 0 (micro-batch 0) returned tensor 0 of its output on meta"), msg
