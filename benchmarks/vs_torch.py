@@ -96,29 +96,66 @@ def single_process(x: Tensor, y: Tensor) -> Step:
     return step
 
 
-def conveyor_step(
-    row: Row, x: Tensor, y: Tensor, timings: list[Timing]
-) -> tuple[Step, conveyor.Pipeline]:
-    """One conveyor training step for ``row`` that adds its action timings to ``timings``,
-    and the Pipeline."""
+def conveyor_pipeline(row: Row, track_memory: bool = False) -> conveyor.Pipeline:
+    """``row``'s conveyor pipeline on equal slices of the benchmark model."""
     stages = PROCS * row.chunks
-    pipe = conveyor.Pipeline(
+    return conveyor.Pipeline(
         build_model(),
         loss_fn=nn.functional.mse_loss,
         microbatches=MICROBATCHES,
         schedule=row.schedule,
         chunks=row.chunks,
         balance=[2 * LAYERS // stages] * stages,
+        track_memory=track_memory,
     )
+
+
+class Split(NamedTuple):
+    """Where one rank's step went, in seconds: computing actions, waiting for the other
+    rank's output, after its last action until ``train_step`` returned (the schedule's
+    tail plus the loss broadcast), the runtime's own work between actions, and the
+    optimizer step."""
+
+    compute: float
+    wait: float
+    tail: float
+    runtime: float
+    optimizer: float
+
+
+def conveyor_step(
+    row: Row, x: Tensor, y: Tensor, timings: list[Timing], splits: list[Split]
+) -> tuple[Step, conveyor.Pipeline]:
+    """One conveyor training step for ``row`` that adds its action timings to ``timings``
+    and where its time went to ``splits``, and the Pipeline."""
+    pipe = conveyor_pipeline(row)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
     def step() -> None:
+        t0 = time.perf_counter()
         pipe.train_step(x, y)
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        timings.extend(pipe.last_step_timings())
+        t2 = time.perf_counter()
+        done = pipe.last_step_timings()
+        timings.extend(done)
+        busy = sum(end - start for *_, start, end in done)
+        wait = sum(end - start for *_, start, end in pipe.last_step_waits())
+        # Action times count from the engine's start, just after the step began.
+        tail = (t1 - t0) - max(end for *_, end in done)
+        splits.append(Split(busy, wait, tail, (t1 - t0) - busy - wait - tail, t2 - t1))
 
     return step, pipe
+
+
+def activation_memory(row: Row, x: Tensor, y: Tensor) -> tuple[int, int]:
+    """(measured, simulated) peak activation bytes on this rank in a tracked step."""
+    pipe = conveyor_pipeline(row, track_memory=True)
+    for _ in range(2):  # the second step has .grad already, like the timed ones
+        pipe.train_step(x, y)
+    report = pipe.last_step_memory()
+    return report.peak, report.simulated_peak
 
 
 def torch_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, nn.Module]:
@@ -191,9 +228,12 @@ def worker(args: argparse.Namespace) -> None:
     if not any(r.schedule == "1f1b" for r in rows):
         rows.insert(0, ROWS[1])  # every ratio is also taken against torch's 1F1B
     timings: dict[str, list[Timing]] = {row.schedule: [] for row in rows}
+    splits: dict[str, list[Split]] = {row.schedule: [] for row in rows}
     mismatch = 0.0  # largest weight difference after one step of each library
     for row in rows:
-        runs[("conveyor", row.schedule)], pipe = conveyor_step(row, x, y, timings[row.schedule])
+        runs[("conveyor", row.schedule)], pipe = conveyor_step(
+            row, x, y, timings[row.schedule], splits[row.schedule]
+        )
         pipes[row.schedule] = pipe
         if row.torch_schedule is not None:
             step, model = torch_step(row, x, y)
@@ -218,24 +258,37 @@ def worker(args: argparse.Namespace) -> None:
         for key in keys:
             times[key] += timed(runs[key], args.steps, args.warmup)
     # Replay each schedule in simulated time with the stage costs conveyor measured.
-    costs = {
-        name: stage_costs(timings[name], pipes[name].schedule.stages) for name in pipes
-    }
+    costs = {name: stage_costs(timings[name], pipes[name].schedule.stages) for name in pipes}
     bubbles = {
         name: simulate(pipes[name].schedule, cost=cost, comm=0.0).bubble
         for name, cost in costs.items()
     }
+    # Medians over the timed steps of each rank: compute / wait / other milliseconds.
+    mine = {
+        name: Split(*(statistics.median(getattr(s, f) for s in part) for f in Split._fields))
+        for name, part in splits.items()
+    }
+    split_parts: list[dict[str, Split]] = [{}] * PROCS
+    dist.all_gather_object(split_parts, mine)
+    memory_parts: list[dict[str, tuple[int, int]]] = [{}] * PROCS
+    dist.all_gather_object(
+        memory_parts, {row.schedule: activation_memory(row, x, y) for row in rows}
+    )
     if rank != 0:
         return
 
     base = statistics.median(one_process)
-    print(f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
-          f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
-          f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step; after one step, "
-          f"conveyor's and torch's weights differ by at most {max(mismatches):.1e}\n")
+    print(
+        f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
+        f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
+        f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step; after one step, "
+        f"conveyor's and torch's weights differ by at most {max(mismatches):.1e}\n"
+    )
     torch_1f1b = statistics.median(times[("torch", "1f1b")])
-    print("| conveyor schedule | conveyor ms | torch schedule | torch ms | conveyor/torch "
-          "| conveyor/torch 1F1B | speed-up vs 1 process | ideal speed-up |")
+    print(
+        "| conveyor schedule | conveyor ms | torch schedule | torch ms | conveyor/torch "
+        "| conveyor/torch 1F1B | speed-up vs 1 process | ideal speed-up |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     results = []
     for row in rows:
@@ -244,33 +297,77 @@ def worker(args: argparse.Namespace) -> None:
         torch_s = statistics.median(theirs) if theirs else None
         bubble = bubbles[row.schedule]
         name = row.schedule + (f" (chunks={row.chunks})" if row.chunks > 1 else "")
-        torch_name = "—" if row.torch_schedule is None else (
-            row.torch_schedule + (f" ({row.torch_chunks} stages/rank)" if row.torch_chunks > 1
-                                  else ""))
-        print(f"| {name} | {ours * 1e3:.1f} | {torch_name} | "
-              + ("— | — |" if torch_s is None else f"{torch_s * 1e3:.1f} | {ours / torch_s:.2f} |")
-              + f" {ours / torch_1f1b:.2f} | {base / ours:.2f} | {PROCS * (1 - bubble):.2f} |")
-        results.append({
-            "schedule": row.schedule,
-            "chunks": row.chunks,
-            "torch_schedule": row.torch_schedule,
-            "torch_chunks": row.torch_chunks,
-            "conveyor_ms": ours * 1e3,
-            "torch_ms": None if torch_s is None else torch_s * 1e3,
-            "ratio": None if torch_s is None else ours / torch_s,
-            "ratio_to_torch_1f1b": ours / torch_1f1b,
-            "speedup": base / ours,
-            "ideal_speedup": PROCS * (1 - bubble),
-            "simulated_bubble": bubble,
-            "stage_costs_ms": [[c * 1e3 for c in cost] for cost in costs[row.schedule]],
-        })
+        torch_name = (
+            "—"
+            if row.torch_schedule is None
+            else (
+                row.torch_schedule
+                + (f" ({row.torch_chunks} stages/rank)" if row.torch_chunks > 1 else "")
+            )
+        )
+        print(
+            f"| {name} | {ours * 1e3:.1f} | {torch_name} | "
+            + ("— | — |" if torch_s is None else f"{torch_s * 1e3:.1f} | {ours / torch_s:.2f} |")
+            + f" {ours / torch_1f1b:.2f} | {base / ours:.2f} | {PROCS * (1 - bubble):.2f} |"
+        )
+        results.append(
+            {
+                "schedule": row.schedule,
+                "chunks": row.chunks,
+                "torch_schedule": row.torch_schedule,
+                "torch_chunks": row.torch_chunks,
+                "conveyor_ms": ours * 1e3,
+                "torch_ms": None if torch_s is None else torch_s * 1e3,
+                "ratio": None if torch_s is None else ours / torch_s,
+                "ratio_to_torch_1f1b": ours / torch_1f1b,
+                "speedup": base / ours,
+                "ideal_speedup": PROCS * (1 - bubble),
+                "simulated_bubble": bubble,
+                "stage_costs_ms": [[c * 1e3 for c in cost] for cost in costs[row.schedule]],
+            }
+        )
+    print(
+        "\nWhere each rank's step goes (medians, ms: compute / waiting for the other rank / "
+        "after its last action / runtime between actions / optimizer step), and peak "
+        "activation memory (KiB per rank: measured in a step / the schedule's memory model "
+        "with the measured sizes):\n"
+    )
+    print(
+        "| conveyor schedule | "
+        + " | ".join(f"rank {r} ms" for r in range(PROCS))
+        + " | "
+        + " | ".join(f"rank {r} KiB" for r in range(PROCS))
+        + " |"
+    )
+    print("|---|" + "---:|" * (2 * PROCS))
+    for row in rows:
+        times_ms = [
+            " / ".join(f"{v * 1e3:.1f}" for v in part[row.schedule]) for part in split_parts
+        ]
+        memory = [
+            f"{part[row.schedule][0] / 1024:.0f} / {part[row.schedule][1] / 1024:.0f}"
+            for part in memory_parts
+        ]
+        print(f"| {row.schedule} | " + " | ".join(times_ms + memory) + " |")
+        results[[r["schedule"] for r in results].index(row.schedule)].update(
+            split_ms=[[v * 1e3 for v in part[row.schedule]] for part in split_parts],
+            activation_bytes_measured=[part[row.schedule][0] for part in memory_parts],
+            activation_bytes_simulated=[part[row.schedule][1] for part in memory_parts],
+        )
     if args.json:
         report = {
-            "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU", "batch": BATCH,
-            "microbatches": MICROBATCHES, "processes": PROCS, "threads": 1,
-            "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-            "torch": torch.__version__, "one_process_ms": base * 1e3,
-            "max_weight_difference_after_one_step": max(mismatches), "rows": results,
+            "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU",
+            "batch": BATCH,
+            "microbatches": MICROBATCHES,
+            "processes": PROCS,
+            "threads": 1,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "torch": torch.__version__,
+            "one_process_ms": base * 1e3,
+            "max_weight_difference_after_one_step": max(mismatches),
+            "rows": results,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -19,6 +19,7 @@ from conveyor.plan import Plan, plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.data_parallel import DataParallel, global_loss
 from conveyor.runtime.engine import Engine, LossFn, Mode
+from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.shared import SharedParameters
 from conveyor.schedules import Schedule, validate
@@ -55,6 +56,9 @@ class Pipeline:
     twice. ``autocast=torch.bfloat16`` (or ``torch.float16``) runs every
     stage's forward and the loss under ``torch.autocast``; parameters and gradients keep
     their dtype, activations cross ranks in the autocast dtype.
+
+    ``track_memory=True`` measures each training step's activation memory
+    (:meth:`last_step_memory`); it costs a Python call per tensor autograd saves.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Pipeline:
         memory_limit: float | None = None,
         recompute: bool | Iterable[int] = False,
         autocast: torch.dtype | None = None,
+        track_memory: bool = False,
     ) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -87,7 +92,12 @@ class Pipeline:
                     "targets), e.g. your first batch"
                 )
             self.plan = plan(
-                model, sample[0], sample[1], loss_fn, ctx.pp_size, memory_limit,
+                model,
+                sample[0],
+                sample[1],
+                loss_fn,
+                ctx.pp_size,
+                memory_limit,
                 microbatch_counts=[microbatches],  # keep the user's micro-batch count
             )
             schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
@@ -106,6 +116,7 @@ class Pipeline:
             ctx,
             recompute=recompute_stages(recompute, self.schedule.stages),
             autocast=autocast_dtype(autocast),
+            track_memory=track_memory,
         )
         # Tied weights on several ranks: copies start equal and their gradients are summed.
         tied = [
@@ -248,6 +259,23 @@ class Pipeline:
         the last step, in seconds from the step start; start is when the action's inputs
         had arrived, so waits on other ranks are not counted as work."""
         return list(self._engine.timings)
+
+    def last_step_waits(self) -> list[Timing]:
+        """(rank, kind, stage, microbatch, start, end) of each wait of the last step for
+        another rank's output (the producer's kind, stage and micro-batch), in seconds
+        from the step start."""
+        return list(self._engine.waits)
+
+    def last_step_memory(self) -> MemoryReport:
+        """This process's activation memory in the last training step: bytes autograd kept
+        for backward work (and the split backward kept for W) at their peak, beside the
+        peak of the schedule's memory model with the sizes each F really saved. Needs
+        ``Pipeline(track_memory=True)``."""
+        if self._engine.meter is None:
+            raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
+        if self._engine.memory is None:
+            raise ConfigError("no training step has run yet; call train_step first")
+        return self._engine.memory
 
     def measured_bubble(self) -> float:
         """1 - busy time / (ranks x step time) of the last step, over all pipeline ranks

@@ -101,6 +101,10 @@ class LinearWeightStore:
         with _Capture(self._params, slot):
             yield
 
+    def kept(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        """The inputs and output gradients kept for ``key``'s W."""
+        return [t for _, _, x, dy in self._slots.get(key, []) for t in (x, dy)]
+
     @torch.no_grad()
     def flush(self, keys: list[tuple[int, int]]) -> None:
         """Add the weight gradients of ``keys``' micro-batches, one GEMM per weight."""

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from conveyor.context import Context
 from conveyor.errors import PipelineError
 from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.recompute import (
     RngState,
     discard_saved,
@@ -103,10 +104,12 @@ class Engine:
         *,
         recompute: frozenset[int] = frozenset(),
         autocast: torch.dtype | None = None,
+        track_memory: bool = False,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
-        ``torch.autocast`` (None: as the model is)."""
+        ``torch.autocast`` (None: as the model is); ``track_memory``: measure the activation
+        memory of every step (:class:`~conveyor.runtime.memory.ActivationMeter`)."""
         self.schedule = schedule
         self.stages = stages
         self.loss_fn = loss_fn
@@ -127,6 +130,12 @@ class Engine:
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
         self._store = LinearWeightStore([p for ps in self._params.values() for p in ps])
+        self.meter = (
+            ActivationMeter(p for stage in stages.values() for p in stage.parameters())
+            if track_memory
+            else None
+        )
+        self.memory: MemoryReport | None = None
         self._plans: dict[bool, _Plan] = {}
         self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
         self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
@@ -230,7 +239,15 @@ class Engine:
         t0 = self._t0 = clock()  # after the signature broadcast: ranks start together
         self._waits: list[Timing] = []
         program = plan.program
-        with torch.set_grad_enabled(train):
+        meter = self.meter if train else None
+        self._forward_bytes: dict[tuple[int, int], int] = {}
+        self._backward_bytes: dict[tuple[int, int], int] = {}
+        if meter is not None:
+            meter.reset()
+        with (
+            torch.set_grad_enabled(train),
+            meter.hooks() if meter is not None else contextlib.nullcontext(),
+        ):
             i = 0
             while i < len(program):
                 rank, action = program[i]
@@ -252,9 +269,18 @@ class Engine:
                     i = j
                     continue
                 if action.kind == F:
-                    self._forward(action)
-                else:
+                    if meter is None:
+                        self._forward(action)
+                    else:
+                        before = meter.taken
+                        self._forward(action)
+                        self._forward_bytes[action.stage, action.microbatch] = meter.taken - before
+                elif meter is None or not self.schedule.split_backward:
                     self._backward(action)
+                else:
+                    before = meter.current
+                    self._backward(action)
+                    self._backward_bytes[action.stage, action.microbatch] = meter.current - before
                 timings.append(
                     (
                         rank,
@@ -272,6 +298,12 @@ class Engine:
             self.transport.flush()
         self.timings = timings
         self.waits = self._waits
+        if meter is not None:
+            forward = self._forward_bytes
+            order = [a for _, a in program]
+            changes = self._backward_bytes
+            peak = simulated_peak(order, self.schedule.split_backward, forward, changes)
+            self.memory = MemoryReport(meter.peak, forward, changes, peak)
         if self._saved or self._weights_pending:
             left = ", ".join(
                 f"stage {s} micro-batch {m}" for s, m in [*self._saved, *self._weights_pending]
@@ -367,6 +399,10 @@ class Engine:
         recompute = self._train and s in self.recompute and (s, m) not in self._adjacent
         if recompute:
             self._stash[(s, m)] = (value, rng_state(self.device))
+            if self.meter is not None:  # the kept input is what recompute holds
+                self.meter.track(
+                    [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+                )
         capture = self._train and self.schedule.split_backward and not recompute
         scaled = None
         with contextlib.ExitStack() as stack:
@@ -410,6 +446,10 @@ class Engine:
         if self.schedule.split_backward:
             got, work = backward_input(outs, grads, in_leaves, self._params[s])
             self._weights_pending[(s, m)] = work
+            # Free what only B needed (W holds its own references) before anything else.
+            del outs
+            if self.meter is not None:
+                self.meter.track(self._store.kept((s, m)))  # held until W
         else:
             if outs:
                 torch.autograd.backward(outs, grads)

@@ -1,0 +1,137 @@
+"""Activation memory of a real step: bytes held for later backward work, and their peak.
+
+An :class:`ActivationMeter` counts what autograd saves for the backward (through
+``saved_tensors_hooks``: each saved tensor is held from F until autograd drops it) and
+what the split backward keeps from B until W (the deferred linear layers' inputs and
+output gradients). Tensors sharing memory count once; parameters never count. Opt-in
+(``Pipeline(track_memory=True)``): the hooks cost a Python call per saved tensor.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.schedules.core import Action, B, F
+
+Key = tuple[int, int]  # (data pointer, bytes): one piece of memory
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One rank's activation memory in the last step, in bytes.
+
+    ``peak``: the most held at once, measured. ``forward``: per (stage, micro-batch), what
+    its F saved; ``at_backward``: under a split backward, how its B changed that (what B
+    newly kept for W, such as the output gradients of linear layers, less what it freed).
+    ``simulated_peak``: the peak of the same actions in the same order with those sizes,
+    the F part held from F until the last of B / W (as the simulator counts activations),
+    the B change from B until W. In the one-process world all three cover every stage.
+    """
+
+    peak: int
+    forward: dict[tuple[int, int], int]
+    at_backward: dict[tuple[int, int], int]
+    simulated_peak: int
+
+
+class _Held:
+    """A saved tensor in autograd's keeping; its death releases the bytes."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Counts the bytes held for backward work on this rank (see the module docstring)."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[Key, int] = {}  # memory -> how many holders
+        self.current = 0
+        self.peak = 0
+        self.taken = 0  # bytes ever newly held: a delta over an F is what that F saved
+
+    def reset(self) -> None:
+        """Start a step: the peak restarts from what is held now."""
+        self.peak = self.current
+
+    def _key(self, t: torch.Tensor) -> Key | None:
+        if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
+            return None
+        if t.untyped_storage().data_ptr() in self._params:
+            return None
+        # A micro-batch's slice of a bigger batch counts its own size, not the storage's.
+        return t.data_ptr(), t.numel() * t.element_size()
+
+    def _take(self, key: Key) -> None:
+        count = self._live.get(key, 0)
+        self._live[key] = count + 1
+        if count == 0:
+            self.current += key[1]
+            self.taken += key[1]
+            self.peak = max(self.peak, self.current)
+
+    def _drop(self, key: Key) -> None:
+        count = self._live[key] - 1
+        if count:
+            self._live[key] = count
+        else:
+            del self._live[key]
+            self.current -= key[1]
+
+    def track(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Count ``tensors`` until each of these objects dies (e.g. kept until W)."""
+        for t in tensors:
+            key = self._key(t)
+            if key is not None:
+                self._take(key)
+                weakref.finalize(t, self._drop, key)
+
+    def _pack(self, t: torch.Tensor) -> object:
+        key = self._key(t)
+        if key is None:
+            return t
+        # Detached: holding the tensor itself would tie an output to its own grad_fn in a
+        # cycle that Python's collector cannot see through the C++ graph.
+        held = _Held(t.detach())
+        self._take(key)
+        weakref.finalize(held, self._drop, key)
+        return held
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed  # type: ignore[return-value]
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Within this block, what autograd saves is counted while it is kept."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def simulated_peak(
+    actions: Iterable[Action],
+    split_backward: bool,
+    forward: dict[tuple[int, int], int],
+    at_backward: dict[tuple[int, int], int],
+) -> int:
+    """The most bytes held over ``actions`` (in the order run) when each (stage,
+    micro-batch) holds ``forward``'s bytes from its F until the last of its B / W and, under
+    a split backward, changes that by ``at_backward``'s bytes from its B until its W."""
+    held = peak = 0
+    for action in actions:
+        key = action.stage, action.microbatch
+        if action.kind == F:
+            held += forward.get(key, 0)
+        elif action.kind == B and not split_backward:
+            held -= forward.get(key, 0)
+        elif action.kind == B:
+            held += at_backward.get(key, 0)
+        else:
+            held -= forward.get(key, 0) + at_backward.get(key, 0)
+        peak = max(peak, held)
+    return peak
