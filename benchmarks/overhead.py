@@ -1,11 +1,13 @@
 """What conveyor costs on top of the work: a one-stage pipeline against a plain
 gradient-accumulation loop, and generating + validating a large schedule.
 
-One process, one thread. The model and batch are ``vs_torch.py``'s (8 x Linear(1024) +
-ReLU, batch 64 in 8 micro-batches, MSE, SGD). The plain loop and ``Pipeline`` with one
-stage (``conveyor.init(pp=1)``) train the same model on the same data, alternated round by
-round; warm-up steps are discarded. Then each schedule is generated and validated for
-p=64 ranks and m=512 micro-batches (``get_schedule`` validates what it builds).
+One process, one thread, with the glibc malloc tunables ``conveyor launch`` sets (the
+script restarts itself with them). The model and batch are ``vs_torch.py``'s (8 x
+Linear(1024) + ReLU, batch 64 in 8 micro-batches, MSE, SGD). The plain loop and
+``Pipeline`` with one stage (``conveyor.init(pp=1)``) train the same model on the same
+data, alternated round by round; warm-up steps are discarded. Then each schedule is
+generated and validated for p=64 ranks and m=512 micro-batches (``get_schedule``
+validates what it builds).
 
     python benchmarks/overhead.py [--steps 20] [--rounds 5] [--warmup 3] [--json FILE]
 """
@@ -26,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
+from conveyor.launch import MALLOC_TUNABLES
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 
 LAYERS, WIDTH, BATCH, MICROBATCHES = 8, 1024, 64, 8
@@ -107,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each run")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if any(name not in os.environ for name in (*MALLOC_TUNABLES, "OMP_NUM_THREADS")):
+        # As `conveyor launch` runs workers: glibc reads these at start, so start again.
+        env = {name: str(1 << 30) for name in MALLOC_TUNABLES} | {"OMP_NUM_THREADS": "1"}
+        env |= os.environ
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)

@@ -199,34 +199,41 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     every stuck rank and the action it waits on.
     """
     position = [0] * schedule.ranks
-    done: set[Action] = set()
+    # Done flags by index (kind, stage, micro-batch) in a bytearray: much cheaper per
+    # action than a set of tuples, and this loop runs for every action of every schedule.
+    m, stages = schedule.microbatches, schedule.stages
+    done_flags = bytearray(3 * stages * m)
+    b_base, w_base = stages * m, 2 * stages * m
     order: list[tuple[int, Action]] = []
     total = sum(len(p) for p in schedule.actions)
-    last = schedule.stages - 1
+    last = stages - 1
     while len(order) < total:
         progressed = False
         for rank, program in enumerate(schedule.actions):
             i, n = position[rank], len(program)
+            start = i
             while i < n:
                 action = program[i]
-                # Inlined dependencies(schedule, action), for speed: Actions compare and
-                # hash as plain tuples, so no Action objects are built here.
                 kind, s, mb = action
+                at = s * m + mb
                 if kind == F:
-                    ready = s == 0 or (F, s - 1, mb) in done
+                    ready = s == 0 or done_flags[at - m]
                 elif kind == B:
-                    ready = (F, s, mb) in done and (s == last or (B, s + 1, mb) in done)
+                    ready = done_flags[at] and (s == last or done_flags[b_base + at + m])
+                    at += b_base
                 else:
-                    ready = (B, s, mb) in done
+                    ready = done_flags[b_base + at]
+                    at += w_base
                 if not ready:
                     break
-                done.add(action)
-                order.append((rank, action))
+                done_flags[at] = 1
                 i += 1
-            if i > position[rank]:
+            if i > start:
+                order.extend((rank, a) for a in program[start:i])
                 position[rank] = i
                 progressed = True
         if not progressed:
+            done = {a for _, a in order}
             stuck = []
             for rank, program in enumerate(schedule.actions):
                 if position[rank] < len(program):
