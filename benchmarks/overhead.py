@@ -27,37 +27,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from vs_torch import BATCH, LAYERS, MICROBATCHES, WIDTH, build_model, single_process
+
 import conveyor
 from conveyor.launch import MALLOC_TUNABLES
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 
-LAYERS, WIDTH, BATCH, MICROBATCHES = 8, 1024, 64, 8
 BIG_RANKS, BIG_MICROBATCHES = 64, 512
 Step = Callable[[], None]
-
-
-def build_model() -> nn.Sequential:
-    """The benchmark model, identical on every call."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
-def plain_loop(x: torch.Tensor, y: torch.Tensor) -> Step:
-    """Gradient accumulation over the micro-batches, then an SGD step."""
-    model = build_model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            loss = nn.functional.mse_loss(model(xm), ym) / MICROBATCHES
-            loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        opt.zero_grad()
-
-    return step
 
 
 def one_stage(x: torch.Tensor, y: torch.Tensor) -> Step:
@@ -118,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
-    runs = {"plain loop": plain_loop(x, y), "one-stage Pipeline": one_stage(x, y)}
+    runs = {"plain loop": single_process(x, y), "one-stage Pipeline": one_stage(x, y)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(args.rounds):
         for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:

@@ -15,7 +15,6 @@ parameter-balanced split (``balance=None``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,10 +26,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from common import run_on_processes
+
 import conveyor
-from conveyor.context import in_torchrun
-from conveyor.launch import main as launch
 from conveyor.plan import Plan, plan
+from conveyor.schedules import Schedule
 from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
 
@@ -94,7 +94,7 @@ def pipeline_step(
     x: Tensor,
     y: Tensor,
     microbatches: int,
-    schedule: object,
+    schedule: str | Schedule,
     chunks: int,
     balance: list[int] | None,
 ) -> Callable[[], None]:
@@ -105,7 +105,7 @@ def pipeline_step(
         microbatches=microbatches,
         schedule=schedule,
         chunks=chunks,
-        balance=balance,  # type: ignore[arg-type]
+        balance=balance,
     )
 
     def step() -> None:
@@ -218,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "the planner choose it too",
     )
     args = p.parse_args(argv)
-    if not in_torchrun():
-        os.environ["OMP_NUM_THREADS"] = "1"
-        return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
-    worker(args)
-    dist.destroy_process_group()
-    return 0
+    return run_on_processes(__file__, PROCS, argv, worker, args)
 
 
 if __name__ == "__main__":

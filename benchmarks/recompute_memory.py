@@ -19,7 +19,6 @@ recompute, the fraction saved, median step times and their ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -31,11 +30,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from common import run_on_processes
 from gpt import GPT, annotate, lm_loss
 
 import conveyor
-from conveyor.context import in_torchrun
-from conveyor.launch import main as launch
 from conveyor.runtime.recompute import TensorMemory
 
 PROCS = 2
@@ -132,12 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.schedules.split(",")) - set(SCHEDULES)
     if unknown:
         p.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
-    if not in_torchrun():
-        os.environ["OMP_NUM_THREADS"] = "1"
-        return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
-    worker(args)
-    dist.destroy_process_group()
-    return 0
+    return run_on_processes(__file__, PROCS, argv, worker, args)
 
 
 if __name__ == "__main__":

@@ -70,8 +70,10 @@ def main() -> None:
                 bs.append(b)
                 ws.append(w)
     f, b, w = (statistics.median(v) * 1e3 for v in (full, bs, ws))
-    print(f"ordinary backward {f:.2f} ms | B {b:.2f} ms + W {w:.2f} ms = {b + w:.2f} ms "
-          f"({(b + w) / f:.3f} of ordinary)")
+    print(
+        f"ordinary backward {f:.2f} ms | B {b:.2f} ms + W {w:.2f} ms = {b + w:.2f} ms "
+        f"({(b + w) / f:.3f} of ordinary)"
+    )
 
 
 if __name__ == "__main__":

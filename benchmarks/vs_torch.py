@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from common import run_on_processes
+
 import conveyor
-from conveyor.context import in_torchrun
-from conveyor.launch import main as launch
 from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs
 
@@ -383,12 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
     args = p.parse_args(argv)
-    if not in_torchrun():
-        os.environ["OMP_NUM_THREADS"] = "1"
-        return launch(["--nproc-per-node", str(PROCS), os.path.abspath(__file__), *argv])
-    worker(args)
-    dist.destroy_process_group()
-    return 0
+    return run_on_processes(__file__, PROCS, argv, worker, args)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,12 @@ class Fault(nn.Module):
         return x
 
 
-def _faulty_run(rank: int, how: str, timeout: float) -> str:
-    ctx = conveyor.init(timeout=timeout)
+def _faulty_run(rank: int, how: str, timeout: float, dp: int = 1, culprit: int = 1) -> str:
+    """A 2-stage pipeline (``dp`` replicas) where rank ``culprit`` dies or hangs in its
+    third forward; returns how long this rank took to fail and its error."""
+    ctx = conveyor.init(pp=2, dp=dp, timeout=timeout)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Fault(1, 3, how), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Fault(culprit, 3, how), nn.Linear(8, 4))
     pipe = conveyor.Pipeline(
         model, loss_fn=nn.functional.mse_loss, microbatches=4, balance=[2, 2], context=ctx
     )
@@ -64,26 +66,10 @@ def test_stalled_rank_times_out_within_the_set_limit() -> None:
     assert "waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
 
 
-def _stalled_dp_run(rank: int, timeout: float) -> str:
-    ctx = conveyor.init(pp=2, dp=2, timeout=timeout)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), Fault(3, 3, "hang"), nn.Linear(8, 4))
-    pipe = conveyor.Pipeline(
-        model, loss_fn=nn.functional.mse_loss, microbatches=4, balance=[2, 2], context=ctx
-    )
-    x, y = batch(8)
-    start = time.monotonic()
-    try:
-        pipe.train_step(x, y)
-    except conveyor.PipelineError as exc:
-        return f"{time.monotonic() - start:.1f}s {exc}"
-    return "no error"
-
-
 def test_stalled_rank_under_data_parallelism_fails_every_other_rank() -> None:
     # Rank 3 (pipeline rank 1 of replica 1) hangs: its pipeline peer times out on the
     # transfer, the other replica on the gradient average; nobody waits forever.
-    msgs = distributed.run(_stalled_dp_run, 4, 3.0, expect=[0, 1, 2], timeout=120)
+    msgs = distributed.run(_faulty_run, 4, "hang", 3.0, 2, 3, expect=[0, 1, 2], timeout=120)
     for rank, msg in zip((0, 1, 2), msgs, strict=False):
         seconds, text = msg.split("s ", 1)
         assert 2.5 <= float(seconds) < 30, msg

@@ -15,7 +15,6 @@ the step; :meth:`DataParallel.wait` finishes them at the end of the step.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,6 +24,7 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
+from conveyor.runtime.transport import short_error, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
 T = TypeVar("T", bound=torch.Tensor)
@@ -57,7 +57,6 @@ class DataParallel:
             raise ValueError("DataParallel needs a distributed context with dp_size > 1")
         self._ctx = ctx
         self._group = ctx.dp_group
-        self._delta = datetime.timedelta(seconds=ctx.timeout)
         users: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}
         for s in sorted(stages):
@@ -207,19 +206,8 @@ class DataParallel:
     def _collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
         ranks = [r * self._ctx.pp_size + self._ctx.pp_rank for r in range(self._ctx.dp_size)]
-        try:
-            ok = work.wait(self._delta)
-        except Exception as exc:
-            raise PipelineError(
-                f"rank {self._ctx.rank}: {what} failed ({_short(exc)}); a rank among {ranks} "
-                f"(or another replica) may have died or stalled (time-out "
-                f"{self._ctx.timeout:g} s, set with conveyor.init(timeout=...))"
-            ) from exc
-        if ok is False:
-            raise PipelineError(
-                f"rank {self._ctx.rank}: {what} did not finish within {self._ctx.timeout:g} s; "
-                f"a rank among {ranks} may have died or stalled"
-            )
+        suspect = f"a rank among {ranks} (or another replica)"
+        wait_bounded(work, self._ctx.timeout, f"rank {self._ctx.rank}: {what}", suspect)
 
 
 def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> torch.Tensor:
@@ -237,7 +225,7 @@ def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> to
         dist.all_reduce(buf)
     except Exception as exc:
         raise PipelineError(
-            f"rank {ctx.rank}: combining the replicas' losses failed ({_short(exc)}); another "
+            f"rank {ctx.rank}: combining the replicas' losses failed ({short_error(exc)}); another "
             f"rank may have died or stalled"
         ) from exc
     return (buf[0] / buf[1]).to(torch.float32)
@@ -249,8 +237,3 @@ def _by_dtype(tensors: list[T]) -> list[list[T]]:
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return list(groups.values())
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__

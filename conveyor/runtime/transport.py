@@ -45,20 +45,8 @@ class Transport:
 
     def wait(self, work: Work, peer: int, what: str) -> None:
         """Wait for ``work`` at most ``timeout`` seconds, naming ``what`` if it fails."""
-        me, them = self.name(self.rank), self.name(peer)
-        try:
-            ok = work.wait(self._delta)
-        except Exception as exc:
-            raise PipelineError(
-                f"{me}: {what} from {them} failed ({_short(exc)}); {them} may have died or "
-                f"stalled (time-out {self.timeout:g} s, set with conveyor.init(timeout=...) or "
-                f"$CONVEYOR_TIMEOUT)"
-            ) from exc
-        if ok is False:
-            raise PipelineError(
-                f"{me}: {what} from {them} did not arrive within {self.timeout:g} s; {them} "
-                f"may have died or stalled"
-            )
+        them = self.name(peer)
+        wait_bounded(work, self.timeout, f"{self.name(self.rank)}: {what} from {them}", them)
 
     def name(self, rank: int) -> str:
         """``rank N`` for pipeline rank ``rank``; with data parallelism, the global rank
@@ -74,8 +62,8 @@ class Transport:
                 work.wait(self._delta)
             except Exception as exc:
                 raise PipelineError(
-                    f"{self.name(self.rank)}: {what} failed ({_short(exc)}); the receiving rank "
-                    f"may have died or stalled (time-out {self.timeout:g} s)"
+                    f"{self.name(self.rank)}: {what} failed ({short_error(exc)}); the "
+                    f"receiving rank may have died or stalled (time-out {self.timeout:g} s)"
                 ) from exc
 
     def prune(self) -> None:
@@ -84,6 +72,25 @@ class Transport:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
 
-def _short(exc: BaseException) -> str:
+def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
+    """Wait for ``work`` at most ``timeout`` seconds; a failure or time-out raises a
+    :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died or
+    stalled."""
+    try:
+        ok = work.wait(datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        raise PipelineError(
+            f"{doing} failed ({short_error(exc)}); {suspect} may have died or stalled "
+            f"(time-out {timeout:g} s, set with conveyor.init(timeout=...) or "
+            f"$CONVEYOR_TIMEOUT)"
+        ) from exc
+    if ok is False:
+        raise PipelineError(
+            f"{doing} did not finish within {timeout:g} s; {suspect} may have died or stalled"
+        )
+
+
+def short_error(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters)."""
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
