@@ -203,7 +203,7 @@ def test_a_save_that_dies_halfway_leaves_the_previous_checkpoint(
     assert any(p.name.endswith(".tmp") and any(p.iterdir()) for p in tmp_path.iterdir())
     # Dies after the new checkpoint's directory is complete, before `latest` names it.
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "_fsync_dir", die)
+        m.setattr(ckpt.layout, "_fsync_dir", die)
         with pytest.raises(ckpt.CheckpointError, match="disk full"):
             conveyor.save(pipe, tmp_path, opt, step=3)
 

@@ -1,0 +1,296 @@
+"""Checkpoints keyed by the original model's names, loadable into any split.
+
+``save(pipe, path, optimizer, step)`` writes this rank's part of the model and optimizer
+state with ``torch.distributed.checkpoint`` (DCP); ``load(pipe, path, optimizer)`` reads
+back exactly the entries this rank needs, whatever split, schedule, stage count or data
+parallel size saved them; ``load_model_state(path)`` gives the plain model's state dict in
+one process.
+
+On disk, ``path`` is a directory::
+
+    path/latest                        the name of the current checkpoint (one line)
+    path/step-00000120-3fa94c1e/       one checkpoint: DCP's ``.metadata`` and
+                                       ``__<rank>_0.distcp`` files, and conveyor.json
+                                       (step, aliases of tied weights, optimizer
+                                       hyperparameters, the layout that saved it)
+
+Keys inside DCP are ``model/<name>`` and ``optim/<name>/<state key>`` (``exp_avg``,
+``step``, ...), with ``<name>`` as in the unsplit model. Each tensor is written once:
+by the lowest rank holding it, so data-parallel replicas and the copies of a tied weight
+on several ranks are not repeated; a tied weight is stored under its first name and
+``conveyor.json`` lists its other names, and a load fills every copy from it.
+
+A save is atomic: every rank writes into ``path/<name>.tmp``; only when all have
+finished does rank 0 rename it to ``path/<name>`` and then replace ``path/latest``
+(``os.replace``, atomic on POSIX). A save that dies halfway leaves ``latest`` naming the
+previous checkpoint; the next successful save removes the leftovers. All ranks must see
+the same ``path`` (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from conveyor.checkpoint.dcp import _dcp_errors, _empty, _pack, _quiet, _unpack
+from conveyor.checkpoint.errors import CheckpointError
+from conveyor.checkpoint.layout import LATEST, META, _commit, _new_name
+from conveyor.checkpoint.layout import _resolve as _resolve
+from conveyor.checkpoint.meta import _meta, _read
+from conveyor.checkpoint.naming import _components
+from conveyor.checkpoint.optimizer import _hyper_json, _load_optimizer, _optimizer_index
+from conveyor.checkpoint.view import (
+    _all_gather,
+    _broadcast,
+    _is_pipeline,
+    _raise_any,
+    _set_extra,
+    _view,
+)
+from conveyor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from conveyor.pipeline import Pipeline
+
+__all__ = ["CheckpointError", "exists", "load", "load_model_state", "save"]
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a checkpoint to resume from (unfinished saves do not count).
+
+    True also when ``path/latest`` names a checkpoint that has gone missing, so that a
+    resuming script calls :func:`load` and stops with that error instead of silently
+    starting over.
+    """
+    root = Path(path)
+    return (root / LATEST).is_file() or (root / META).is_file()
+
+
+def save(
+    pipe: Pipeline | nn.Module,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+) -> None:
+    """Save the model (and ``optimizer``'s state, and ``step``) as the checkpoint at ``path``.
+
+    A collective in a distributed world: call it on every rank, with each rank's own
+    optimizer. Each rank writes only its entries, under the original model's names, so
+    any other split, schedule or process count can :func:`load` it. Atomic: until every
+    rank has finished, ``path`` keeps naming the previous checkpoint. ``pipe`` may also be
+    a plain ``nn.Module`` (one process).
+    """
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
+    view = _view(pipe)
+    root = Path(path)
+    error = None
+    if root.exists() and not root.is_dir():
+        error = f"cannot save to {root}: it is a file; checkpoints are directories"
+    opt_index = _optimizer_index(optimizer) if optimizer is not None else {}
+    local_params = {id(e.value) for e in view.entries if e.param}
+    if optimizer is not None and error is None:
+        foreign = [i for pid, (i, _) in opt_index.items() if pid not in local_params]
+        if foreign:
+            error = (
+                f"the optimizer holds {len(foreign)} parameters that are not this "
+                f"{'pipeline' if view.layout.get('pp') else 'model'}'s on this rank; build "
+                f"it from pipe.parameters()"
+            )
+    opt_sd = optimizer.state_dict() if optimizer is not None else {"state": {}}
+    opt_state = opt_sd["state"]
+    info = {
+        "entries": [(e.names, e.link) for e in view.entries],
+        "groups": [_hyper_json(g) for g in opt_sd["param_groups"]]
+        if optimizer is not None
+        else None,
+        "group_of": [
+            opt_index[id(e.value)][1] if e.param and id(e.value) in opt_index else None
+            for e in view.entries
+        ],
+        "has_state": [
+            bool(e.param and id(e.value) in opt_index and opt_index[id(e.value)][0] in opt_state)
+            for e in view.entries
+        ],
+        "class": type(optimizer).__name__ if optimizer is not None else None,
+    }
+    infos = _all_gather(view, info)
+    _raise_any(view, error)
+    with_opt = [i["class"] is not None for i in infos]
+    if any(with_opt) and not all(with_opt):
+        raise CheckpointError(
+            "some ranks passed an optimizer to conveyor.save and some did not; pass each "
+            "rank's optimizer on every rank (or none anywhere)"
+        )
+    canon, writer = _components(infos)
+
+    # What this rank writes: each entry whose canonical name this rank is the writer of.
+    state: dict[str, Any] = {}
+    for e in view.entries:
+        c = canon[e.names[0][2]]
+        if writer[c] != view.rank or f"model/{c}" in state:
+            continue
+        state[f"model/{c}"] = _pack(e.value)
+        if e.param and id(e.value) in opt_index:
+            for k, v in opt_state.get(opt_index[id(e.value)][0], {}).items():
+                state[f"optim/{c}/{k}"] = _pack(v)
+
+    name = _broadcast(view, _new_name(step) if view.rank == 0 else None)
+    with _quiet(), _dcp_errors(f"saving a checkpoint to {root}", "the previous one is kept"):
+        # Every rank creates the directory (DCP's writer does) and writes its files.
+        dcp_save(
+            state,
+            storage_writer=FileSystemWriter(root / f"{name}.tmp"),
+            no_dist=not view.distributed,
+        )
+
+    commit_error = None
+    if view.rank == 0:
+        try:
+            _commit(root, name, _meta(infos, canon, writer, view, step))
+        except Exception as exc:  # tell every rank, then fail everywhere
+            commit_error = f"committing checkpoint {root / name} failed: {exc!r}"
+    commit_error = _broadcast(view, commit_error)
+    if commit_error:
+        raise CheckpointError(commit_error)
+
+
+def load(
+    pipe: Pipeline | nn.Module,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int | None:
+    """Load the checkpoint at ``path`` into this rank's stages (and ``optimizer``).
+
+    Returns the ``step`` it was saved with. A collective in a distributed world: call it
+    on every rank. Works whatever split, schedule, stage count or process count saved it;
+    each copy of a tied weight is filled from the one stored copy. ``optimizer`` must be
+    built over this rank's parameters (``pipe.parameters()``); its hyperparameters
+    (learning rate, ...) are restored too. ``pipe`` may also be a plain ``nn.Module``.
+    """
+    view = _view(pipe)
+    read: tuple[Path, dict[str, Any], Metadata] | None = None
+    try:
+        read = _read(path)
+    except (CheckpointError, OSError) as exc:
+        _raise_any(view, str(exc))
+    _raise_any(view, None)
+    assert read is not None
+    where, meta, metadata = read
+    error = None
+    stored = metadata.state_dict_metadata
+    aliases: dict[str, str] = meta["aliases"]
+    opt_meta = meta.get("optimizer")
+
+    problems: list[str] = []
+    state: dict[str, Any] = {}
+    copies: list[tuple[Tensor, str]] = []
+    chosen: list[str | None] = []
+    for e in view.entries:
+        names = [n for _, _, n in e.names]
+        c = next((aliases.get(n, n) for n in names if f"model/{aliases.get(n, n)}" in stored), None)
+        chosen.append(c)
+        if c is None:
+            problems.append(names[0])
+            continue
+        md = stored[f"model/{c}"]
+        if isinstance(e.value, Tensor):
+            if error is not None:
+                pass
+            elif not isinstance(md, TensorStorageMetadata):
+                error = f"checkpoint entry {c!r} is not a tensor, but the model's {names[0]} is"
+            elif tuple(md.size) != tuple(e.value.shape):
+                error = (
+                    f"checkpoint {where} has {c} of shape {tuple(md.size)}, but this model's "
+                    f"{names[0]} has shape {tuple(e.value.shape)}; build the model with the "
+                    f"same sizes it was saved with"
+                )
+            if f"model/{c}" in state:  # tied in the checkpoint, separate here: fill both
+                copies.append((e.value, f"model/{c}"))
+            else:
+                state[f"model/{c}"] = e.value.detach()
+        else:
+            state[f"model/{c}"] = None
+    if problems and error is None:
+        error = (
+            f"checkpoint {where} lacks {len(problems)} entries this "
+            f"{'pipeline' if _is_pipeline(pipe) else 'model'} needs, e.g. {problems[:3]}; it "
+            f"was saved from a different model (it has e.g. "
+            f"{[k[6:] for k in list(stored) if k.startswith('model/')][:3]}). Load it into "
+            f"the model it was saved from, or load the matching part with "
+            f"pipe.load_state_dict(conveyor.load_model_state(path), strict=False)"
+        )
+    opt_index = _optimizer_index(optimizer) if optimizer is not None else {}
+    if optimizer is not None and error is None:
+        if opt_meta is None:
+            error = (
+                f"checkpoint {where} has no optimizer state (it was saved without "
+                f"optimizer=); load without optimizer= or save with it"
+            )
+        elif opt_meta["class"] != type(optimizer).__name__:
+            error = (
+                f"checkpoint {where} holds {opt_meta['class']} state, but the optimizer is "
+                f"{type(optimizer).__name__}; build the same optimizer it was saved with"
+            )
+        else:
+            for e, c in zip(view.entries, chosen, strict=True):
+                if c is None or not e.param or id(e.value) not in opt_index:
+                    continue
+                prefix = f"optim/{c}/"
+                for k, md in stored.items():
+                    if k.startswith(prefix) and "/" not in k[len(prefix) :]:
+                        state[k] = _empty(md)
+    _raise_any(view, error)
+
+    with _quiet(), _dcp_errors(f"loading checkpoint {where}", "is it damaged?"):
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(where),
+            no_dist=not view.distributed,
+        )
+    with torch.no_grad():
+        for dst, key in copies:
+            dst.copy_(state[key])
+    # Extra (non-tensor) module state comes back as objects: hand them to their modules.
+    for e, c in zip(view.entries, chosen, strict=True):
+        if not isinstance(e.value, Tensor) and c is not None:
+            _set_extra(pipe, e, _unpack(state[f"model/{c}"]))
+
+    if optimizer is not None and opt_meta is not None:
+        _load_optimizer(optimizer, opt_index, view, chosen, state, opt_meta)
+    step = meta.get("step")
+    return int(step) if step is not None else None
+
+
+def load_model_state(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The unsplit model's state dict from the checkpoint at ``path``, in one process.
+
+    ``model.load_state_dict(conveyor.load_model_state(path))`` works for the model the
+    checkpoint was saved from, whatever split saved it; a tied weight appears under each
+    of its names (as in ``model.state_dict()``). No process group is needed. For the
+    optimizer too, use ``conveyor.load(model, path, optimizer)``.
+    """
+    where, meta, metadata = _read(path)
+    stored = metadata.state_dict_metadata
+    state = {k: _empty(md) for k, md in stored.items() if k.startswith("model/")}
+    with _quiet(), _dcp_errors(f"loading checkpoint {where}", "is it damaged?"):
+        dcp_load(state, storage_reader=FileSystemReader(where), no_dist=True)
+    aliases: dict[str, str] = meta["aliases"]
+    out: dict[str, Any] = {}
+    for name in meta["keys"]:
+        key = f"model/{aliases.get(name, name)}"
+        if key not in state:
+            raise CheckpointError(
+                f"checkpoint {where} lists {name!r} but holds no data for it; it is damaged, "
+                f"load an earlier one"
+            )
+        out[name] = _unpack(state[key])
+    return out

@@ -1,0 +1,62 @@
+"""Around ``torch.distributed.checkpoint`` (DCP): values in and out, warnings, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from conveyor.checkpoint.errors import CheckpointError
+
+
+def _pack(value: Any) -> Any:
+    """A tensor as is (detached); anything else pickled into one opaque blob, so that DCP
+    does not flatten a dict (a module's extra state, say) into keys of its own."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    return blob.getvalue()
+
+
+def _unpack(value: Any) -> Any:
+    """What :func:`_pack` stored, back."""
+    if isinstance(value, bytes):
+        return torch.load(io.BytesIO(value), weights_only=False)
+    return value
+
+
+def _empty(md: Any) -> Any:
+    """A tensor to load a stored tensor into, or a placeholder for a stored object."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it runs in one process whenever ``no_dist`` is set; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
+        yield
+
+
+@contextlib.contextmanager
+def _dcp_errors(doing: str, then: str) -> Iterator[None]:
+    """DCP's failures (a ``BaseException`` carrying every rank's error) as CheckpointError."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures)
+        first, _ = exc.failures[ranks[0]]
+        raise CheckpointError(
+            f"{doing} failed on rank(s) {ranks}: {type(first).__name__}: {first}; {then}"
+        ) from exc

@@ -1,0 +1,94 @@
+"""The on-disk layout: checkpoint names, the ``latest`` pointer and the atomic commit.
+
+``path/latest`` names the current checkpoint ``path/step-<step>-<hex>/`` (or
+``path/nostep-<hex>/``); a save writes ``path/<name>.tmp`` and :func:`_commit` renames it
+and replaces ``latest``, then removes older checkpoints and leftovers of failed saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from conveyor.checkpoint.errors import CheckpointError
+
+LATEST = "latest"
+META = "conveyor.json"
+
+
+def _new_name(step: int | None) -> str:
+    """A fresh checkpoint directory name: ``step-<step>-<hex>`` or ``nostep-<hex>``."""
+    name = f"step-{step:08d}" if step is not None else "nostep"
+    return f"{name}-{secrets.token_hex(4)}"
+
+
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    """The directory of the current checkpoint at ``path``."""
+    root = Path(path)
+    latest = root / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        current = root / name
+        if not (current / META).is_file():
+            raise CheckpointError(
+                f"{latest} names {name!r}, but {current / META} is missing: the checkpoint "
+                f"was deleted or moved; restore it or start from another checkpoint"
+            )
+        return current
+    if (root / META).is_file():
+        return root  # a checkpoint directory itself (path/step-...)
+    if not root.exists():
+        raise CheckpointError(
+            f"no checkpoint at {root}: the path does not exist; check it, or start "
+            f"without loading (conveyor.checkpoint.exists(path) tells whether one is there)"
+        )
+    unfinished = sorted(p.name for p in root.glob("*.tmp"))
+    hint = f" (it holds only unfinished saves: {', '.join(unfinished)})" if unfinished else ""
+    raise CheckpointError(
+        f"no checkpoint at {root}: no {LATEST} file{hint}; pass a directory written by "
+        f"conveyor.save, or start without loading"
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _commit(root: Path, name: str, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote ``root/name.tmp``: make it the current checkpoint."""
+    tmp = root / f"{name}.tmp"
+    with open(tmp / META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, root / name)
+    _fsync_dir(root)
+    pointer = root / f"{LATEST}.{name}.tmp"
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)  # the commit point
+    _fsync_dir(root)
+    # Older checkpoints and leftovers of saves that died; only names this module writes.
+    for old in root.iterdir():
+        if old.name == name:
+            continue
+        if (
+            old.is_dir()
+            and old.name.startswith(("step-", "nostep-"))
+            and (old.name.endswith(".tmp") or (old / META).is_file())
+        ):
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.is_file() and old.name.startswith(f"{LATEST}.") and old.name.endswith(".tmp"):
+            old.unlink(missing_ok=True)

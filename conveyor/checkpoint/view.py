@@ -1,0 +1,147 @@
+"""The name-keyed view of a Pipeline (this rank's stages) or a plain module, and the
+cross-rank helpers that work on it (gather, broadcast, raise on every rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from conveyor.checkpoint.errors import CheckpointError
+from conveyor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from conveyor.pipeline import Pipeline
+
+
+@dataclass
+class _Entry:
+    """One tensor (or extra-state object) of this process, under all its local names."""
+
+    names: list[tuple[int, int, str]]  # (stage, position in the stage's state dict, name)
+    value: Any
+    param: bool
+    link: tuple[int, ...] | None = None  # ties this copy to copies on other ranks
+
+
+@dataclass
+class _View:
+    """What this process saves and loads: its stages' state, and where it sits."""
+
+    entries: list[_Entry]
+    rank: int
+    world_size: int
+    distributed: bool
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_pipeline(target: Any) -> bool:
+    from conveyor.pipeline import Pipeline
+
+    return isinstance(target, Pipeline)
+
+
+def _view(target: Pipeline | nn.Module) -> _View:
+    """Entries of a Pipeline (this rank's stages) or of a plain module (one process)."""
+    if isinstance(target, nn.Module):
+        stages: list[tuple[int, nn.Module]] = [(0, target)]
+        view = _View([], 0, 1, False, {"model": type(target).__name__})
+        links: dict[int, tuple[int, ...]] = {}
+    elif _is_pipeline(target):
+        ctx = target.context
+        held = (
+            target.schedule.stages_of(ctx.pp_rank)
+            if ctx.distributed
+            else tuple(range(target.schedule.stages))
+        )
+        stages = list(zip(sorted(held), target.stages, strict=True))
+        view = _View(
+            [],
+            ctx.rank,
+            ctx.world_size,
+            ctx.distributed,
+            {
+                "world_size": ctx.world_size,
+                "pp": ctx.pp_size,
+                "dp": ctx.dp_size,
+                "schedule": target.schedule.name,
+                "stages": target.schedule.stages,
+                "chunks": target.schedule.chunks,
+            },
+        )
+        links = _tied_links(target)
+    else:
+        raise ConfigError(
+            f"expected a conveyor.Pipeline or a torch.nn.Module, got {type(target).__name__}"
+        )
+    by_id: dict[int, _Entry] = {}
+    for s, stage in stages:
+        params = {id(p) for p in stage.parameters()}
+        for pos, (name, value) in enumerate(stage.state_dict(keep_vars=True).items()):
+            if isinstance(value, Tensor) and id(value) in by_id:
+                by_id[id(value)].names.append((s, pos, name))
+                continue
+            entry = _Entry([(s, pos, name)], value, id(value) in params, links.get(id(value)))
+            view.entries.append(entry)
+            if isinstance(value, Tensor):
+                by_id[id(value)] = entry
+    return view
+
+
+def _tied_links(pipe: Pipeline) -> dict[int, tuple[int, ...]]:
+    """``id(param) -> key`` for weights tied across ranks; copies share the key.
+
+    The pipeline's ``SharedParameters`` lists, on every rank, its copies in the same
+    global order with the group of ranks holding them, so the k-th copy of a group on one
+    rank and the k-th on another are the same weight: the key is (group ranks..., k).
+    """
+    shared = getattr(pipe, "_shared", None)
+    entries = getattr(shared, "_entries", [])
+    counts: dict[tuple[int, ...], int] = {}
+    out: dict[int, tuple[int, ...]] = {}
+    for param, group, *_ in entries:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        k = counts.get(ranks, 0)
+        counts[ranks] = k + 1
+        out[id(param)] = (*ranks, k)
+    return out
+
+
+def _set_extra(target: Pipeline | nn.Module, entry: _Entry, value: Any) -> None:
+    stages = [target] if isinstance(target, nn.Module) else target.stages
+    for stage in stages:
+        own = stage.state_dict(keep_vars=True)
+        part = {n: value for _, _, n in entry.names if n in own}
+        if part:
+            stage.load_state_dict(part, strict=False)
+
+
+# --------------------------------------------------------------------------- collectives
+def _all_gather(view: _View, value: Any) -> list[Any]:
+    if not view.distributed:
+        return [value]
+    out: list[Any] = [None] * view.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _broadcast(view: _View, value: Any) -> Any:
+    if not view.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _raise_any(view: _View, error: str | None) -> None:
+    """Raise on every rank if any rank has an error, so none waits for the others."""
+    errors = [(r, e) for r, e in enumerate(_all_gather(view, error)) if e]
+    if errors:
+        if not view.distributed:
+            raise CheckpointError(errors[0][1])
+        raise CheckpointError(
+            "; ".join(f"rank {r}: {e}" for r, e in errors[:2])
+            + (f" (and {len(errors) - 2} more ranks)" if len(errors) > 2 else "")
+        )
