@@ -22,6 +22,7 @@ from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.shared import SharedParameters
+from conveyor.runtime.step_grads import StepGradients
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
 from conveyor.simulate import simulate
@@ -125,6 +126,7 @@ class Pipeline:
         ]
         self._shared = SharedParameters(tied, self.schedule.placement, self._stages, ctx)
         self._shared.make_equal()
+        self._step_grads = StepGradients(self.parameters())
         # Data parallel replicas: start equal, average gradients while the pipeline drains.
         self._dp: DataParallel | None = None
         if ctx.distributed and ctx.dp_size > 1:
@@ -221,11 +223,13 @@ class Pipeline:
         """
         dp = self._dp
         size = self._shard_size(targets)
-        if dp is not None:
-            dp.begin(size)  # puts the gradients of earlier steps aside
-        if self._shared:
-            self._shared.remember()
+        # Reductions over ranks act on this step's gradients alone.
+        isolate = dp is not None or bool(self._shared)
+        if isolate:
+            self._step_grads.put_aside()
         try:
+            if dp is not None:
+                dp.begin(size)
             loss, _ = self._run("train", inputs, targets)
             if dp is not None:
                 dp.wait()  # each .grad: this step's gradient, averaged over the replicas
@@ -234,9 +238,11 @@ class Pipeline:
         except BaseException:
             if dp is not None:
                 dp.abort()
+            if isolate:
+                self._step_grads.give_back()
             raise
-        if dp is not None:
-            dp.restore()
+        if isolate:
+            self._step_grads.add_back()
         return self._share_loss(loss, size)
 
     @torch.no_grad()

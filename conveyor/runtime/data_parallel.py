@@ -44,12 +44,11 @@ class _Bucket:
 class DataParallel:
     """Averages one pipeline rank's gradients of each step over the data-parallel replicas.
 
-    ``.grad`` accumulates across steps, like ``backward()``: :meth:`begin` puts each
-    gradient aside so the step writes only its own contribution, :meth:`wait` replaces that
-    with the replicas' weighted mean, and :meth:`restore` adds back what was put aside.
-    Tied parameters need no care here: their cross-rank sum (``SharedParameters``) and this
-    mean are both linear in the step's gradient, so run the sum between :meth:`wait` and
-    :meth:`restore`.
+    Works on the step's own gradients: the caller puts earlier ones aside before
+    :meth:`begin` and adds them back after :meth:`wait`
+    (:class:`~conveyor.runtime.step_grads.StepGradients`). Tied parameters need no care
+    here: their cross-rank sum (``SharedParameters``) and this mean are both linear in the
+    step's gradient, so run the sum after :meth:`wait`.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], ctx: Context) -> None:
@@ -64,7 +63,6 @@ class DataParallel:
                 if p.requires_grad:
                     users.setdefault(id(p), set()).add(s)
                     params.setdefault(id(p), p)
-        self._params = list(params.values())
         by_stages: dict[frozenset[int], list[nn.Parameter]] = {}
         for key, p in params.items():
             by_stages.setdefault(frozenset(users[key]), []).append(p)
@@ -75,7 +73,7 @@ class DataParallel:
             if action.kind != F and action.stage in stages:
                 last[action.stage] = action
         self._final = {a: s for s, a in last.items()}
-        self._stash: list[torch.Tensor | None] | None = None
+        self._active = False  # a step is running
         self._done: set[int] = set()
         self._weight = 1.0
         self.launched_early = 0  # buckets started by after_action (the rest by wait)
@@ -121,9 +119,7 @@ class DataParallel:
                 f"non-empty shard"
             )
         self._weight = counts[ctx.dp_rank] / sum(counts)
-        self._stash = [p.grad for p in self._params]
-        for p in self._params:
-            p.grad = None
+        self._active = True
         self._done = set()
         for bucket in self._buckets:
             bucket.pending, bucket.launched = [], False
@@ -131,7 +127,7 @@ class DataParallel:
     def after_action(self, action: Action) -> None:
         """Engine hook: after a stage's last backward / W, start reducing what is final."""
         stage = self._final.get(action)
-        if stage is None or self._stash is None:
+        if stage is None or not self._active:
             return
         self._done.add(stage)
         for bucket in self._buckets:
@@ -167,6 +163,7 @@ class DataParallel:
     @torch.no_grad()
     def wait(self) -> None:
         """Finish the reductions: each ``.grad`` is this step's replica-weighted mean."""
+        self._active = False
         for bucket in self._buckets:
             if not bucket.launched:
                 self._launch(bucket)
@@ -182,24 +179,9 @@ class DataParallel:
                     offset += p.numel()
             bucket.pending = []
 
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Add back the gradients :meth:`begin` put aside: ``.grad = before + mean``."""
-        stash, self._stash = self._stash, None
-        assert stash is not None
-        for p, before in zip(self._params, stash, strict=True):
-            if before is None:
-                continue
-            if p.grad is not None:
-                before.add_(p.grad)
-            p.grad = before
-
     def abort(self) -> None:
-        """After a failed step: give back the gradients from before it."""
-        stash, self._stash = self._stash, None
-        if stash is not None:
-            for p, before in zip(self._params, stash, strict=True):
-                p.grad = before
+        """After a failed step: drop the reductions in flight."""
+        self._active = False
         for bucket in self._buckets:
             bucket.pending = []
 

@@ -30,7 +30,6 @@ class SharedParameters:
         ctx: Context,
     ) -> None:
         self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
-        self._before: list[torch.Tensor | None] = []
         self._rank = 0
         if not ctx.distributed:
             return  # one process: the stages share the very same Parameter object
@@ -65,20 +64,11 @@ class SharedParameters:
         for param, group, src in self._entries:
             dist.broadcast(param.data, src, group=group)
 
-    def remember(self) -> None:
-        """Note the gradients before a step (``.grad`` accumulates across steps)."""
-        self._before = [
-            None if p.grad is None else p.grad.detach().clone() for p, _, _ in self._entries
-        ]
-
     @torch.no_grad()
     def reduce(self) -> None:
-        """Add the other copies' gradients of this step to each local copy."""
-        for (param, group, _), before in zip(self._entries, self._before, strict=True):
+        """Sum this step's gradient of each shared parameter over its copies (the caller
+        keeps earlier gradients aside: :class:`~conveyor.runtime.step_grads.StepGradients`)."""
+        for param, group, _ in self._entries:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            step = param.grad if before is None else param.grad - before
-            dist.all_reduce(step, group=group)
-            if before is not None:
-                param.grad.copy_(before + step)
-        self._before = []
+            dist.all_reduce(param.grad, group=group)
