@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,6 +16,8 @@ from torch import nn
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition import shared_parameters, split_model
+from conveyor.partition.capture import NeedsSample
+from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.plan import Plan, plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.data_parallel import DataParallel, global_loss
@@ -66,7 +69,7 @@ class Pipeline:
         self,
         model: nn.Module,
         *,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         microbatches: int,
         schedule: str | Schedule = "1f1b",
         chunks: int = 1,
@@ -82,6 +85,16 @@ class Pipeline:
             raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
         if not isinstance(chunks, int) or chunks < 1:
             raise ConfigError(f"chunks must be an int >= 1, got {chunks!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(
+                f"loss_fn must be a function (output, target) -> scalar tensor, or None when "
+                f"the model computes its own loss; got {type(loss_fn).__name__}"
+            )
+        if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
+            raise ConfigError(
+                "sample must be a pair (inputs, targets), as train_step takes them (targets "
+                "may be None with loss_fn=None)"
+            )
         self.context = ctx = context if context is not None else current()
         self.loss_fn = loss_fn
         self.microbatches = microbatches
@@ -91,6 +104,11 @@ class Pipeline:
                 raise ConfigError(
                     "schedule='auto' profiles the model on a batch: pass sample=(inputs, "
                     "targets), e.g. your first batch"
+                )
+            if loss_fn is None:
+                raise ConfigError(
+                    "schedule='auto' needs a loss_fn to profile the last layers with; pass one, "
+                    "or name a schedule"
                 )
             self.plan = plan(
                 model,
@@ -103,17 +121,35 @@ class Pipeline:
             )
             schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
         self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
-        all_stages = split_model(model, self.schedule.stages, balance)
+        self._model = model
+        self._balance = balance
+        self._options = (recompute, autocast, track_memory)
+        self._ready = False  # split into stages (at construction, or on the first batch)
+        first = None if sample is None else self._first_microbatch(sample[0])
+        # A model fx cannot trace is captured with torch.export on the first batch.
+        with contextlib.suppress(NeedsSample):
+            self._build(split_model(model, self.schedule.stages, balance, first))
+
+    def _first_microbatch(self, inputs: Any) -> Any:
+        """The first micro-batch of ``inputs``: the sample a graph capture traces."""
+        size = microbatch.batch_size(inputs, "inputs")
+        return microbatch.split(inputs, min(self.microbatches, size), "inputs")[0]
+
+    def _build(self, all_stages: list[nn.Module]) -> None:
+        """Keep this rank's stages and set up what runs them."""
+        ctx = self.context
+        recompute, autocast, track_memory = self._options
         held = (
             self.schedule.stages_of(ctx.pp_rank)
             if ctx.distributed
             else tuple(range(self.schedule.stages))
         )
         self._stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
+        self._description = describe_split(self._model, all_stages, self.schedule.placement)
         self._engine = Engine(
             self.schedule,
             self._stages,
-            loss_fn,
+            self.loss_fn,
             ctx,
             recompute=recompute_stages(recompute, self.schedule.stages),
             autocast=autocast_dtype(autocast),
@@ -133,6 +169,26 @@ class Pipeline:
             self._dp = DataParallel(self.schedule, self._stages, ctx)
             self._dp.make_equal(self._stages)
             self._engine.after_action = self._dp.after_action
+        self._ready = True
+
+    def _build_from(self, inputs: Any) -> None:
+        """Split a model that needs a sample on the first batch it sees.
+
+        Every rank must capture the same graph, so the rank holding stage 0 sends its first
+        micro-batch to the others (ranks may pass ``inputs=None``)."""
+        ctx = self.context
+        sample = None if inputs is None else self._first_microbatch(inputs)
+        if ctx.distributed:
+            box = [None if sample is None else microbatch.to_device(sample, torch.device("cpu"))]
+            holder = ctx.global_rank(self.schedule.placement[0])
+            dist.broadcast_object_list(box, src=holder, group=ctx.pp_group)
+            sample = box[0]
+        if sample is None:
+            raise ConfigError(
+                "this model is captured with torch.export on its first batch, but the first "
+                "step got inputs=None; pass the batch, or Pipeline(..., sample=(inputs, targets))"
+            )
+        self._build(split_model(self._model, self.schedule.stages, self._balance, sample))
 
     @staticmethod
     def _make_schedule(
@@ -153,11 +209,38 @@ class Pipeline:
             )
         return validate(schedule)
 
+    def describe(self) -> SplitInfo:
+        """The split: per stage its rank, modules (original names, numbered runs folded),
+        parameter count, tied weights and the values it sends on; ``str()`` of it is what
+        ``print(pipe)`` shows."""
+        self._require_split("pipe.describe()")
+        return self._description.with_shapes(self._engine.sent_shapes)
+
+    def __repr__(self) -> str:
+        sched = self.schedule
+        head = (
+            f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
+            f"{sched.stages} stages, {self.microbatches} micro-batches)"
+        )
+        if not self._ready:
+            return head + "\nnot split yet: the model is captured on the first batch"
+        return head + "\n" + str(self.describe())
+
     # ------------------------------------------------------------------ steps
     @property
     def stages(self) -> list[nn.Module]:
         """This rank's stage modules, in stage order."""
+        self._require_split("pipe.stages")
         return [self._stages[s] for s in sorted(self._stages)]
+
+    def _require_split(self, what: str) -> None:
+        if not self._ready:
+            raise ConfigError(
+                f"{what} needs the split, which is made on the first batch: "
+                f"{type(self._model).__name__} is captured with torch.export on a sample; run "
+                f"a train_step first, or pass sample=(inputs, targets) to Pipeline to split "
+                f"it at construction"
+            )
 
     def _holds(self, stage: int) -> bool:
         return stage in self._stages
@@ -173,25 +256,43 @@ class Pipeline:
         parts = microbatch.split(value, self.microbatches, what)
         return [microbatch.to_device(p, self.context.device) for p in parts]
 
+    def _begin(self, inputs: Any, targets: Any, predict: bool = False) -> None:
+        """Checks of a step's arguments, and the split on the first batch if needed."""
+        if not predict and self.loss_fn is None and targets is not None:
+            raise ConfigError(
+                "loss_fn=None takes the loss from the model's output, so targets are not used; "
+                "pass the labels inside the inputs (e.g. {'input_ids': ..., 'labels': ...}) and "
+                "targets=None, or give a loss_fn"
+            )
+        if not predict and inputs is not None and targets is not None:
+            n = microbatch.batch_size(inputs, "inputs")
+            t = microbatch.batch_size(targets, "targets")
+            if n != t:
+                raise ConfigError(
+                    f"inputs hold {n} samples but targets hold {t}; pass targets for the same "
+                    f"samples as the inputs (their first dimensions must match)"
+                )
+        if not self._ready:
+            self._build_from(inputs)
+
     def _run(self, mode: Mode, inputs: Any, targets: Any) -> tuple[torch.Tensor | None, list[Any]]:
         last = self.schedule.stages - 1
         mb_inputs = self._split(inputs, "inputs", self._holds(0))
         mb_targets = None
-        weights = None
-        if mode != "predict":
+        if mode != "predict" and self.loss_fn is not None:
             mb_targets = self._split(targets, "targets", self._holds(last))
-            if mb_targets is not None:
-                total = microbatch.batch_size(targets, "targets")
-                weights = [microbatch.batch_size(t, "targets") / total for t in mb_targets]
-        return self._engine.run(mode, mb_inputs, mb_targets, weights)
+        return self._engine.run(mode, mb_inputs, mb_targets)
 
-    def _shard_size(self, targets: Any) -> int | None:
+    def _shard_size(self, inputs: Any, targets: Any) -> int | None:
         """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
         if self._dp is None or not self._holds(self.schedule.stages - 1):
             return None
-        if targets is None:
-            self._split(targets, "targets", needed=True)  # raises the usual error
-        return microbatch.batch_size(targets, "targets")
+        if targets is not None:
+            return microbatch.batch_size(targets, "targets")
+        if inputs is None:
+            what = "targets" if self.loss_fn is not None else "inputs"
+            self._split(None, what, needed=True)  # raises the usual error
+        return microbatch.batch_size(inputs, "inputs")
 
     def _share_loss(self, loss: torch.Tensor | None, size: int | None) -> torch.Tensor:
         if not self.context.distributed:
@@ -221,8 +322,9 @@ class Pipeline:
         With data parallelism: ``.grad`` += the shard-size-weighted mean over the replicas
         of this step's gradient, and the loss is the global batch's.
         """
+        self._begin(inputs, targets)
         dp = self._dp
-        size = self._shard_size(targets)
+        size = self._shard_size(inputs, targets)
         # Reductions over ranks act on this step's gradients alone.
         isolate = dp is not None or bool(self._shared)
         if isolate:
@@ -249,13 +351,15 @@ class Pipeline:
     def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The batch loss without gradients, on every rank (the global batch's with data
         parallelism)."""
-        size = self._shard_size(targets)
+        self._begin(inputs, targets)
+        size = self._shard_size(inputs, targets)
         loss, _ = self._run("eval", inputs, targets)
         return self._share_loss(loss, size)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The whole batch's output on the rank holding the last stage, ``None`` elsewhere."""
+        self._begin(inputs, None, predict=True)
         _, outputs = self._run("predict", inputs, None)
         return microbatch.merge(outputs) if outputs else None
 
@@ -264,12 +368,14 @@ class Pipeline:
         """(rank, kind, stage, microbatch, start, end) of each action this process ran in
         the last step, in seconds from the step start; start is when the action's inputs
         had arrived, so waits on other ranks are not counted as work."""
+        self._require_split('pipe.last_step_timings()')
         return list(self._engine.timings)
 
     def last_step_waits(self) -> list[Timing]:
         """(rank, kind, stage, microbatch, start, end) of each wait of the last step for
         another rank's output (the producer's kind, stage and micro-batch), in seconds
         from the step start."""
+        self._require_split('pipe.last_step_waits()')
         return list(self._engine.waits)
 
     def last_step_memory(self) -> MemoryReport:
@@ -277,6 +383,7 @@ class Pipeline:
         for backward work (and the split backward kept for W) at their peak, beside the
         peak of the schedule's memory model with the sizes each F really saved. Needs
         ``Pipeline(track_memory=True)``."""
+        self._require_split("pipe.last_step_memory()")
         if self._engine.meter is None:
             raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
         if self._engine.memory is None:
@@ -289,6 +396,7 @@ class Pipeline:
 
         A collective in a distributed world: call it on every rank.
         """
+        self._require_split('pipe.measured_bubble()')
         timings = self._engine.timings
         busy = sum(end - start for *_, start, end in timings)
         wall = max((end for *_, end in timings), default=0.0)
@@ -309,6 +417,7 @@ class Pipeline:
         parallelism, the step of replica 0). The file also records the schedule's order and
         the measured and simulated bubble; ``conveyor trace FILE --png PICTURE`` draws it.
         """
+        self._require_split('pipe.save_trace()')
         parts = [(self._engine.timings, self._engine.waits)]
         if self.context.distributed:
             gathered: list[Any] = [None] * self.context.pp_size
@@ -343,6 +452,7 @@ class Pipeline:
         every rank. ``norm_type``: any p > 0, or ``inf``. A collective in a distributed world:
         call it on every rank.
         """
+        self._require_split('pipe.clip_grad_norm_()')
         p = float(norm_type)
         if not p > 0:
             raise ConfigError(
@@ -384,6 +494,9 @@ class Pipeline:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters, with their names in the original model; a weight tied
         across this rank's stages comes once."""
+        if not self._ready:  # before the split (on the first batch): the whole model
+            yield from self._model.named_parameters()
+            return
         seen: set[int] = set()
         for stage in self.stages:
             for name, p in stage.named_parameters():
@@ -397,7 +510,10 @@ class Pipeline:
             yield p
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model's state dict, keyed by the original names."""
+        """This rank's part of the model's state dict, keyed by the original names (the
+        whole model's before a split made on the first batch)."""
+        if not self._ready:
+            return dict(self._model.state_dict())
         out: dict[str, Any] = {}
         for stage in self.stages:
             out.update(stage.state_dict())
@@ -409,6 +525,9 @@ class Pipeline:
         Keys for stages on other ranks are ignored; with ``strict`` a missing key for a
         local stage raises.
         """
+        if not self._ready:
+            self._model.load_state_dict(state, strict=strict)
+            return
         missing: list[str] = []
         for stage in self.stages:
             own = stage.state_dict()

@@ -423,8 +423,8 @@ def plan(
     """
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
-    n_units = len(units(model))
     batch = microbatch.batch_size(inputs, "inputs")
+    n_units = len(units(model, microbatch.split(inputs, min(batch, ranks), "inputs")[0]))
     counts = (
         sorted({min(k * ranks, batch) for k in (1, 2, 4, 8)})
         if microbatch_counts is None

@@ -30,8 +30,8 @@ from conveyor.partition.annotations import stage_marks, stage_of
 from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import layers_of, split_sequential
 from conveyor.runtime import microbatch
+from conveyor.runtime.call import StageCaller
 from conveyor.runtime.deferred_linear import LinearWeightStore
-from conveyor.runtime.engine import call_stage
 from conveyor.runtime.split_backward import backward_input
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -164,8 +164,9 @@ def _annotated(model: nn.Module | Sequence[nn.Module]) -> bool:
     return any(stage_of(m) is not None for layer in model for m in layer.modules())
 
 
-def units(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-    """The model cut into the units ``balance=`` counts, one module each.
+def units(model: nn.Module | Sequence[nn.Module], sample: Any = None) -> list[nn.Module]:
+    """The model cut into the units ``balance=`` counts, one module each (``sample``: one
+    micro-batch of input, for a model captured with torch.export).
 
     Raises :class:`ConfigError` for a model with ``pipeline_stage`` annotations (they fix
     the split; there is nothing to plan) unless it is a layer list.
@@ -177,15 +178,14 @@ def units(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     elif isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
         if _annotated(model):
             raise ConfigError(_ANNOTATED)
-        from conveyor.partition.graph import layers, trace
+        from conveyor.partition.graph import layer_count
 
-        graph, constants = trace(model)
-        n = len(layers(graph, model, constants))
+        n = layer_count(model, sample)
     else:
         # Layer lists: cut directly so annotations on layers do not get in the way.
         n = len(layers_of(model))
         return list(split_sequential(model, n, [1] * n))
-    return split_model(model, n, [1] * n)
+    return split_model(model, n, [1] * n, sample)
 
 
 _ANNOTATED = (
@@ -265,16 +265,17 @@ def _measure_unit(
     params: list[torch.Tensor] = [p for p in unit.parameters() if p.requires_grad]
     store = LinearWeightStore(params)
     keep = [p.grad for p in params]
+    call = StageCaller()
 
     def forward(split: bool) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], Any]:
         x = _fresh(value)
         ins = _grad_leaves(x)
         if split:
             with store.capture((0, 0)):
-                out = call_stage(unit, x, first)
+                out = call(index, unit, x, first)
                 loss = loss_fn(out, target) if loss_fn is not None else None
         else:
-            out = call_stage(unit, x, first)
+            out = call(index, unit, x, first)
             loss = loss_fn(out, target) if loss_fn is not None else None
         outs = [loss] if loss is not None else _grad_leaves(out)
         return out, ins, outs, loss
@@ -336,6 +337,12 @@ def _describe(unit: nn.Module) -> str:
         name, child = children[0]
         return f"{name} ({type(child).__name__})"
     return type(unit).__name__
+
+
+def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
+    if isinstance(model, nn.Module):
+        return list(model.parameters())
+    return [p for layer in model for p in layer.parameters()]
 
 
 def _first_microbatch(batch: Any, microbatches: int, what: str, device: torch.device) -> Any:
@@ -409,11 +416,10 @@ def _profile_units(
 ) -> tuple[LayerProfile, ...]:
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    parts = units(model)
-    params = [p for part in parts for p in part.parameters()]
-    device = params[0].device if params else torch.device("cpu")
+    device = next((p.device for p in _parameters(model)), torch.device("cpu"))
     clock = _Clock(device)
     value = _first_microbatch(inputs, microbatches, "inputs", device)
+    parts = units(model, value)
     target = _first_microbatch(targets, microbatches, "targets", device)
     out: list[LayerProfile] = []
     for i, unit in enumerate(parts):

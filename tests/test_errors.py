@@ -57,8 +57,14 @@ def test_model_fx_cannot_trace_points_at_the_layer_list_way() -> None:
                 x = -x
             return self.b(self.a(x))
 
-    with pytest.raises(conveyor.ConfigError, match=r"cannot trace.*pass an nn.Sequential"):
-        _pipe(model=Net())
+    # The model is captured on the first batch: fx stops at the branch, and so does export.
+    pipe = _pipe(model=Net())
+    x, y = batch(8)
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"cannot capture Net .* at the model \(.*test_errors\.py:\d+\).* nn\.Sequential",
+    ):
+        pipe.train_step(x, y)
 
 
 def test_loss_fn_must_return_a_scalar() -> None:

@@ -404,12 +404,18 @@ def test_annotations_and_balance_together_are_refused() -> None:
         split_model(model, 2, [4, 4])
 
 
-def test_untraceable_model_points_at_the_layer_list_way() -> None:
+def test_untraceable_model_names_the_line_and_the_ways_out() -> None:
     model = Untraceable()
-    with pytest.raises(
-        ConfigError, match=r"cannot trace Untraceable .* nn\.Sequential .* execution sequence"
-    ):
+    # fx stops at the data-dependent branch: without a sample there is nothing to export
+    with pytest.raises(ConfigError, match=r"cannot trace Untraceable .*zoo\.py:\d+\).* sample="):
         split_model(model, 2)
+    # with one, torch.export stops at the same line; the error names it and the ways out
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot capture Untraceable .*torch\.export stopped .* at the model \(.*zoo\.py"
+        r":\d+\).* nn\.Sequential .* execution sequence",
+    ):
+        split_model(model, 2, sample=torch.randn(3, 4))
     # the same model still splits through an execution sequence of its layers
     stages = split_model(sequence(model, ["a", "b"]), 2)
     assert stage_names(stages) == [["a.weight", "a.bias"], ["b.weight", "b.bias"]]

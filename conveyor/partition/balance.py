@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 from conveyor.errors import ConfigError
@@ -126,3 +128,63 @@ def _sizes(cut: list[list[int]], stages: int, n: int) -> list[int]:
         sizes.append(i - j)
         i = j
     return sizes[::-1]
+
+
+def balance_cuts(
+    costs: Sequence[float],
+    stages: int,
+    penalty: Sequence[float],
+    crossing: Sequence[float],
+    tolerance: float = 0.25,
+) -> list[int]:
+    """Layers per stage that cut where cutting is cheap, at a bounded cost in balance.
+
+    ``penalty[k]`` and ``crossing[k]`` describe a cut after layer k (``n - 1`` entries):
+    how many modules it cuts through, and the bytes (or values) that would cross it.
+    Among the splits whose largest stage cost is within ``1 + tolerance`` of the best
+    possible (:func:`balance`), this returns the one with the smallest total penalty, then
+    the fewest bytes crossing, then the smallest largest stage, then the most even layer
+    counts. Exact dynamic programme, like :func:`balance`.
+    """
+    n = len(costs)
+    if len(penalty) != max(n - 1, 0) or len(crossing) != max(n - 1, 0):
+        raise ConfigError(f"penalty and crossing need one entry per cut point ({n - 1})")
+    best_sizes = balance(costs, stages)  # checks the arguments
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    starts = [0]
+    for size in best_sizes:
+        starts.append(starts[-1] + size)
+    optimum = max(prefix[b] - prefix[a] for a, b in itertools.pairwise(starts))
+    limit = optimum * (1.0 + tolerance) + 1e-9 * max(1.0, optimum)
+    Score = tuple[float, float, float, int]
+    worst: Score = (math.inf, math.inf, math.inf, 0)
+    # best[k][i]: the best score of the first i layers in k stages; the cut before them.
+    best: list[list[Score]] = [[worst] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0, 0.0, 0)
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(i - 1, k - 2, -1):
+                load = prefix[i] - prefix[j]
+                if load > limit:
+                    break  # longer stages only cost more
+                before = best[k - 1][j]
+                if before[0] == math.inf:
+                    continue
+                # The cut before this stage (after layer j - 1) is paid here.
+                pen = penalty[j - 1] if j > 0 else 0.0
+                sent = crossing[j - 1] if j > 0 else 0.0
+                score = (
+                    before[0] + pen,
+                    before[1] + sent,
+                    max(before[2], load),
+                    before[3] + (i - j) ** 2,
+                )
+                if score < best[k][i]:
+                    best[k][i] = score
+                    cut[k][i] = j
+    if best[stages][n][0] == math.inf:  # cannot happen: the optimum itself fits
+        return best_sizes
+    return _sizes(cut, stages, n)

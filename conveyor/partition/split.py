@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -15,7 +16,9 @@ from conveyor.partition.sequential import layers_of, split_sequential
 Model = nn.Module | Sequence[nn.Module]
 
 
-def split_model(model: Model, stages: int, balance: Sequence[int] | None = None) -> list[nn.Module]:
+def split_model(
+    model: Model, stages: int, balance: Sequence[int] | None = None, sample: Any = None
+) -> list[nn.Module]:
     """Cut ``model`` into ``stages`` stage modules.
 
     - an execution sequence (:func:`conveyor.sequence`): whole steps, by ``balance``,
@@ -23,9 +26,10 @@ def split_model(model: Model, stages: int, balance: Sequence[int] | None = None)
     - a layer list (``nn.Sequential``, ``nn.ModuleList``, list of modules): whole layers, by
       ``balance``, annotations, or parameter counts. An ``nn.Sequential`` annotated
       inside a layer (not only on its layers) is split as a graph instead;
-    - any other module: split as a ``torch.fx`` graph, by annotations, or by ``balance``
-      counting leaf-module calls and operations that read a parameter, or by parameter
-      counts.
+    - any other module: captured as a graph (``torch.fx``, or ``torch.export`` on
+      ``sample``, one micro-batch of its input, where fx cannot trace it) and split by
+      annotations, or by ``balance`` counting leaf-module calls and operations that read a
+      parameter, or by parameter counts preferring cuts between blocks.
 
     Stage 0 takes the model's arguments; stage s > 0 takes stage s - 1's output; the last
     returns the model's output. Parameters and buffers are the model's own objects under
@@ -34,7 +38,7 @@ def split_model(model: Model, stages: int, balance: Sequence[int] | None = None)
     if isinstance(model, ExecutionSequence):
         return split_sequence(model, stages, balance)
     if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return split_graph(model, stages, balance)
+        return split_graph(model, stages, balance, sample)
     layers = layers_of(model)
     if not any(stage_of(m) is not None for _, layer in layers for m in layer.modules()):
         return list(split_sequential(model, stages, balance))
@@ -46,7 +50,7 @@ def split_model(model: Model, stages: int, balance: Sequence[int] | None = None)
     if isinstance(model, nn.Sequential) and any(
         stage_of(m) is not None for _, layer in layers for m in list(layer.modules())[1:]
     ):
-        return split_graph(model, stages)
+        return split_graph(model, stages, sample=sample)
     marks = [(f"model.{name}", whole_stage(m, f"model.{name}")) for name, m in layers]
     sizes = chain_sizes(marks, stages)
     return list(split_sequential(model, stages, sizes))

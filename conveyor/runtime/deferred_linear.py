@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 # What autocast casts to its lower precision (float64 is left alone).
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+_ATEN_LINEAR = torch.ops.aten.linear.default
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -38,7 +39,13 @@ class _DeferredLinear(torch.autograd.Function):
         if cast is not None:  # autocast: x comes cast already, the parameters are cast here
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        if out._base is not None:
+            # F.linear of a 3-d input returns a view, and autograd forbids modifying a
+            # custom Function's view output in place (``out += residual``); _unsafe_view
+            # is how ATen's own linear returns it: the same storage, no view tracking.
+            out = torch.ops.aten._unsafe_view(out._base, out.shape)
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -73,7 +80,8 @@ class _Capture(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
+        # F.linear, or the ATen op a graph captured with torch.export calls directly.
+        if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if id(weight) in self.params and (bias is None or id(bias) in self.params):

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +24,8 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
+from conveyor.partition.describe import shape_of
+from conveyor.runtime.call import StageCaller
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.recompute import (
@@ -48,7 +50,7 @@ from conveyor.schedules import Action, B, F, Schedule, W, execution_order
 from conveyor.trace import Timing
 
 Mode = Literal["train", "eval", "predict"]
-LossFn = Callable[[Any, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor] | None
 
 # How many upcoming actions get their receives posted before they run.
 LOOKAHEAD = 3
@@ -77,15 +79,6 @@ class _Plan:
     incoming: dict[int, list[Action]]  # per peer: producers of messages to us, in send order
     # (stage, micro-batch) whose B comes right after its F: recompute would free nothing.
     adjacent: frozenset[tuple[int, int]] = frozenset()
-
-
-def call_stage(stage: nn.Module, value: Any, first: bool) -> Any:
-    """Call ``stage`` on ``value``; the first stage unpacks tuples and dicts like a model call."""
-    if first and isinstance(value, tuple):
-        return stage(*value)
-    if first and isinstance(value, dict):
-        return stage(**value)
-    return stage(value)
 
 
 def _grad_leaves(value: Any) -> list[torch.Tensor]:
@@ -130,12 +123,15 @@ class Engine:
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
         self._store = LinearWeightStore([p for ps in self._params.values() for p in ps])
+        self._call = StageCaller()
         self.meter = (
             ActivationMeter(p for stage in stages.values() for p in stage.parameters())
             if track_memory
             else None
         )
         self.memory: MemoryReport | None = None
+        # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
+        self.sent_shapes: dict[int, list[str]] = {}
         self._plans: dict[bool, _Plan] = {}
         self._sent: dict[tuple[int, str, Action], ValueMeta] = {}
         self._seen: dict[tuple[int, str, Action], ValueMeta] = {}
@@ -210,21 +206,23 @@ class Engine:
         mode: Mode,
         inputs: list[Any] | None,
         targets: list[Any] | None,
-        weights: list[float] | None,
     ) -> tuple[torch.Tensor | None, list[Any]]:
         """Run one step; returns (this process's summed weighted loss or None, outputs).
 
-        ``inputs``/``targets``/``weights`` are per micro-batch (None where this process
-        holds neither the first nor the last stage). Outputs are the last stage's
-        micro-batch outputs in ``predict`` mode.
+        ``inputs``/``targets`` are per micro-batch (None where this process holds neither
+        the first nor the last stage, and targets always None when the model computes its
+        own loss). Each micro-batch's loss is weighted by its share of the batch. Outputs
+        are the last stage's micro-batch outputs in ``predict`` mode.
         """
         train = mode == "train"
         plan = self._plan(train)
         self._adjacent = plan.adjacent
         self._mode: Mode = mode
         self._train = train
-        self._sig = self._agree_signature(inputs)
-        self._inputs, self._targets, self._weights = inputs, targets, weights
+        self._sig, size = self._agree_signature(inputs)
+        m = self.schedule.microbatches
+        self._weights = [(size // m + (1 if i < size % m else 0)) / size for i in range(m)]
+        self._inputs, self._targets = inputs, targets
         self._mailbox: dict[Action, Any] = {}
         self._saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._recvs: dict[Action, _Recv] = {}
@@ -314,9 +312,10 @@ class Engine:
         outputs = [self._outputs[m] for m in sorted(self._outputs)]
         return self._loss, outputs
 
-    def _agree_signature(self, inputs: list[Any] | None) -> int:
-        """A number all ranks share that changes when micro-batch input shapes change."""
-        sig = 0
+    def _agree_signature(self, inputs: list[Any] | None) -> tuple[int, int]:
+        """A number all ranks share that changes when micro-batch input shapes change, and
+        the batch size (micro-batch losses are weighted by their share of it)."""
+        sig = size = 0
         if inputs is not None:
             shapes = [
                 (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
@@ -324,17 +323,18 @@ class Engine:
                 for x in pytree.tree_leaves(mb)
             ]
             sig = zlib.crc32(repr(shapes).encode())
+            size = sum(_batch_size(mb) for mb in inputs)
         if self.transport is None:
-            return sig
+            return sig, size
         holder = self.schedule.placement[0]
         if self.rank == holder and inputs is None:
             raise PipelineError(
                 f"rank {self.rank} holds the first stage but got inputs=None; pass the batch "
                 f"on this rank"
             )
-        buf = torch.tensor([sig], dtype=torch.int64, device=self.device)
+        buf = torch.tensor([sig, size], dtype=torch.int64, device=self.device)
         dist.broadcast(buf, self.ctx.global_rank(holder), group=self.ctx.pp_group)
-        return int(buf.item())
+        return int(buf[0]), int(buf[1])
 
     # ----------------------------------------------------------------- compute
     def _forward(self, action: Action) -> None:
@@ -357,10 +357,13 @@ class Engine:
             out, scaled = self._forward_with_options(s, m, value)
         elif self._train and self.schedule.split_backward:
             with self._store.capture((s, m)):
-                out = call_stage(self.stages[s], value, first=s == 0)
+                out = self._call(s, self.stages[s], value, s == 0)
         else:
-            out = call_stage(self.stages[s], value, first=s == 0)
+            out = self._call(s, self.stages[s], value, s == 0)
         if s < self.last:
+            if s not in self.sent_shapes:
+                values = out if isinstance(out, tuple) else (out,)
+                self.sent_shapes[s] = [shape_of(v) for v in values]
             if self._train:
                 outs = _grad_leaves(out)
                 if self._stash and (s, m) in self._stash:  # recomputed at B: shapes only
@@ -384,8 +387,11 @@ class Engine:
 
     def _scaled_loss(self, out: Any, m: int) -> torch.Tensor:
         """The micro-batch's loss times its share of the batch."""
-        assert self._targets is not None and self._weights is not None
-        loss = self.loss_fn(out, self._targets[m])
+        if self.loss_fn is None:
+            loss = model_loss(out)
+        else:
+            assert self._targets is not None
+            loss = self.loss_fn(out, self._targets[m])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise PipelineError(
@@ -412,7 +418,7 @@ class Engine:
                 # Build the graph (outputs know which of them need gradients), save nothing.
                 stack.enter_context(discard_saved())
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
-                out = call_stage(self.stages[s], value, first=s == 0)
+                out = self._call(s, self.stages[s], value, s == 0)
             if s == self.last and self._mode != "predict":
                 scaled = self._upcast(self._scaled_loss(out, m))
         return out, scaled
@@ -427,7 +433,7 @@ class Engine:
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
-                out = call_stage(self.stages[s], value, first=s == 0)
+                out = self._call(s, self.stages[s], value, s == 0)
             if s == self.last:
                 return [self._upcast(self._scaled_loss(out, m))]
         return _grad_leaves(out)
@@ -623,6 +629,26 @@ class Engine:
             t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
             recv.tensors.append(t)
             recv.works.append(self.transport.recv(t, recv.peer, self._tag(recv.producer, i)))
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model computed itself (``loss_fn=None``): its output if that is a scalar,
+    else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise PipelineError(
+            f"loss_fn=None takes the loss from the model's output, but its "
+            f"{type(out).__name__} has no loss; pass what the model needs to compute one "
+            f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
+        )
+    return loss
+
+
+def _batch_size(value: Any) -> int:
+    leaves = [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.dim()]
+    return int(leaves[0].shape[0]) if leaves else 1
 
 
 def _name(action: Action) -> str:
