@@ -9,6 +9,7 @@ accumulation over the same 8 micro-batches) runs on rank 0 in its own phase of e
 while rank 1 waits idle in a barrier.
 
     python benchmarks/vs_torch.py [--steps 10] [--rounds 5] [--warmup 2] [--json FILE]
+    python benchmarks/vs_torch.py --model gpt2     # a transformers GPT-2 instead
 
 Prints a markdown table: median step time of each library, their ratio, conveyor's
 speed-up over one process, and the ideal speed-up p * (1 - bubble), with the bubble
@@ -215,6 +216,11 @@ def stage_costs(timings: list[Timing], stages: int) -> list[tuple[float, float, 
 
 def worker(args: argparse.Namespace) -> None:
     """Runs in each of the 2 processes: build everything, then alternate the runs."""
+    if args.model == "gpt2":
+        from vs_torch_hf import worker as gpt2_worker
+
+        gpt2_worker(args, timed)
+        return
     torch.set_num_threads(1)
     conveyor.init()
     rank = dist.get_rank()
@@ -381,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
+    p.add_argument(
+        "--model",
+        choices=["linear", "gpt2"],
+        default="linear",
+        help="the Linear stack, or a transformers GPT-2 (benchmarks/vs_torch_hf.py)",
+    )
     args = p.parse_args(argv)
     return run_on_processes(__file__, PROCS, argv, worker, args)
 

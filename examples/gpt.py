@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sysconfig
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from text import corpus, windows
 from torch import nn
 from torch.nn import functional as F
 
@@ -83,20 +82,6 @@ def annotate(model: GPT, stages: int) -> None:
     depth = len(model.blocks)
     for s in range(stages):
         model.blocks[s * depth // stages].pipeline_stage = s  # type: ignore[assignment]
-
-
-def corpus(limit: int) -> str:
-    """Up to ``limit`` characters of the standard library's Python source, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts: list[str] = []
-    size = 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= limit:
-            break
-    return "".join(parts)[:limit]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -181,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     progress.count = start
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
-        # The batch of a step depends on the step alone: resuming repeats nothing.
-        gen = torch.Generator().manual_seed(step)
-        at = torch.randint(len(data) - args.context - 1, (args.batch_size,), generator=gen)
-        x = torch.stack([data[i : i + args.context] for i in at.tolist()])
-        y = torch.stack([data[i + 1 : i + args.context + 1] for i in at.tolist()])
-        loss = pipe.train_step(x, y)
+        rows = windows(data, step, args.batch_size, args.context)
+        loss = pipe.train_step(rows[:, :-1], rows[:, 1:])
         opt.step()
         opt.zero_grad()
         progress.step(loss, args.batch_size)

@@ -299,3 +299,24 @@ def test_loss_fn_none_errors() -> None:
                                    context=conveyor.init(pp=2))
     with pytest.raises(conveyor.PipelineError, match=r"has no loss; pass what the model needs"):
         unlabelled.train_step({"input_ids": inputs["input_ids"]}, None)
+
+
+def test_recompute_and_checkpoints_on_a_captured_model(tmp_path: Any) -> None:
+    model, batches, _ = shared("llama")
+    inputs = batches()[0][0]
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+    want = _grads(model.named_parameters())
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3, schedule="zb-h1",
+                             recompute=True, context=ctx)
+    model.zero_grad(set_to_none=True)
+    pipe.train_step(inputs, None)
+    _close(_grads(model.named_parameters()), want, "recompute")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt.step()
+    conveyor.save(pipe, tmp_path, opt, step=1)
+    state = conveyor.load_model_state(tmp_path)
+    assert set(state) == set(model.state_dict())  # original names, tied head included
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name

@@ -47,6 +47,19 @@ def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
     assert len(losses(out)) >= 2 and "sample:" in out
 
 
+def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    tiny = [sys.executable, "examples/hf_llama.py", *GPT_TINY, "--checkpoint", str(tmp_path),
+            "--save-every", "10", "--schedule", "zb-h1"]
+    out = run(tiny)
+    seen = losses(out)
+    assert len(seen) >= 5 and seen[-1] < seen[0] - 0.5, out  # it learns
+    assert "LlamaForCausalLM in 2 stages (captured with torch.export" in out
+    assert "stage 1 on rank 1: lm_head, model.layers.1, model.norm" in out
+    assert "sample:\ndef " in out
+    assert (tmp_path / "latest").read_text().startswith("step-00000030-")
+
+
 def test_resnet_on_random_data_under_launch() -> None:
     out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2",
                "examples/resnet.py", *RESNET_TINY])

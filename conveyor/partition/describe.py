@@ -23,6 +23,7 @@ from conveyor.partition.capture import module_path
 from conveyor.partition.execution import ExecutionSequence
 
 SENDS = "conveyor_sends"  # GraphModule.meta key: (label, value) per value a stage sends
+COPIED = "conveyor_copied"  # node.meta key: a value each stage that needs it makes again
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,14 @@ class SplitInfo:
     model: str
     how: str
     stages: tuple[StageInfo, ...]
+    recomputed: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"{self.model} in {len(self.stages)} stages ({self.how})"]
+        if self.recomputed:
+            lines.append(
+                "made again on each stage that needs it, not sent: " + ", ".join(self.recomputed)
+            )
         for info in self.stages:
             modules = ", ".join(info.modules) or "(no module: operations only)"
             lines.append(
@@ -79,6 +85,7 @@ def describe_split(
 ) -> SplitInfo:
     """The description of ``stages`` cut from ``model``, stage s on rank ``placement[s]``."""
     touched = [_touched(stage) for stage in stages]
+    recomputed = sorted(set().union(*(_copied(stage) for stage in stages)) - set().union(*touched))
     blocks = _blocks(model)
     owners: dict[int, list[tuple[int, str]]] = {}
     for s, stage in enumerate(stages):
@@ -102,7 +109,7 @@ def describe_split(
                 sends=tuple(_sends(stage)) if s < len(stages) - 1 else (),
             )
         )
-    return SplitInfo(_model_name(model), _how(model, stages), tuple(infos))
+    return SplitInfo(_model_name(model), _how(model, stages), tuple(infos), tuple(recomputed))
 
 
 def _model_name(model: Any) -> str:
@@ -125,7 +132,7 @@ def _touched(stage: nn.Module) -> set[str]:
     paths: set[str] = set()
     if isinstance(stage, fx.GraphModule):
         for n in stage.graph.nodes:
-            if n.op in ("call_module", "call_function", "call_method"):
+            if n.op in ("call_module", "call_function", "call_method") and COPIED not in n.meta:
                 paths.add(module_path(n))
         for name, _ in stage.named_parameters():
             paths.add(name.rpartition(".")[0])
@@ -154,6 +161,13 @@ def _blocks(model: Any) -> set[str]:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             out.update(f"{name}.{c}" if name else c for c, _ in children)
     return out
+
+
+def _copied(stage: nn.Module) -> set[str]:
+    """Modules whose work ``stage`` does again rather than receive."""
+    if not isinstance(stage, fx.GraphModule):
+        return set()
+    return {module_path(n) for n in stage.graph.nodes if COPIED in n.meta} - {""}
 
 
 def _modules(touched: list[set[str]], s: int, blocks: set[str]) -> list[str]:

@@ -49,7 +49,7 @@ from conveyor.errors import ConfigError
 from conveyor.partition.annotations import Item, assign_stages, owner, stage_marks
 from conveyor.partition.balance import balance_cuts
 from conveyor.partition.capture import Captured, InputLayout, capture, check_inputs, module_path
-from conveyor.partition.describe import SENDS, value_label
+from conveyor.partition.describe import COPIED, SENDS, value_label
 from conveyor.partition.tree import install
 
 _COMPUTE = ("call_module", "call_function", "call_method")
@@ -394,8 +394,11 @@ def split_graph(
         for n in graph.nodes:
             if n.op == "get_attr" and s in uses[n]:
                 env[n] = g.node_copy(n)
-            elif n.op in _COMPUTE and (where[n] == s or (n in copied and s in uses[n])):
+            elif n.op in _COMPUTE and where[n] == s:
                 env[n] = g.node_copy(n, env.__getitem__)
+            elif n.op in _COMPUTE and n in copied and s in uses[n]:
+                env[n] = g.node_copy(n, env.__getitem__)
+                env[n].meta[COPIED] = True
             elif n.op == "output" and s == last:
                 _output(g, n, env, cap.output_spec, extra)
         if s < last:

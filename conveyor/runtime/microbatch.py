@@ -39,15 +39,18 @@ def split(batch: Any, parts: int, what: str) -> list[Any]:
 
 
 def merge(outputs: list[Any]) -> Any:
-    """Concatenate micro-batch outputs (same structure) on dim 0."""
+    """Concatenate micro-batch outputs (same structure) on dim 0; a scalar per micro-batch
+    (a loss the model computed) becomes a tensor of one value per micro-batch."""
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
-    leaves = [
-        torch.cat([f[0][i] for f in flat])
-        if isinstance(flat[0][0][i], torch.Tensor)
-        else flat[0][0][i]
-        for i in range(len(flat[0][0]))
-    ]
+    leaves = []
+    for i, first in enumerate(flat[0][0]):
+        if not isinstance(first, torch.Tensor):
+            leaves.append(first)
+        elif first.dim() == 0:
+            leaves.append(torch.stack([f[0][i] for f in flat]))
+        else:
+            leaves.append(torch.cat([f[0][i] for f in flat]))
     return pytree.tree_unflatten(leaves, spec)
 
 

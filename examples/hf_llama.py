@@ -1,0 +1,145 @@
+"""A small Llama from Hugging Face transformers, built from its config (no download), handed
+to conveyor as it is and trained on the Python standard library's own source.
+
+    python examples/hf_llama.py                                  # one process, 2 stages
+    conveyor launch --nproc-per-node 2 examples/hf_llama.py      # 2 processes
+    conveyor launch --nproc-per-node 2 examples/hf_llama.py --schedule zb-h1
+    conveyor launch --nproc-per-node 2 --max-restarts 3 examples/hf_llama.py --checkpoint ckpt
+
+Nothing in the model is changed or wrapped: conveyor captures ``LlamaForCausalLM`` with
+torch.export on the first batch (``sample=``), cuts it between decoder layers, and the
+model computes its own loss from ``labels`` (``loss_fn=None``). Only ``use_cache=False``
+(training keeps no key/value cache) and no dropout are set in the config. The run prints
+the split, a loss line every tenth of the run, and a sample.
+
+Characters are the tokens (the vocabulary is the corpus's characters); batch ``k`` is drawn
+from a generator seeded with ``k``, so a run resumed from ``--checkpoint`` repeats nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+from text import corpus, windows
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import conveyor
+from conveyor.checkpoint import exists
+from conveyor.progress import Progress
+
+
+def build(vocab: int, args: argparse.Namespace) -> LlamaForCausalLM:
+    """The model, from a config: random weights, nothing downloaded."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=args.width,
+        intermediate_size=args.width * 8 // 3,
+        num_hidden_layers=args.depth,
+        num_attention_heads=args.heads,
+        num_key_value_heads=max(args.heads // 2, 1),
+        max_position_embeddings=args.context,
+        use_cache=False,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(config)
+
+
+def generate(
+    pipe: conveyor.Pipeline, ctx: conveyor.Context, prompt: list[int], count: int, context: int
+) -> list[int]:
+    """``prompt`` continued by ``count`` sampled tokens (every rank gets them)."""
+    rows = pipe.microbatches  # predict splits the batch into micro-batches
+    idx = torch.tensor([prompt] * rows, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(count):
+        window = idx[:, -context:]
+        # Inputs keep the structure the model was captured with: labels too (unused here).
+        out = pipe.predict({"input_ids": window, "labels": window})
+        nxt = torch.zeros(rows, 1, dtype=torch.long)
+        if out is not None:
+            probs = torch.softmax(out.logits[:, -1, :], dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+        if ctx.distributed:
+            dist.broadcast(nxt, pipe.schedule.placement[-1])
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0].tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: processes or 2)")
+    ap.add_argument("--schedule", default="1f1b", help="a schedule name (conveyor simulate lists)")
+    ap.add_argument("--chunks", type=int, default=1, help="stages per rank")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=300, help="training steps")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    ap.add_argument("--context", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--width", type=int, default=128, help="hidden size")
+    ap.add_argument("--depth", type=int, default=4, help="decoder layers")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
+    ap.add_argument("--sample", type=int, default=80, help="characters to generate")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from")
+    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(0)
+    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
+    text = corpus(args.chars)
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    model = build(len(vocab), args)
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        ids = windows(data, step, args.batch_size, args.context - 1)
+        return {"input_ids": ids, "labels": ids}  # the model shifts the labels itself
+
+    start = 0
+    # sample= splits the model now, so a checkpoint can be loaded before the first step.
+    pipe = conveyor.Pipeline(
+        model,
+        loss_fn=None,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        chunks=args.chunks,
+        context=ctx,
+        sample=(batch(0), None),
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    say(f"{len(text):,} characters, vocabulary {len(vocab)}, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    say(pipe)
+    if args.checkpoint and exists(args.checkpoint):
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, args.steps)
+        say(f"resumed from {args.checkpoint} at step {start}")
+    progress = Progress(pipe, args.steps - start, every=max(args.steps // 10, 1))
+    progress.count = start
+    loss = torch.tensor(0.0)
+    for step in range(start, args.steps):
+        loss = pipe.train_step(batch(step), None)
+        opt.step()
+        opt.zero_grad()
+        progress.step(loss, args.batch_size)
+        done = step + 1
+        if args.checkpoint and (done % args.save_every == 0 or done == args.steps):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
+    progress.close()
+    out = generate(pipe, ctx, [lookup[c] for c in "def "], args.sample, args.context)
+    say("sample:\n" + "".join(vocab[i] for i in out))
+    return 0 if math.isfinite(loss.item()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
