@@ -12,7 +12,8 @@ from conveyor.errors import ConfigError, ConveyorError, PipelineError, ScheduleE
 from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
-    from conveyor.checkpoint import load, load_model_state, save
+    from conveyor import checkpoint
+    from conveyor.checkpoint import CheckpointError, load, load_model_state, save
     from conveyor.context import Context, init
     from conveyor.partition.annotations import set_stage
     from conveyor.partition.execution import sequence
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from conveyor.profile import profile
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "Context",
     "ConveyorError",
@@ -28,6 +30,7 @@ __all__ = [
     "PipelineError",
     "ScheduleError",
     "balance",
+    "checkpoint",
     "init",
     "load",
     "load_model_state",
@@ -40,6 +43,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
+    "CheckpointError": "conveyor.checkpoint",
     "Context": "conveyor.context",
     "init": "conveyor.context",
     "load": "conveyor.checkpoint",
@@ -54,8 +58,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name == "checkpoint":  # conveyor.checkpoint.exists(...) without importing it first
+        return importlib.import_module("conveyor.checkpoint")
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

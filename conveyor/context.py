@@ -47,6 +47,9 @@ class Context:
     distributed: bool
     timeout: float
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    # Whether pp was chosen (by init(pp=...) or the world size): in a one-process world
+    # without it, a Pipeline runs as many ranks as its balance or annotations describe.
+    pp_explicit: bool = field(default=True, repr=False, compare=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
 
@@ -94,7 +97,10 @@ def init(
                 f"dp={dp} needs pp x dp processes; launch with `conveyor launch "
                 f"--nproc-per-node {(pp or 1) * dp} script.py`, or use dp=1 in one process"
             )
-        _current = Context(0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds)
+        _current = Context(
+            0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds,
+            pp_explicit=pp is not None,
+        )
         return _current
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context, current
-from conveyor.errors import ConfigError, PipelineError
+from conveyor.errors import ConfigError
 from conveyor.partition import shared_parameters, split_model
+from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.capture import NeedsSample
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.plan import Plan, plan
@@ -26,6 +27,7 @@ from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import StepGradients
+from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import get_schedule
 from conveyor.simulate import simulate
@@ -95,10 +97,11 @@ class Pipeline:
                 "sample must be a pair (inputs, targets), as train_step takes them (targets "
                 "may be None with loss_fn=None)"
             )
-        self.context = ctx = context if context is not None else current()
+        self.context = context if context is not None else current()
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self.plan: Plan | None = None
+        ranks = self._ranks(model, schedule, chunks, balance)
         if schedule == "auto":
             if sample is None:
                 raise ConfigError(
@@ -115,12 +118,12 @@ class Pipeline:
                 sample[0],
                 sample[1],
                 loss_fn,
-                ctx.pp_size,
+                ranks,
                 memory_limit,
                 microbatch_counts=[microbatches],  # keep the user's micro-batch count
             )
             schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
-        self.schedule = self._make_schedule(schedule, ctx.pp_size, microbatches, chunks)
+        self.schedule = self._make_schedule(schedule, ranks, microbatches, chunks)
         self._model = model
         self._balance = balance
         self._options = (recompute, autocast, track_memory)
@@ -138,6 +141,8 @@ class Pipeline:
     def _build(self, all_stages: list[nn.Module]) -> None:
         """Keep this rank's stages and set up what runs them."""
         ctx = self.context
+        if self._balance is None and annotated_stages(self._model) is None:
+            self._check_every_rank_trains(all_stages)
         recompute, autocast, track_memory = self._options
         held = (
             self.schedule.stages_of(ctx.pp_rank)
@@ -171,6 +176,22 @@ class Pipeline:
             self._engine.after_action = self._dp.after_action
         self._ready = True
 
+    def _check_every_rank_trains(self, all_stages: list[nn.Module]) -> None:
+        """An automatic split must give every rank parameters (an optimizer over none
+        fails); the balance does so whenever the model has enough layers with parameters."""
+        if not any(p.requires_grad for stage in all_stages for p in stage.parameters()):
+            return
+        sched = self.schedule
+        for rank in range(sched.ranks):
+            held = sched.stages_of(rank)
+            if not any(p.requires_grad for s in held for p in all_stages[s].parameters()):
+                raise ConfigError(
+                    f"the automatic split leaves pipeline rank {rank} (stages "
+                    f"{', '.join(map(str, held))}) without parameters: the model has too few "
+                    f"layers with parameters for {sched.stages} stages; use fewer ranks or "
+                    f"chunks, or say where to cut with balance= or pipeline_stage annotations"
+                )
+
     def _build_from(self, inputs: Any) -> None:
         """Split a model that needs a sample on the first batch it sees.
 
@@ -181,7 +202,12 @@ class Pipeline:
         if ctx.distributed:
             box = [None if sample is None else microbatch.to_device(sample, torch.device("cpu"))]
             holder = ctx.global_rank(self.schedule.placement[0])
-            dist.broadcast_object_list(box, src=holder, group=ctx.pp_group)
+            guarded(
+                lambda: dist.broadcast_object_list(box, src=holder, group=ctx.pp_group),
+                f"rank {ctx.rank}: receiving the first batch from rank {holder} (the model is "
+                f"captured on it)",
+                f"rank {holder}",
+            )
             sample = box[0]
         if sample is None:
             raise ConfigError(
@@ -189,6 +215,27 @@ class Pipeline:
                 "step got inputs=None; pass the batch, or Pipeline(..., sample=(inputs, targets))"
             )
         self._build(split_model(self._model, self.schedule.stages, self._balance, sample))
+
+    def _ranks(
+        self, model: Any, schedule: str | Schedule, chunks: int, balance: list[int] | None
+    ) -> int:
+        """Pipeline ranks: the context's, or in a one-process world where init() was not
+        given pp, as many as the schedule, balance or annotations describe."""
+        ctx = self.context
+        if ctx.distributed or ctx.pp_explicit:
+            return ctx.pp_size
+        if isinstance(schedule, Schedule):
+            return schedule.ranks
+        stages = len(balance) if balance is not None else annotated_stages(model)
+        if stages is None:
+            return ctx.pp_size
+        if stages % chunks:
+            where = "balance" if balance is not None else "the pipeline_stage annotations"
+            raise ConfigError(
+                f"{where} describe {stages} stages, which {chunks} chunks per rank cannot "
+                f"share out; give a multiple of {chunks} stages"
+            )
+        return stages // chunks
 
     @staticmethod
     def _make_schedule(
@@ -306,14 +353,19 @@ class Pipeline:
             if loss is not None
             else torch.zeros(1, dtype=torch.float32, device=self.context.device)
         )
-        try:
-            dist.broadcast(buf, self.context.global_rank(holder), group=self.context.pp_group)
-        except Exception as exc:
-            raise PipelineError(
-                f"rank {self.context.pp_rank}: receiving the loss from rank {holder} failed "
-                f"({exc}); that rank may have died or stalled"
-            ) from exc
+        source = self.context.global_rank(holder)
+        collective(
+            lambda: dist.broadcast(buf, source, group=self.context.pp_group, async_op=True),
+            self.context.timeout,
+            f"rank {self.context.rank}: sharing the loss from rank {source} (the last stage)",
+            f"rank {source} or another pipeline rank",
+        )
         return buf.reshape(())
+
+    def _collective(self, start: Any, doing: str) -> None:
+        """A collective over this replica's pipeline ranks, bounded by the time-out."""
+        ctx = self.context
+        collective(start, ctx.timeout, f"rank {ctx.rank}: {doing}", "another pipeline rank")
 
     def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """Forward and backward of one batch; returns the batch loss (detached) on every rank.
@@ -366,14 +418,15 @@ class Pipeline:
     # ------------------------------------------------------------------ measurement
     def last_step_timings(self) -> list[Timing]:
         """(rank, kind, stage, microbatch, start, end) of each action this process ran in
-        the last step, in seconds from the step start; start is when the action's inputs
+        the last training step (``eval_step`` and ``predict`` leave it), in seconds from
+        the step start; start is when the action's inputs
         had arrived, so waits on other ranks are not counted as work."""
         self._require_split('pipe.last_step_timings()')
         return list(self._engine.timings)
 
     def last_step_waits(self) -> list[Timing]:
-        """(rank, kind, stage, microbatch, start, end) of each wait of the last step for
-        another rank's output (the producer's kind, stage and micro-batch), in seconds
+        """(rank, kind, stage, microbatch, start, end) of each wait of the last training
+        step for another rank's output (the producer's kind, stage and micro-batch), in seconds
         from the step start."""
         self._require_split('pipe.last_step_waits()')
         return list(self._engine.waits)
@@ -391,8 +444,8 @@ class Pipeline:
         return self._engine.memory
 
     def measured_bubble(self) -> float:
-        """1 - busy time / (ranks x step time) of the last step, over all pipeline ranks
-        (of this replica, with data parallelism).
+        """1 - busy time / (ranks x step time) of the last training step, over all pipeline
+        ranks (of this replica, with data parallelism).
 
         A collective in a distributed world: call it on every rank.
         """
@@ -403,14 +456,21 @@ class Pipeline:
         if self.context.distributed:
             buf = torch.tensor([busy, wall], dtype=torch.float64)
             walls = torch.tensor([wall], dtype=torch.float64)
-            dist.all_reduce(buf[:1], group=self.context.pp_group)
-            dist.all_reduce(walls, op=dist.ReduceOp.MAX, group=self.context.pp_group)
+            group = self.context.pp_group
+            self._collective(
+                lambda: dist.all_reduce(buf[:1], group=group, async_op=True),
+                "measuring the bubble",
+            )
+            self._collective(
+                lambda: dist.all_reduce(walls, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                "measuring the bubble",
+            )
             busy, wall = float(buf[0]), float(walls[0])
         ranks = self.schedule.ranks
         return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
 
     def save_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write the last step as one Chrome trace JSON (open it in Perfetto or
+        """Write the last training step as one Chrome trace JSON (open it in Perfetto or
         chrome://tracing): a track per rank, an event per action and per transfer wait.
 
         A collective in a distributed world: call it on every rank; rank 0 writes (with data
@@ -421,7 +481,11 @@ class Pipeline:
         parts = [(self._engine.timings, self._engine.waits)]
         if self.context.distributed:
             gathered: list[Any] = [None] * self.context.pp_size
-            dist.all_gather_object(gathered, parts[0], group=self.context.pp_group)
+            guarded(
+                lambda: dist.all_gather_object(gathered, parts[0], group=self.context.pp_group),
+                f"rank {self.context.rank}: gathering the trace (pipe.save_trace)",
+                "another pipeline rank",
+            )
             parts = gathered
         if self.context.rank != 0:
             return
@@ -478,10 +542,18 @@ class Pipeline:
             total = torch.linalg.vector_norm(stacked, p)
         elif math.isinf(p):
             total = stacked.max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=ctx.pp_group)
+            self._collective(
+                lambda: dist.all_reduce(
+                    total, op=dist.ReduceOp.MAX, group=ctx.pp_group, async_op=True
+                ),
+                "adding up the gradient norm (pipe.clip_grad_norm_)",
+            )
         else:
             total = torch.linalg.vector_norm(stacked, p).pow(p)
-            dist.all_reduce(total, group=ctx.pp_group)
+            self._collective(
+                lambda: dist.all_reduce(total, group=ctx.pp_group, async_op=True),
+                "adding up the gradient norm (pipe.clip_grad_norm_)",
+            )
             total = total.pow(1.0 / p)
         total = total.float()
         scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)

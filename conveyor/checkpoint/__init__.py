@@ -178,11 +178,12 @@ def load(
     """
     view = _view(pipe)
     read: tuple[Path, dict[str, Any], Metadata] | None = None
+    failure = None
     try:
         read = _read(path)
     except (CheckpointError, OSError) as exc:
-        _raise_any(view, str(exc))
-    _raise_any(view, None)
+        failure = str(exc)  # raised below, on every rank, as one error (not two)
+    _raise_any(view, failure)
     assert read is not None
     where, meta, metadata = read
     error = None

@@ -57,6 +57,8 @@ def _dcp_errors(doing: str, then: str) -> Iterator[None]:
     except CheckpointException as exc:
         ranks = sorted(exc.failures)
         first, _ = exc.failures[ranks[0]]
+        # from None: the message carries the first rank's error; DCP's own exception
+        # would print every rank's traceback above ours.
         raise CheckpointError(
             f"{doing} failed on rank(s) {ranks}: {type(first).__name__}: {first}; {then}"
-        ) from exc
+        ) from None

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from conveyor.checkpoint.errors import CheckpointError
 from conveyor.errors import ConfigError
+from conveyor.runtime.transport import guarded
 
 if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline
@@ -64,7 +65,7 @@ def _view(target: Pipeline | nn.Module) -> _View:
             ctx.distributed,
             {
                 "world_size": ctx.world_size,
-                "pp": ctx.pp_size,
+                "pp": target.schedule.ranks,
                 "dp": ctx.dp_size,
                 "schedule": target.schedule.name,
                 "stages": target.schedule.stages,
@@ -123,7 +124,11 @@ def _all_gather(view: _View, value: Any) -> list[Any]:
     if not view.distributed:
         return [value]
     out: list[Any] = [None] * view.world_size
-    dist.all_gather_object(out, value)
+    guarded(
+        lambda: dist.all_gather_object(out, value),
+        f"rank {view.rank}: agreeing on the checkpoint with every rank",
+        "another rank (every rank must call conveyor.save / conveyor.load)",
+    )
     return out
 
 
@@ -131,7 +136,11 @@ def _broadcast(view: _View, value: Any) -> Any:
     if not view.distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    guarded(
+        lambda: dist.broadcast_object_list(box, src=0),
+        f"rank {view.rank}: agreeing on the checkpoint with rank 0",
+        "rank 0 or another rank (every rank must call conveyor.save / conveyor.load)",
+    )
     return box[0]
 
 

@@ -46,6 +46,16 @@ def stage_marks(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def annotated_stages(model: object) -> int | None:
+    """How many stages the ``pipeline_stage`` annotations of ``model`` (a module, a layer
+    list or an execution sequence) make, or None without annotations."""
+    source = getattr(model, "__dict__", {}).get("source", model)  # an execution sequence
+    roots = list(source) if isinstance(source, (list, tuple)) else [source]
+    stages = [s for root in roots for s in stage_marks(root).values()]
+    stages += [s for root in roots if (s := stage_of(root)) is not None]
+    return max(stages) + 1 if stages else None
+
+
 def owner(path: str, marks: dict[str, int]) -> str | None:
     """The innermost annotated module among ``path`` and its ancestors, or None."""
     parts = path.split(".") if path else []

@@ -9,13 +9,15 @@ from collections.abc import Sequence
 from conveyor.errors import ConfigError
 
 
-def balance(costs: Sequence[float], stages: int) -> list[int]:
+def balance(costs: Sequence[float], stages: int, nonempty: bool | None = None) -> list[int]:
     """Layers per stage for contiguous stages minimising the largest stage cost.
 
     Exact dynamic programme over prefix sums, O(stages * n^2) — fine for the few hundred
-    layers a model has. Every stage gets at least one layer. Among optimal splits the one
-    with the most even layer counts comes first in the search, so zero-cost layers (ReLU,
-    Flatten) spread rather than pile onto one stage.
+    layers a model has. Every stage gets at least one layer, and (``nonempty``; by default
+    whenever at least ``stages`` layers cost something) a layer that costs something, so
+    that with parameter counts as costs no stage is left without parameters. Among optimal
+    splits the one with the most even layer counts comes first in the search, so zero-cost
+    layers (ReLU, Flatten) spread rather than pile onto one stage.
     """
     n = len(costs)
     if stages < 1:
@@ -27,6 +29,8 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
         )
     if any(c < 0 for c in costs):
         raise ConfigError("layer costs must be >= 0")
+    if nonempty is None:
+        nonempty = sum(1 for c in costs if c > 0) >= stages
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -39,6 +43,8 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
         for i in range(k, n - (stages - k) + 1):
             # Try the even cut first so ties keep layer counts even.
             for j in sorted(range(k - 1, i), key=lambda j: abs(j - (i - i / k))):
+                if nonempty and prefix[i] - prefix[j] <= 0:
+                    continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i] = value
@@ -144,12 +150,14 @@ def balance_cuts(
     Among the splits whose largest stage cost is within ``1 + tolerance`` of the best
     possible (:func:`balance`), this returns the one with the smallest total penalty, then
     the fewest bytes crossing, then the smallest largest stage, then the most even layer
-    counts. Exact dynamic programme, like :func:`balance`.
+    counts; like :func:`balance`, every stage gets a layer that costs something when at
+    least ``stages`` layers do. Exact dynamic programme, like :func:`balance`.
     """
     n = len(costs)
     if len(penalty) != max(n - 1, 0) or len(crossing) != max(n - 1, 0):
         raise ConfigError(f"penalty and crossing need one entry per cut point ({n - 1})")
     best_sizes = balance(costs, stages)  # checks the arguments
+    nonempty = sum(1 for c in costs if c > 0) >= stages
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -170,6 +178,8 @@ def balance_cuts(
                 load = prefix[i] - prefix[j]
                 if load > limit:
                     break  # longer stages only cost more
+                if nonempty and load <= 0:
+                    continue
                 before = best[k - 1][j]
                 if before[0] == math.inf:
                     continue

@@ -24,7 +24,7 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
-from conveyor.runtime.transport import short_error, wait_bounded
+from conveyor.runtime.transport import collective, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
 T = TypeVar("T", bound=torch.Tensor)
@@ -203,13 +203,12 @@ def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> to
         assert size is not None
         buf[0] = loss.detach().to(torch.float64) * size
         buf[1] = size
-    try:
-        dist.all_reduce(buf)
-    except Exception as exc:
-        raise PipelineError(
-            f"rank {ctx.rank}: combining the replicas' losses failed ({short_error(exc)}); another "
-            f"rank may have died or stalled"
-        ) from exc
+    collective(
+        lambda: dist.all_reduce(buf, async_op=True),
+        ctx.timeout,
+        f"rank {ctx.rank}: combining the replicas' losses",
+        "another rank",
+    )
     return (buf[0] / buf[1]).to(torch.float32)
 
 

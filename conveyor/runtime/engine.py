@@ -36,7 +36,7 @@ from conveyor.runtime.recompute import (
     shape_only,
 )
 from conveyor.runtime.split_backward import WeightWork, backward_input
-from conveyor.runtime.transport import Transport, Work
+from conveyor.runtime.transport import Transport, Work, collective
 from conveyor.runtime.wire import (
     HEADER_BYTES,
     TensorMeta,
@@ -294,8 +294,9 @@ class Engine:
                 i += 1
         if self.transport is not None:
             self.transport.flush()
-        self.timings = timings
-        self.waits = self._waits
+        if train:  # traces and measurements show the last training step, not a predict
+            self.timings = timings
+            self.waits = self._waits
         if meter is not None:
             forward = self._forward_bytes
             order = [a for _, a in program]
@@ -333,7 +334,17 @@ class Engine:
                 f"on this rank"
             )
         buf = torch.tensor([sig, size], dtype=torch.int64, device=self.device)
-        dist.broadcast(buf, self.ctx.global_rank(holder), group=self.ctx.pp_group)
+        assert self.transport is not None
+        source = self.transport.name(holder)
+        collective(
+            lambda: dist.broadcast(
+                buf, self.ctx.global_rank(holder), group=self.ctx.pp_group, async_op=True
+            ),
+            self.ctx.timeout,
+            f"{self.transport.name(self.rank)}: starting a step (receiving the batch's shapes "
+            f"from {source}, which holds stage 0)",
+            f"{source} or another pipeline rank",
+        )
         return int(buf[0]), int(buf[1])
 
     # ----------------------------------------------------------------- compute

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
+from conveyor.runtime.transport import collective
 
 
 class SharedParameters:
@@ -30,7 +34,8 @@ class SharedParameters:
         ctx: Context,
     ) -> None:
         self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
-        self._rank = 0
+        self._rank = ctx.rank
+        self._timeout = ctx.timeout
         if not ctx.distributed:
             return  # one process: the stages share the very same Parameter object
         timeout = datetime.timedelta(seconds=ctx.timeout)
@@ -48,7 +53,6 @@ class SharedParameters:
                         groups[ranks] = group
             if any(s in local for s in stages):
                 self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
-        self._rank = ctx.rank
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,7 +66,11 @@ class SharedParameters:
     def make_equal(self) -> None:
         """Copy each shared parameter from its lowest rank, so the copies start equal."""
         for param, group, src in self._entries:
-            dist.broadcast(param.data, src, group=group)
+            self._run(
+                functools.partial(dist.broadcast, param.data, src, group=group, async_op=True),
+                f"copying tied weights from rank {src}",
+                group,
+            )
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -71,4 +79,14 @@ class SharedParameters:
         for param, group, _ in self._entries:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            self._run(
+                functools.partial(dist.all_reduce, param.grad, group=group, async_op=True),
+                "summing the gradients of tied weights",
+                group,
+            )
+
+    def _run(self, start: Callable[[], dist.Work | None], what: str, group: Any) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        others = [r for r in ranks if r != self._rank]
+        suspect = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        collective(start, self._timeout, f"rank {self._rank}: {what}", suspect)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,48 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
         )
 
 
-def short_error(exc: BaseException) -> str:
-    """The first line of an exception's message (at most 200 characters)."""
+def short_error(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, shortened at a word boundary to about
+    ``limit`` characters."""
     text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = text[0]
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " ..."
+
+
+def collective(
+    start: Callable[[], Work | None], timeout: float, doing: str, suspect: str
+) -> None:
+    """Run a collective started by ``start`` (``async_op=True``) and wait at most
+    ``timeout`` seconds: a failure, time-out or error at the start raises a
+    :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died,
+    stalled or not called it."""
+    try:
+        work = start()
+    except Exception as exc:
+        raise PipelineError(
+            f"{doing} failed ({short_error(exc)}); {suspect} may have died, stalled or not "
+            f"reached the same call"
+        ) from exc
+    if work is not None:
+        wait_bounded(work, timeout, doing, suspect)
+
+
+T = TypeVar("T")
+
+
+def guarded(call: Callable[[], T], doing: str, suspect: str) -> T:
+    """Run a blocking collective (the object collectives have no ``async_op``; the process
+    group's time-out bounds them): a failure raises a :class:`PipelineError` naming what
+    was done and who may have died, stalled or not called it."""
+    try:
+        return call()
+    except Exception as exc:
+        raise PipelineError(
+            f"{doing} failed ({short_error(exc)}); {suspect} may have died, stalled or not "
+            f"reached the same call"
+        ) from exc
