@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import run_on_processes
 
 import conveyor
-from conveyor.plan import Plan, plan
+from conveyor.planner import Plan, plan
 from conveyor.schedules import Schedule
 from conveyor.simulate import simulate
 from conveyor.trace import Timing, measured_costs

@@ -11,9 +11,9 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance_within
-from conveyor.plan import plan
 from conveyor.plan_cli import main as plan_main
-from conveyor.profile import LayerProfile, Profile, profile
+from conveyor.planner import plan
+from conveyor.profiler import LayerProfile, Profile, profile
 
 
 def _model() -> nn.Sequential:

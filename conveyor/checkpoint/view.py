@@ -39,9 +39,9 @@ class _View:
 
 
 def _is_pipeline(target: Any) -> bool:
-    from conveyor.pipeline import Pipeline
+    from conveyor.pipeline_base import PipelineBase
 
-    return isinstance(target, Pipeline)
+    return isinstance(target, PipelineBase)
 
 
 def _view(target: Pipeline | nn.Module) -> _View:

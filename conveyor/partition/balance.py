@@ -9,15 +9,18 @@ from collections.abc import Sequence
 from conveyor.errors import ConfigError
 
 
-def balance(costs: Sequence[float], stages: int, nonempty: bool | None = None) -> list[int]:
+def balance(
+    costs: Sequence[float], stages: int, placement: Sequence[int] | None = None
+) -> list[int]:
     """Layers per stage for contiguous stages minimising the largest stage cost.
 
     Exact dynamic programme over prefix sums, O(stages * n^2) — fine for the few hundred
-    layers a model has. Every stage gets at least one layer, and (``nonempty``; by default
-    whenever at least ``stages`` layers cost something) a layer that costs something, so
-    that with parameter counts as costs no stage is left without parameters. Among optimal
-    splits the one with the most even layer counts comes first in the search, so zero-cost
-    layers (ReLU, Flatten) spread rather than pile onto one stage.
+    layers a model has. Every stage gets at least one layer, and where possible a layer
+    that costs something (with parameter counts as costs: parameters): every stage when at
+    least ``stages`` layers cost something, else, given ``placement`` (the rank of each
+    stage), at least one stage of every rank, so that no rank is left with nothing to
+    train. Among optimal splits the one with the most even layer counts comes first in the
+    search, so zero-cost layers (ReLU, Flatten) spread rather than pile onto one stage.
     """
     n = len(costs)
     if stages < 1:
@@ -29,8 +32,48 @@ def balance(costs: Sequence[float], stages: int, nonempty: bool | None = None) -
         )
     if any(c < 0 for c in costs):
         raise ConfigError("layer costs must be >= 0")
-    if nonempty is None:
-        nonempty = sum(1 for c in costs if c > 0) >= stages
+    found = [
+        (max(_loads(costs, sizes)), sizes)
+        for required in costly_stages(costs, stages, placement)
+        if (sizes := _min_max(costs, stages, required)) is not None
+    ]
+    if found:
+        return min(found, key=lambda f: f[0])[1]
+    sizes = _min_max(costs, stages, frozenset())
+    assert sizes is not None
+    return sizes
+
+
+def costly_stages(
+    costs: Sequence[float], stages: int, placement: Sequence[int] | None
+) -> list[frozenset[int]]:
+    """Sets of stages that should each hold a layer costing something, best first: all
+    of them if enough layers cost something, else, per ``placement``, one stage of every
+    rank (each choice of which, up to 256 of them)."""
+    costly = sum(1 for c in costs if c > 0)
+    if costly >= stages:
+        return [frozenset(range(stages))]
+    if placement is None or costly < len(set(placement)):
+        return []
+    per_rank: dict[int, list[int]] = {}
+    for s, rank in enumerate(placement):
+        per_rank.setdefault(rank, []).append(s)
+    choices = itertools.islice(itertools.product(*per_rank.values()), 256)
+    return [frozenset(choice) for choice in choices]
+
+
+def _loads(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(float(sum(costs[start : start + size])))
+        start += size
+    return out
+
+
+def _min_max(costs: Sequence[float], stages: int, required: frozenset[int]) -> list[int] | None:
+    """The min-max split in which every stage of ``required`` costs something; None if
+    there is none."""
+    n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -40,16 +83,17 @@ def balance(costs: Sequence[float], stages: int, nonempty: bool | None = None) -
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for k in range(1, stages + 1):
+        needs = k - 1 in required
         for i in range(k, n - (stages - k) + 1):
             # Try the even cut first so ties keep layer counts even.
             for j in sorted(range(k - 1, i), key=lambda j: abs(j - (i - i / k))):
-                if nonempty and prefix[i] - prefix[j] <= 0:
+                if needs and prefix[i] - prefix[j] <= 0:
                     continue
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i]:
                     best[k][i] = value
                     cut[k][i] = j
-    return _sizes(cut, stages, n)
+    return _sizes(cut, stages, n) if best[stages][n] < inf else None
 
 
 def balance_within(
@@ -142,6 +186,7 @@ def balance_cuts(
     penalty: Sequence[float],
     crossing: Sequence[float],
     tolerance: float = 0.25,
+    placement: Sequence[int] | None = None,
 ) -> list[int]:
     """Layers per stage that cut where cutting is cheap, at a bounded cost in balance.
 
@@ -150,14 +195,32 @@ def balance_cuts(
     Among the splits whose largest stage cost is within ``1 + tolerance`` of the best
     possible (:func:`balance`), this returns the one with the smallest total penalty, then
     the fewest bytes crossing, then the smallest largest stage, then the most even layer
-    counts; like :func:`balance`, every stage gets a layer that costs something when at
-    least ``stages`` layers do. Exact dynamic programme, like :func:`balance`.
+    counts; like :func:`balance`, stages get layers that cost something where possible
+    (``placement``: the rank of each stage). Exact dynamic programme, like :func:`balance`.
     """
     n = len(costs)
     if len(penalty) != max(n - 1, 0) or len(crossing) != max(n - 1, 0):
         raise ConfigError(f"penalty and crossing need one entry per cut point ({n - 1})")
-    best_sizes = balance(costs, stages)  # checks the arguments
-    nonempty = sum(1 for c in costs if c > 0) >= stages
+    best_sizes = balance(costs, stages, placement)  # checks the arguments
+    found = [
+        sizes
+        for required in costly_stages(costs, stages, placement)
+        if (sizes := _cuts(costs, stages, penalty, crossing, tolerance, best_sizes, required))
+    ]
+    return found[0] if found else best_sizes
+
+
+def _cuts(
+    costs: Sequence[float],
+    stages: int,
+    penalty: Sequence[float],
+    crossing: Sequence[float],
+    tolerance: float,
+    best_sizes: list[int],
+    required: frozenset[int],
+) -> list[int] | None:
+    """:func:`balance_cuts` with every stage of ``required`` costing something."""
+    n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -178,7 +241,7 @@ def balance_cuts(
                 load = prefix[i] - prefix[j]
                 if load > limit:
                     break  # longer stages only cost more
-                if nonempty and load <= 0:
+                if k - 1 in required and load <= 0:
                     continue
                 before = best[k - 1][j]
                 if before[0] == math.inf:
@@ -195,6 +258,6 @@ def balance_cuts(
                 if score < best[k][i]:
                     best[k][i] = score
                     cut[k][i] = j
-    if best[stages][n][0] == math.inf:  # cannot happen: the optimum itself fits
-        return best_sizes
+    if best[stages][n][0] == math.inf:
+        return None
     return _sizes(cut, stages, n)

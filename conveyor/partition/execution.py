@@ -102,7 +102,10 @@ def sequence(model: nn.Module, steps: Iterable[Step | nn.Module]) -> ExecutionSe
 
 
 def split_sequence(
-    seq: ExecutionSequence, stages: int, balance: Sequence[int] | None = None
+    seq: ExecutionSequence,
+    stages: int,
+    balance: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> list[nn.Module]:
     """Contiguous runs of steps: by ``balance`` (steps per stage), by ``pipeline_stage``
     annotations on the step modules or their ancestors, or else by parameter counts."""
@@ -131,7 +134,7 @@ def split_sequence(
             else 0.0
             for s in steps
         ]
-        sizes = min_max_balance(costs, stages)
+        sizes = min_max_balance(costs, stages, placement)
     else:
         sizes = [int(b) for b in balance]
         if len(sizes) != stages or min(sizes, default=0) < 1 or sum(sizes) != len(steps):

@@ -285,6 +285,7 @@ def node_stages(
     model: nn.Module,
     stages: int,
     balance: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> dict[fx.Node, int]:
     """The stage of every placeholder, compute and output node.
 
@@ -319,7 +320,9 @@ def node_stages(
                 f"parameter) but the pipeline needs {stages} stages; use fewer ranks or chunks"
             )
         else:
-            sizes = balance_cuts(found.costs, stages, found.penalty, found.crossing)
+            sizes = balance_cuts(
+                found.costs, stages, found.penalty, found.crossing, placement=placement
+            )
         bounds = [s for s, size in enumerate(sizes) for _ in range(size)]
         for group, s in zip(found.groups, bounds, strict=True):
             for n in group:
@@ -358,6 +361,7 @@ def split_graph(
     stages: int,
     balance: Sequence[int] | None = None,
     sample: Any = None,
+    placement: Sequence[int] | None = None,
 ) -> list[nn.Module]:
     """Stage modules of a capturable model, by annotations or balanced (see module doc).
 
@@ -366,7 +370,7 @@ def split_graph(
     """
     cap = capture(model, sample)
     graph = cap.graph
-    where = node_stages(cap, model, stages, balance)
+    where = node_stages(cap, model, stages, balance, placement)
     last = stages - 1
     # Stages that use each node: a replicated value is made in each of them.
     uses: dict[fx.Node, set[int]] = {}

@@ -41,7 +41,10 @@ def parameter_costs(layers: Sequence[tuple[str, nn.Module]]) -> list[float]:
 
 
 def split_sequential(
-    model: nn.Module | Sequence[nn.Module], stages: int, balance: Sequence[int] | None = None
+    model: nn.Module | Sequence[nn.Module],
+    stages: int,
+    balance: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> list[nn.Sequential]:
     """Contiguous stages of a layer list; each keeps the original child names.
 
@@ -55,7 +58,7 @@ def split_sequential(
             f"use fewer ranks or chunks, or split the model into more layers"
         )
     if balance is None:
-        sizes = min_max_balance(parameter_costs(layers), stages)
+        sizes = min_max_balance(parameter_costs(layers), stages, placement)
     else:
         sizes = [int(b) for b in balance]
         if len(sizes) != stages:

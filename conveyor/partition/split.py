@@ -17,7 +17,11 @@ Model = nn.Module | Sequence[nn.Module]
 
 
 def split_model(
-    model: Model, stages: int, balance: Sequence[int] | None = None, sample: Any = None
+    model: Model,
+    stages: int,
+    balance: Sequence[int] | None = None,
+    sample: Any = None,
+    placement: Sequence[int] | None = None,
 ) -> list[nn.Module]:
     """Cut ``model`` into ``stages`` stage modules.
 
@@ -31,17 +35,20 @@ def split_model(
       annotations, or by ``balance`` counting leaf-module calls and operations that read a
       parameter, or by parameter counts preferring cuts between blocks.
 
+    ``placement`` (the rank of each stage) lets an automatic split give every rank
+    parameters when the model has too few layers with parameters for every stage.
+
     Stage 0 takes the model's arguments; stage s > 0 takes stage s - 1's output; the last
     returns the model's output. Parameters and buffers are the model's own objects under
     their original names.
     """
     if isinstance(model, ExecutionSequence):
-        return split_sequence(model, stages, balance)
+        return split_sequence(model, stages, balance, placement)
     if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return split_graph(model, stages, balance, sample)
+        return split_graph(model, stages, balance, sample, placement)
     layers = layers_of(model)
     if not any(stage_of(m) is not None for _, layer in layers for m in layer.modules()):
-        return list(split_sequential(model, stages, balance))
+        return list(split_sequential(model, stages, balance, placement))
     if balance is not None:
         raise ConfigError(
             "the model has pipeline_stage annotations and a balance was given too; pass one "

@@ -335,15 +335,21 @@ class Engine:
             )
         buf = torch.tensor([sig, size], dtype=torch.int64, device=self.device)
         assert self.transport is not None
-        source = self.transport.name(holder)
+        transport = self.transport
+        others = [transport.name(r) for r in range(self.schedule.ranks) if r != self.rank]
+        if self.rank == holder:
+            doing = "sending the batch's shapes to " + ", ".join(others)
+            suspect = " or ".join(others)
+        else:
+            doing = f"receiving the batch's shapes from {transport.name(holder)} (stage 0)"
+            suspect = f"{transport.name(holder)} or another pipeline rank"
         collective(
             lambda: dist.broadcast(
                 buf, self.ctx.global_rank(holder), group=self.ctx.pp_group, async_op=True
             ),
             self.ctx.timeout,
-            f"{self.transport.name(self.rank)}: starting a step (receiving the batch's shapes "
-            f"from {source}, which holds stage 0)",
-            f"{source} or another pipeline rank",
+            f"{transport.name(self.rank)}: starting a step ({doing})",
+            suspect,
         )
         return int(buf[0]), int(buf[1])
 

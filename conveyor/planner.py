@@ -1,7 +1,7 @@
 """The planner: pick schedule, chunks, micro-batch count and balance by simulation.
 
 For every micro-batch count in a small set (p, 2p, 4p, 8p, capped by the batch size) the
-model is profiled at that micro-batch size (:func:`conveyor.profile.profile`). For every
+model is profiled at that micro-batch size (:func:`conveyor.profiler.profile`). For every
 schedule that can run (stages = ranks x chunks <= profiled units) the units are balanced
 by measured time, exact min-max under the memory limit (:func:`balance_within`), then
 refined by simulation: moving one unit across a stage boundary is kept while the simulated
@@ -35,7 +35,8 @@ from torch import nn
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance as min_max_balance
 from conveyor.partition.balance import balance_within
-from conveyor.profile import LossFn, Profile, profile, units
+from conveyor.pipeline_base import PipelineBase
+from conveyor.profiler import LossFn, Profile, profile, units
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
@@ -298,13 +299,12 @@ def _run_reference(
 ) -> tuple[float, list[tuple[float, float, float]]]:
     """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
     of ``schedule``; a collective. Gradients already in ``.grad`` are left as they were."""
-    from conveyor.pipeline import Pipeline  # the pipeline imports the planner
     from conveyor.trace import Timing, measured_costs
 
     module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
     params = list(module.parameters())
     keep = [p.grad for p in params]
-    pipe = Pipeline(
+    pipe = PipelineBase(
         module,
         loss_fn=loss_fn,
         microbatches=schedule.microbatches,
@@ -397,6 +397,51 @@ def calibrate_family(
     )
 
 
+# Candidates predicted within this fraction of the fastest are a tie: measurement noise is
+# larger than that, so the simplest of them is chosen (the same one on every run).
+TIE = 0.05
+# A micro-batch count whose profiled step compute is this many times the median over the
+# counts is re-measured (and dropped if it stays that far off).
+OUTLIER = 3.0
+
+
+def _step_compute(prof: Profile) -> float:
+    """Seconds of F and whole backward of one step's micro-batches, all units together."""
+    return sum(prof.times(False)) * prof.microbatches
+
+
+def _outliers(profiles: dict[int, Profile], counts: Sequence[int]) -> list[int]:
+    totals = {m: _step_compute(profiles[m]) for m in counts if m in profiles}
+    if len(totals) < 3:
+        return []
+    middle = statistics.median(totals.values())
+    return [m for m, t in totals.items() if t > OUTLIER * middle]
+
+
+Row = tuple[Candidate, Schedule, Profile, Calibration | None]
+
+
+def _simplest_of_the_fastest(rows: list[Row], names: Sequence[str]) -> Row:
+    """Among the fitting candidates within :data:`TIE` of the fastest (``rows`` are sorted
+    fastest first), the one with the fewest actions per step, then the fewest chunks, then
+    the first in ``names``."""
+    first = rows[0][0]
+    if not first.fits:
+        return rows[0]
+    limit = first.predicted_step * (1 + TIE)
+    close = [r for r in rows if r[0].fits and r[0].predicted_step <= limit]
+    order = {name: i for i, name in enumerate(names)}
+    return min(
+        close,
+        key=lambda r: (
+            r[0].microbatches * r[0].chunks,
+            r[0].chunks,
+            order.get(r[0].schedule, len(order)),
+            r[0].predicted_step,
+        ),
+    )
+
+
 def plan(
     model: nn.Module | Sequence[nn.Module],
     inputs: Any,
@@ -416,7 +461,10 @@ def plan(
     ``inputs`` / ``targets``: one sample batch as for ``train_step``. In a distributed world
     every rank must call it (profiling and link measurement are collectives); all ranks get
     the same plan. ``microbatch_counts`` / ``schedules`` narrow the search; ``profiles``
-    (micro-batch count -> :class:`Profile`) skips profiling for those counts. With
+    (micro-batch count -> :class:`Profile`) skips profiling for those counts. A count whose
+    profile is far slower than the others' (:data:`OUTLIER`) is measured again, and left
+    out if it stays so. Candidates predicted within :data:`TIE` of the fastest count as
+    equal: the simplest of them is chosen, so the choice does not follow noise. With
     ``calibrate`` (used only when the world is ``ranks`` processes) each count's profile
     is calibrated by short real runs (:func:`calibrate_family`, about a second per
     count). Raises :class:`ConfigError` when no candidate fits the limit.
@@ -433,10 +481,20 @@ def plan(
     names = [n for n in (schedules or SCHEDULE_NAMES)]
     cache = dict(profiles or {})
     real = calibrate and _distributed() and dist.get_world_size() == ranks
-    rows: list[tuple[Candidate, Schedule, Profile, Calibration | None]] = []
+    rows: list[Row] = []
     for m in counts:
-        prof = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
-        cache[m] = prof
+        cache[m] = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
+    for m in _outliers(cache, counts):
+        # A profile far slower than the others was disturbed (another process, a one-off
+        # stall): measure again, keep the fastest, and drop the count if it stays off.
+        again = [cache[m], *(profile(model, inputs, targets, loss_fn, m) for _ in range(2))]
+        cache[m] = min(again, key=_step_compute)
+        if m in _outliers(cache, counts):
+            del cache[m]
+    for m in counts:
+        if m not in cache:
+            continue
+        prof = cache[m]
         cals = {
             kind: calibrate_family(model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit)
             if real
@@ -468,7 +526,7 @@ def plan(
             f"micro-batch counts {counts}; use fewer ranks"
         )
     rows.sort(key=lambda r: (not r[0].fits, r[0].predicted_step, max(r[0].peak_memory)))
-    best, built, best_prof, best_cal = rows[0]
+    best, built, best_prof, best_cal = _simplest_of_the_fastest(rows, names)
     if not best.fits:
         least = min(rows, key=lambda r: max(r[0].peak_memory))[0]
         raise ConfigError(
