@@ -1,6 +1,7 @@
 """Any model through the real runtime: skips, annotations (both styles), execution
 sequences and a tied-weight GPT equal the unsplit model on 1, 2 and 4 processes, under
-several schedules, after optimizer steps; shapes may change every step."""
+several schedules, after optimizer steps; shapes may change every step. Without zero_grad,
+every .grad (the tied weight's copies included) accumulates the unsplit model's gradients."""
 
 from __future__ import annotations
 
@@ -132,7 +133,20 @@ CONFIGS = [
 ]
 
 
-def _run(rank: int, pp: int) -> dict[tuple[str, str, int], Trace]:
+Results = dict[tuple[str, str, int], Trace]
+ACCUMULATE = [(4, 5), (5, 3)]  # two steps without zero_grad, the sequence length changing
+
+
+def _accumulate(ctx: conveyor.Context, pp: int) -> dict[str, torch.Tensor]:
+    """Two train_steps of the tied-weight GPT without zero_grad: this rank's .grad."""
+    model, loss_fn = build("gpt", pp)
+    pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=2, context=ctx)
+    for x, y in batches("gpt", ACCUMULATE):
+        pipe.train_step(x, y)
+    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+
+
+def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
     ctx = conveyor.init(pp=pp)
     out = {}
     for kind, sched, chunks, m, sizes in CONFIGS:
@@ -142,7 +156,7 @@ def _run(rank: int, pp: int) -> dict[tuple[str, str, int], Trace]:
         )
         out[(kind, sched, chunks)] = train(pipe.named_parameters(), pipe.train_step,
                                            batches(kind, sizes))
-    return out
+    return out, _accumulate(ctx, pp)
 
 
 def _aliases(kind: str, stages: int) -> dict[str, str]:
@@ -170,7 +184,7 @@ def _merge_ranks(
     return out
 
 
-def _check(results: list[dict[tuple[str, str, int], Trace]], pp: int) -> None:
+def _check(results: list[Results], pp: int) -> None:
     for kind, sched, chunks, _, sizes in CONFIGS:
         want = reference(kind, pp * chunks, batches(kind, sizes))
         got = [r[(kind, sched, chunks)] for r in results]
@@ -185,11 +199,46 @@ def _check(results: list[dict[tuple[str, str, int], Trace]], pp: int) -> None:
             assert_close(got_params, params, what + " params")
 
 
+def _check_accumulated(parts: list[dict[str, torch.Tensor]], pp: int) -> None:
+    """Every .grad after two steps equals the unsplit model's gradients of both steps."""
+    model, loss_fn = build("gpt", pp)
+    for x, y in batches("gpt", ACCUMULATE):
+        loss_fn(model(x), y).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    what = f"gradients accumulated over 2 steps, pp={pp} on {len(parts)} processes"
+    assert_close(_merge_ranks(parts, _aliases("gpt", pp), what), want, what)
+
+
+@pytest.fixture(scope="module")
+def two_processes() -> list[tuple[Results, dict[str, torch.Tensor]]]:
+    return distributed.run(_run, 2, 2)
+
+
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_one_process_world(pp: int) -> None:
-    _check([_run(0, pp)], pp)
+    configs, accumulated = _run(0, pp)
+    _check([configs], pp)
+    _check_accumulated([accumulated], pp)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_multi_process(world: int) -> None:
-    _check(distributed.run(_run, world, world), world)
+def test_two_processes(two_processes: list[tuple[Results, dict[str, torch.Tensor]]]) -> None:
+    _check([configs for configs, _ in two_processes], 2)
+
+
+def test_four_processes() -> None:
+    results = distributed.run(_run, 4, 4)
+    _check([configs for configs, _ in results], 4)
+    parts = [accumulated for _, accumulated in results]
+    assert "tok_emb.weight" in parts[0] and "lm_head.weight" in parts[3]  # tied over 0 and 3
+    _check_accumulated(parts, 4)
+
+
+def test_tied_gradients_accumulate_over_steps_without_zero_grad(
+    two_processes: list[tuple[Results, dict[str, torch.Tensor]]],
+) -> None:
+    # Each step sums the tied weight's gradient over its copies (embedding on rank 0, head
+    # on rank 1). The sum must take that step's gradient alone: summing the accumulated
+    # .grad counts the earlier step's gradient again on every copy.
+    parts = [accumulated for _, accumulated in two_processes]
+    assert "tok_emb.weight" in parts[0] and "lm_head.weight" in parts[1]
+    _check_accumulated(parts, 2)

@@ -37,7 +37,9 @@ def _train(pipe: conveyor.Pipeline | nn.Module, opt: torch.optim.Optimizer, step
     for step in steps:
         x, y = _data(step)
         if isinstance(pipe, conveyor.Pipeline):
-            pipe.train_step(x, y)
+            ctx = pipe.context  # with data parallelism each replica trains on its shard
+            shard = slice(ctx.dp_rank, None, ctx.dp_size)
+            pipe.train_step(x[shard], y[shard])
         else:
             _lm_loss(pipe(x), y).backward()
         opt.step()
@@ -63,10 +65,54 @@ def _opt_state(
     }
 
 
-def _adamw(target: conveyor.Pipeline | nn.Module, lr: float = LR) -> torch.optim.AdamW:
+# Three param groups with their own hyperparameters (AdamW): each must come back to its
+# own group, whatever split saved or loads it, and in whatever order the groups are listed.
+GROUPS: dict[str, dict[str, Any]] = {
+    "matrices": {"lr": LR, "weight_decay": 0.1, "betas": (0.9, 0.999)},
+    "vectors": {"lr": LR / 2, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+    "embeddings": {"lr": 2 * LR, "weight_decay": 0.01, "betas": (0.85, 0.95)},
+}
+WRONG: dict[str, Any] = {"lr": 123.0, "weight_decay": 0.5, "betas": (0.5, 0.5)}
+EMBEDDINGS = {"tok_emb.weight", "lm_head.weight", "pos_emb"}
+
+
+def _group(name: str, p: torch.Tensor) -> str:
+    if name in EMBEDDINGS:
+        return "embeddings"
+    return "matrices" if p.dim() >= 2 else "vectors"
+
+
+def _adamw(
+    target: conveyor.Pipeline | nn.Module, wrong: bool = False, order: tuple[str, ...] = ()
+) -> torch.optim.AdamW:
+    """AdamW over GROUPS (in ``order``, default GROUPS'); ``wrong``: every group built with
+    WRONG hyperparameters, for a load to restore. A rank's empty groups are left out."""
+    named = _named(target)
+    groups: list[dict[str, Any]] = []
+    for g in order or tuple(GROUPS):
+        params = [p for n, p in named.items() if _group(n, p) == g]
+        if params:
+            groups.append({"params": params, **(WRONG if wrong else GROUPS[g])})
     # eps well above float rounding: the key bias's true gradient is 0 (softmax ignores a
     # shift), and Adam would blow its rounding noise up to full-size, run-dependent steps.
-    return torch.optim.AdamW(target.parameters(), lr=lr, weight_decay=0.1, eps=1e-3)
+    return torch.optim.AdamW(groups, eps=1e-3)
+
+
+def _hypers(target: conveyor.Pipeline | nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    """(group kind of its parameters, its hyperparameters) of every param group."""
+    kind = {id(p): _group(n, p) for n, p in _named(target).items()}
+    out = []
+    for group in opt.param_groups:
+        kinds = {kind[id(p)] for p in group["params"]}
+        assert len(kinds) == 1, kinds
+        out.append((kinds.pop(), {k: group[k] for k in GROUPS["matrices"]}))
+    return out
+
+
+def _assert_hypers(hypers: list[Any], what: str) -> None:
+    assert hypers, what
+    for kind, got in hypers:
+        assert got == GROUPS[kind], f"{what}: {kind} group has {got}, saved {GROUPS[kind]}"
 
 
 def _assert_same_state(
@@ -85,7 +131,7 @@ def _pick(want: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
 
 def _save_then_reload(rank: int, path: str) -> dict[str, Any]:
     """2 processes: train pp=2 1F1B, save; then load into interleaved-1F1B (4 stages on the
-    same 2 processes: the tied weight on both) with a wrong learning rate, and go on."""
+    same 2 processes: the tied weight on both) with wrong hyperparameters, and go on."""
     ctx = conveyor.init()
     pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=2, context=ctx)
     opt = _adamw(pipe)
@@ -96,9 +142,9 @@ def _save_then_reload(rank: int, path: str) -> dict[str, Any]:
     again = conveyor.Pipeline(
         TinyGPT(), loss_fn=_lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
     )
-    opt2 = _adamw(again, lr=123.0)
+    opt2 = _adamw(again, wrong=True)
     step = conveyor.load(again, path, opt2)
-    loaded = (_params(again), _opt_state(again, opt2), opt2.param_groups[0]["lr"])
+    loaded = (_params(again), _opt_state(again, opt2), _hypers(again, opt2))
     _train(again, opt2, range(step or 0, BEFORE + AFTER))
     return {"saved": saved, "loaded": loaded, "step": step, "final": _params(again)}
 
@@ -115,9 +161,18 @@ def _reference() -> tuple[dict[str, torch.Tensor], Any, dict[str, torch.Tensor]]
     return state, opt_state, _params(model)
 
 
-def test_save_at_pp2_loads_anywhere_and_training_continues(tmp_path: Path) -> None:
-    path = str(tmp_path / "ckpt")
-    results = distributed.run(_save_then_reload, 2, path)
+@pytest.fixture(scope="module")
+def pp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any]]:
+    """The checkpoint that 2 processes saved at pp=2 under 1F1B after BEFORE steps, and
+    what each rank saw (see _save_then_reload)."""
+    path = str(tmp_path_factory.mktemp("pp2") / "ckpt")
+    return path, distributed.run(_save_then_reload, 2, path)
+
+
+def test_save_at_pp2_loads_anywhere_and_training_continues(
+    pp2_checkpoint: tuple[str, list[Any]],
+) -> None:
+    path, results = pp2_checkpoint
     want_state, want_opt, want_final = _reference()
     want_params = {n: want_state[n] for n in want_final}
 
@@ -138,8 +193,8 @@ def test_save_at_pp2_loads_anywhere_and_training_continues(tmp_path: Path) -> No
     # training goes on to the uninterrupted run's parameters.
     for r in results:
         assert r["step"] == BEFORE
-        params, opt_state, lr = r["loaded"]
-        assert lr == LR
+        params, opt_state, hypers = r["loaded"]
+        _assert_hypers(hypers, "reloaded at interleaved-1f1b")
         assert_close(params, {n: want_state[n] for n in params}, "reloaded params")
         _assert_same_state(opt_state, _pick(want_opt, opt_state), "reloaded optimizer")
         assert_close(r["final"], _pick(want_final, r["final"]), "continued")
@@ -150,9 +205,10 @@ def test_save_at_pp2_loads_anywhere_and_training_continues(tmp_path: Path) -> No
     assert_close(state, want_state, "load_model_state")
     model = TinyGPT()
     model.load_state_dict(state)
-    opt = _adamw(model, lr=5.0)
+    opt = _adamw(model, wrong=True, order=tuple(reversed(GROUPS)))  # groups in another order
     assert conveyor.load(model, path, opt) == BEFORE
-    assert opt.param_groups[0]["lr"] == LR
+    assert [kind for kind, _ in _hypers(model, opt)] == list(reversed(GROUPS))
+    _assert_hypers(_hypers(model, opt), "plain model")
     _assert_same_state(_opt_state(model, opt), want_opt, "plain optimizer")
     _train(model, opt, range(BEFORE, BEFORE + AFTER))
     assert_close(_params(model), want_final, "plain continued")
@@ -162,12 +218,78 @@ def test_save_at_pp2_loads_anywhere_and_training_continues(tmp_path: Path) -> No
     pipe = conveyor.Pipeline(
         TinyGPT(), loss_fn=_lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
     )
-    opt = _adamw(pipe, lr=5.0)
+    opt = _adamw(pipe, wrong=True)
     assert conveyor.load(pipe, path, opt) == BEFORE
+    _assert_hypers(_hypers(pipe, opt), "pp=4 in one process")
     assert_close(_params(pipe), want_params, "pp=4 params")
     _assert_same_state(_opt_state(pipe, opt), want_opt, "pp=4 optimizer")
     _train(pipe, opt, range(BEFORE, BEFORE + AFTER))
     assert_close(_params(pipe), want_final, "pp=4 continued")
+
+
+def _reshard_on_four(rank: int, path: str, dp_path: str) -> dict[str, Any]:
+    """4 processes load the pp=2 checkpoint into 8 stages under interleaved 1F1B (pp=4 x 2
+    chunks), then into pp=2 x dp=2, and go on training each; the latter saves again."""
+    out: dict[str, Any] = {}
+    for what in ("8 stages", "pp x dp"):
+        if what == "8 stages":
+            ctx = conveyor.init(pp=4)
+            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=4,
+                                     schedule="interleaved-1f1b", chunks=2, context=ctx)
+        else:
+            ctx = conveyor.init(pp=2, dp=2)
+            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=2, context=ctx)
+        opt = _adamw(pipe, wrong=True)
+        step = conveyor.load(pipe, path, opt)
+        held = ctx.pp_rank, ctx.dp_rank, pipe.schedule.stages_of(ctx.pp_rank)
+        loaded = _params(pipe), _opt_state(pipe, opt), _hypers(pipe, opt)
+        _train(pipe, opt, range(step or 0, BEFORE + AFTER))
+        out[what] = {"step": step, "held": held, "loaded": loaded, "final": _params(pipe)}
+    conveyor.save(pipe, dp_path, opt, step=BEFORE + AFTER)  # from pp=2 x dp=2
+    return out
+
+
+def test_pp2_checkpoint_loads_into_8_stages_and_pp_x_dp_on_4_processes(
+    pp2_checkpoint: tuple[str, list[Any]], tmp_path: Path
+) -> None:
+    path, _ = pp2_checkpoint
+    dp_path = str(tmp_path / "dp")
+    results = distributed.run(_reshard_on_four, 4, path, dp_path)
+    want_state, want_opt, want_final = _reference()
+    assert [r["8 stages"]["held"] for r in results] == [
+        (r, 0, (r, r + 4)) for r in range(4)
+    ]
+    assert [r["pp x dp"]["held"] for r in results] == [(0, 0, (0,)), (1, 0, (1,)),
+                                                        (0, 1, (0,)), (1, 1, (1,))]
+    for what in ("8 stages", "pp x dp"):
+        names: set[str] = set()
+        for rank, r in enumerate(results):
+            got = r[what]
+            where = f"{what}, rank {rank}"
+            assert got["step"] == BEFORE, where
+            params, opt_state, hypers = got["loaded"]
+            names |= set(params)
+            assert_close(params, {n: want_state[n] for n in params}, f"{where} params")
+            _assert_same_state(opt_state, _pick(want_opt, opt_state), f"{where} optimizer")
+            _assert_hypers(hypers, where)
+            assert_close(got["final"], _pick(want_final, got["final"]), f"{where} continued")
+        assert {TIED.get(n, n) for n in names} == set(want_final), what  # every parameter
+
+    # Saved from pp=2 x dp=2: replica 1 (ranks 2 and 3) wrote no data; replica 0 wrote all.
+    saved = ckpt._resolve(dp_path)
+    metadata = FileSystemReader(saved).read_metadata()
+    writers = {info.relative_path for info in metadata.storage_data.values()}
+    assert writers == {"__0_0.distcp", "__1_0.distcp"}, writers
+    for f in saved.glob("__[23]_*.distcp"):
+        assert f.stat().st_size == 0, f"{f.name} holds {f.stat().st_size} bytes"
+    stored = metadata.state_dict_metadata
+    assert {k for k in stored if k.startswith("model/")} == {f"model/{n}" for n in want_final}
+    assert {k.rsplit("/", 1)[0] for k in stored if k.startswith("optim/")} == {
+        f"optim/{n}" for n in want_final
+    }
+    state = conveyor.load_model_state(dp_path)
+    assert set(state) == set(want_state)
+    assert_close(state, {n: want_final[TIED.get(n, n)] for n in state}, "pp x dp saved")
 
 
 def _mlp_pipe() -> tuple[conveyor.Pipeline, torch.optim.Optimizer]:

@@ -324,3 +324,54 @@ def test_save_and_load(tmp_path: Path) -> None:
     path.write_text(to_table(schedule).replace("B3,6", "B3,x"))
     with pytest.raises(ScheduleError, match=rf"{path} line 7: cannot read action 'B3,x'"):
         load_schedule(path)
+
+
+
+# --- a hand-edited table drives a real pipeline ---------------------------------------------
+
+ZB_H1_RANK_0 = "rank 0: F0,0 F0,1 B0,0 W0,0 F0,2 B0,1 W0,1 F0,3 B0,2 W0,2 B0,3 W0,3"
+# Micro-batch 0's weight gradient moved to the very end (a W may always run later).
+EDITED_RANK_0 = "rank 0: F0,0 F0,1 B0,0 F0,2 B0,1 W0,1 F0,3 B0,2 W0,2 B0,3 W0,3 W0,0"
+# The last forward before micro-batch 1's W (neither depends on the other).
+ZB_H1_RANK_1, EDITED_RANK_1 = "B1,2 W1,1 F1,3 B1,3", "B1,2 F1,3 W1,1 B1,3"
+
+
+def test_a_hand_edited_table_runs_in_a_pipeline_with_the_unsplit_gradients() -> None:
+    import torch
+    from torch import nn
+
+    import conveyor
+    from tests.models import assert_close, batch, mlp
+
+    base = get_schedule("zb-h1", 2, 4)
+    text = to_table(base)
+    assert ZB_H1_RANK_0 in text and ZB_H1_RANK_1 in text
+    edited = (
+        text.replace(ZB_H1_RANK_0, EDITED_RANK_0)
+        .replace(ZB_H1_RANK_1, EDITED_RANK_1)
+        .replace("name: zb-h1", "name: mine")
+    )
+    schedule = from_table(edited)  # validates
+    assert schedule.name == "mine" and schedule.split_backward
+    assert schedule.actions[0][-1] == Action("W", 0, 0) and base.actions[0][3] == Action("W", 0, 0)
+    for rank in range(2):
+        assert schedule.actions[rank] != base.actions[rank]
+        assert sorted(schedule.actions[rank]) == sorted(base.actions[rank])
+
+    x, y = batch(10)
+    model = mlp()
+    want_loss = nn.functional.mse_loss(model(x), y)
+    want_loss.backward()
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                             schedule=schedule, context=conveyor.init(pp=2))
+    assert pipe.schedule == schedule
+    loss = pipe.train_step(x, y)
+    assert isinstance(loss, torch.Tensor)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
+    assert_close({n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
+                 {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                 "hand-edited zb-h1 grads")
+    # Each rank's actions ran in the edited order.
+    timings = pipe.last_step_timings()
+    ran = [tuple(Action(t[1], t[2], t[3]) for t in timings if t[0] == rank) for rank in range(2)]
+    assert ran == list(schedule.actions)

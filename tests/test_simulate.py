@@ -196,3 +196,33 @@ def test_ascii_timeline_marks_chunks_and_fits_the_width() -> None:
     assert all(len(line) <= 60 for line in narrow[1:])
     # 105 time units in 50 cells: rank 3's 3 idle units take 1 cell.
     assert narrow[4].startswith("rank  3 |.FFFF") and narrow[1].startswith("rank  0 |FFFF")
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8)])
+def test_bubble_is_over_the_makespan_not_the_span(p: int, m: int) -> None:
+    # DESIGN.md: bubble = 1 - M(F+B+W)/makespan, makespan from the first start to the last
+    # end over all ranks. Under zb-h2 every rank runs without a gap once started, so span
+    # (one rank's busy stretch, M(F+B+W)) is shorter than the makespan by the late start of
+    # the last rank.
+    cost = (1.0, 1.0, 1.0)
+    result = simulate(get_schedule("zb-h2", p, m), cost)
+    starts = {r: min(e.start for e in result.events if e.rank == r) for r in range(p)}
+    ends = {r: max(e.end for e in result.events if e.rank == r) for r in range(p)}
+    makespan = max(ends.values()) - min(starts.values())
+    span = max(ends[r] - starts[r] for r in range(p))
+    assert span == m * sum(cost) and makespan > span  # the case this test is for
+    assert result.makespan == makespan and result.span == span
+    assert result.bubble == pytest.approx(1 - m * sum(cost) / makespan)
+    assert result.bubble > 0
+    # By hand: the last rank starts after p - 1 forwards and then never waits.
+    assert makespan == (p - 1) * cost[0] + m * sum(cost)
+
+
+def test_zb_h2_bubble_by_hand() -> None:
+    # 2 ranks, 4 micro-batches: rank 0 busy 0..12, rank 1 busy 1..13 (it starts after F0,0).
+    result = simulate(get_schedule("zb-h2", 2, 4), (1.0, 1.0, 1.0))
+    assert (result.makespan, result.span) == (13.0, 12.0)
+    assert result.bubble == pytest.approx(1 / 13)
+    assert result.to_json_dict()["bubble"] == 0.0769
+    # 4 ranks, 8 micro-batches: makespan 27, span 24, bubble 3/27.
+    assert simulate(get_schedule("zb-h2", 4, 8), (1.0, 1.0, 1.0)).bubble == pytest.approx(1 / 9)
