@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -15,22 +18,57 @@ from conveyor.errors import ConfigError, ScheduleError
 # Subcommands handled by another module's ``main(argv)``; their arguments are passed on
 # untouched (argparse would otherwise try to read options meant for them).
 FORWARDED = {
-    "demo": ("conveyor.demo", "train the demo network with a pipeline (see README)"),
+    "demo": ("conveyor.demo", "train a small network on handwritten digits in 2 stages"),
     "launch": ("conveyor.launch", "run a script in several processes (a front to torchrun)"),
     "trace": ("conveyor.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
     "plan": ("conveyor.plan_cli", "pick split, schedule and micro-batches for FILE.py's model"),
 }
 
 
-class _UsageError(Exception):
-    """Bad command-line arguments; the message is one sentence."""
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}; see '{parser.prog} --help'\n")
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser that raises instead of printing usage and exiting."""
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), without the
+    usage block: what was wrong and where to read more."""
 
     def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: {message}; see '{self.prog} --help'")
+        """Print ``message`` as one line and exit with code 2."""
+        _fail(self, message)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give a parser made elsewhere (torchrun's) :class:`Parser`'s one-line errors."""
+    setattr(parser, "error", lambda message: _fail(parser, message))  # noqa: B010
+    return parser
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and appends "(default: X)" to every option
+    whose default says something (not None or False) and whose help names none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """Docstring text for ``--help``: without reStructuredText markup (double backticks,
+    :func:`roles`, ``::`` before a literal block)."""
+    text = _ROLE.sub(r"\1", text).replace("``", "")
+    return re.sub(r"::$", ":", text, flags=re.M)
 
 
 def parse_cost(text: str) -> tuple[float, float, float]:
@@ -45,38 +83,58 @@ def parse_cost(text: str) -> tuple[float, float, float]:
     return (values[0], values[1], values[2])
 
 
-def _build_parser() -> _Parser:
-    parser = _Parser(prog="conveyor", description="Pipeline-parallel training for PyTorch.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+def _build_parser() -> Parser:
+    from conveyor import __version__
+
+    parser = Parser(
+        prog="conveyor",
+        description="Pipeline-parallel training for PyTorch.",
+        epilog="'conveyor COMMAND --help' tells more about each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"conveyor {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     commands.required = True
 
     # --- conveyor simulate ------------------------------------------------------------
-    from conveyor.schedules.registry import SCHEDULE_NAMES
+    from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks
 
     simulate = commands.add_parser(
         "simulate",
         help="simulate a schedule: makespan, bubble, peak memory, timeline",
-        description="Simulate a pipeline schedule with given per-action costs.",
+        description="Simulate a pipeline schedule with given per-action costs, in cost units "
+        "(any unit: the costs set it).",
+        formatter_class=HelpFormatter,
     )
     simulate.add_argument(
-        "--schedule", required=True, metavar="NAME", help=", ".join(SCHEDULE_NAMES)
+        "--schedule", required=True, metavar="NAME", help="one of " + ", ".join(SCHEDULE_NAMES)
     )
-    simulate.add_argument("--ranks", required=True, type=int, metavar="P")
-    simulate.add_argument("--microbatches", required=True, type=int, metavar="M")
-    simulate.add_argument("--chunks", type=int, default=1, metavar="V", help="stages per rank")
+    simulate.add_argument("--ranks", required=True, type=int, metavar="P", help="pipeline ranks")
+    simulate.add_argument(
+        "--microbatches", required=True, type=int, metavar="M", help="micro-batches per step"
+    )
+    twos = [name for name in SCHEDULE_NAMES if default_chunks(name) == 2]
+    simulate.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        metavar="V",
+        help=f"stages per rank (default: 2 for {', '.join(twos)}; else 1)",
+    )
     simulate.add_argument(
         "--cost",
         default="1,1,1",
         metavar="F,B,W",
-        help="forward, backward (input), weight-gradient time of one rank's whole share "
-        "for one micro-batch (default 1,1,1)",
+        help="forward, backward (input gradient) and weight-gradient cost of one rank's "
+        "whole share of the model for one micro-batch",
     )
-    simulate.add_argument("--comm", type=float, default=0.0, metavar="C", help="transfer time")
-    simulate.add_argument("--json", action="store_true", help="print one JSON object")
+    simulate.add_argument(
+        "--comm", type=float, default=0.0, metavar="C", help="cost of one transfer between ranks"
+    )
+    simulate.add_argument("--json", action="store_true", help="print one JSON object instead")
     simulate.add_argument("--png", metavar="FILE", help="also draw the timeline to FILE")
     simulate.set_defaults(run=run_simulate)
 
-    # --- forwarded subcommands (conveyor demo, conveyor launch) ---------------------------
+    # --- forwarded subcommands (conveyor demo, launch, trace, plan) ------------------------
     # main() hands their arguments on before argparse runs; these entries are for --help.
     for name, (_, summary) in FORWARDED.items():
         forwarded = commands.add_parser(name, help=summary, add_help=False)
@@ -86,22 +144,42 @@ def _build_parser() -> _Parser:
     return parser
 
 
+def _check_simulate_args(args: argparse.Namespace) -> int:
+    """The chunk count to simulate; a one-sentence ConfigError naming the flag that is wrong."""
+    from conveyor.schedules.registry import check_chunks
+
+    for flag in ("ranks", "microbatches", "chunks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} must be an integer >= 1, got {value}")
+    if not (math.isfinite(args.comm) and args.comm >= 0):
+        raise ConfigError(f"--comm must be a finite number >= 0, got {args.comm:g}")
+    return check_chunks(args.schedule, args.chunks, flags=True)
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """``conveyor simulate``: print the summary and timeline, or the JSON object."""
     from conveyor.schedules.registry import get_schedule
     from conveyor.simulate import ascii_timeline, simulate
 
     cost = parse_cost(args.cost)
-    schedule = get_schedule(args.schedule, args.ranks, args.microbatches, args.chunks)
+    chunks = _check_simulate_args(args)
+    schedule = get_schedule(args.schedule, args.ranks, args.microbatches, chunks)
     result = simulate(schedule, cost=cost, comm=args.comm)
     if args.png:
         from conveyor.pictures import draw_timeline
 
         title = (
-            f"{schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunks, "
-            f"{schedule.microbatches} micro-batches, bubble {result.bubble:.1%}"
+            f"{schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunk(s), "
+            f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}, "
+            f"bubble {result.bubble:.1%}"
         )
-        draw_timeline([(e.rank, *e.action, e.start, e.end) for e in result.events], args.png, title)
+        draw_timeline(
+            [(e.rank, *e.action, e.start, e.end) for e in result.events],
+            args.png,
+            title,
+            unit="cost units",
+        )
     if args.json:
         print(json.dumps(result.to_json_dict()))
         return 0
@@ -142,20 +220,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``conveyor`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in FORWARDED:
-        return _forward(args_list[0], args_list[1:])
+        try:
+            return _forward(args_list[0], args_list[1:])
+        except SystemExit as exit_:  # --help, a usage error (already printed)
+            return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     parser = _build_parser()
     try:
         args = parser.parse_args(args_list)
         code: int = args.run(args)
         return code
-    except SystemExit as exit_:  # --help
+    except SystemExit as exit_:  # --help, --version, a usage error (already printed)
         return exit_.code if isinstance(exit_.code, int) else 0
-    except _UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
     except (ConfigError, ScheduleError) as error:
-        print(f"conveyor: error: {error}", file=sys.stderr)
+        print(f"conveyor {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. piped into head: stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ works here::
     python -m conveyor.launch --nnodes 2 --node-rank 0 --master-addr host0 \\
         --nproc-per-node 4 train.py
 
-Two differences, each only when the variable is not already set:
+Two differences in the environment, each only when the variable is not already set:
 
 - ``OMP_NUM_THREADS=1``, so on CPU each process computes with one thread and the processes
   do not fight over the cores (torchrun itself only does that, with a warning, for more
@@ -19,6 +19,13 @@ Two differences, each only when the variable is not already set:
   with these set, 7.0 ms with ``.grad`` kept). Memory then stays at its peak, as with
   PyTorch's caching allocators.
 
+When a worker fails, torchrun prints each failed rank's traceback and its report; then
+the launcher prints, last, at most 5 lines naming the rank that failed first and its error
+in one line. For that each worker runs its script through :mod:`conveyor._launch_worker`,
+which records an escaping exception (type, message, time) in the error file torchrun
+gives the worker; the script sees the same ``sys.argv``, ``sys.path`` and ``__main__`` as
+under torchrun alone.
+
 Surviving a lost process: ``--max-restarts N`` is torchrun's elastic restart. When a worker
 dies, torchrun stops the others (conveyor's bounded waits, ``conveyor.init(timeout=...)``,
 make sure none hangs meanwhile) and starts them all again, up to N times; a script that
@@ -26,6 +33,10 @@ saves with :func:`conveyor.save` and resumes with :func:`conveyor.load` then los
 the steps since its last checkpoint::
 
     conveyor launch --nproc-per-node 2 --max-restarts 3 train.py --checkpoint ckpt
+
+torchrun restarts after any non-zero exit, a deliberate one too (a script that checks its
+result and exits 1): check such results in the launching process, as ``conveyor demo``
+does, or exit 0 under ``--max-restarts``.
 
 For that, with ``--max-restarts`` above 0 the launcher also sets, unless set,
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: in torch 2.13 the restarted workers otherwise
@@ -38,37 +49,175 @@ HOST:PORT --rdzv-id JOB`` for restarts.
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
+import textwrap
+from collections.abc import Mapping
+from typing import Any
 
 # glibc reads these at process start, so the launcher sets them for its workers.
 MALLOC_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+HELP = """\
+conveyor launch runs torchrun (every option below is torchrun's) and adds:
+
+  - OMP_NUM_THREADS=1 unless set: one compute thread per process, so the processes of
+    one machine do not fight over its CPU cores.
+  - MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ (glibc) at 1 GiB unless set: freed
+    buffers stay in the heap for the next step instead of being faulted in again.
+  - --max-restarts N on one machine uses the c10d rendezvous on a free port
+    (--standalone) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so restarted workers do not
+    reuse the dead ones' store (pytorch/pytorch#135712). torchrun restarts after any
+    non-zero exit, also a script's deliberate one.
+  - When a worker fails, the last lines (at most 5) name the rank that failed first and
+    its error in one line; the tracebacks stay above them.
+
+examples:
+  conveyor launch --nproc-per-node 2 train.py --lr 0.1
+  conveyor launch --nproc-per-node 2 --max-restarts 3 train.py --checkpoint ckpt
+"""
+
+SUMMARY_WIDTH = 100
+"""Columns of the failure summary's lines (wrapped at word boundaries)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    from conveyor.cli import one_line_errors
+
+    parser = get_args_parser()
+    parser.prog = "conveyor launch"
+    parser.usage = "conveyor launch [OPTIONS] (SCRIPT | -m MODULE) [ARGS ...]"
+    parser.description = HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return one_line_errors(parser)
+
+
+def _wrap_workers(config: argparse.Namespace) -> None:
+    """Run each worker's script through :mod:`conveyor._launch_worker`, which records a
+    failing worker's error for :func:`failure_summary`."""
+    if config.no_python or config.run_path or not getattr(config, "use_env", True):
+        return  # not a Python script run by torchrun's interpreter: leave it as it is
+    target = ["-m"] if config.module else []
+    config.training_script_args = [*target, config.training_script, *config.training_script_args]
+    config.training_script = "conveyor._launch_worker"
+    config.module = True
+
+
+def _recorded(failure: Any) -> dict[str, Any] | None:
+    """What the worker wrote to its error file, if anything."""
+    message = failure.message
+    return message if isinstance(message, dict) else None
+
+
+def _stopped(failure: Any) -> bool:
+    """Whether torchrun stopped this worker (SIGTERM, nothing recorded) after another failed."""
+    return failure.exitcode == -signal.SIGTERM and _recorded(failure) is None
+
+
+def _order(failures: Mapping[int, Any]) -> list[int]:
+    """Failed ranks, the first failure first.
+
+    A worker that raised recorded the time to the microsecond; otherwise only torchrun's
+    whole second at which it noticed is known, and workers torchrun stopped itself come
+    last whatever their time.
+    """
+
+    def key(rank: int) -> tuple[bool, float, int]:
+        failure = failures[rank]
+        precise = (_recorded(failure) or {}).get("extraInfo", {}).get("time")
+        when = float(precise) if isinstance(precise, (int, float)) else float(failure.timestamp)
+        return (_stopped(failure), when, rank)
+
+    return sorted(failures, key=key)
+
+
+def _exit(failure: Any) -> str:
+    if failure.exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-failure.exitcode}"
+    return f"exit {failure.exitcode}"
+
+
+def _wrap(text: str, max_lines: int) -> list[str]:
+    return textwrap.wrap(
+        text,
+        SUMMARY_WIDTH,
+        subsequent_indent="  ",
+        max_lines=max_lines,
+        placeholder=" ...",
+        break_on_hyphens=False,
+    )
+
+
+def failure_summary(failures: Mapping[int, Any]) -> str:
+    """At most 5 lines: the rank that failed first with its exit and its error in one line
+    (wrapped at word boundaries to at most 3, "..." where cut), the other ranks that failed,
+    and those torchrun stopped.
+
+    ``failures`` maps global ranks to torchrun's ``ProcessFailure`` records.
+    """
+    order = _order(failures)
+    rank, first = order[0], failures[order[0]]
+    recorded = _recorded(first)
+    message = " ".join(str(recorded.get("message", "")).split()) if recorded else ""
+    if message:
+        text = f"rank {rank} failed first ({_exit(first)}): {message}"
+    elif first.exitcode < 0:
+        text = f"rank {rank} failed first: {_exit(first)}"
+    else:
+        text = f"rank {rank} failed first ({_exit(first)}) without an exception; see its output"
+    lines = _wrap(f"conveyor launch: {text}", 3)
+    failed = [f"rank {r} ({_exit(failures[r])})" for r in order[1:] if not _stopped(failures[r])]
+    stopped = [str(r) for r in order[1:] if _stopped(failures[r])]
+    if failed:
+        lines += _wrap(f"conveyor launch: also failed: {', '.join(failed)}", 1)
+    if stopped:
+        what = "rank" if len(stopped) == 1 else "ranks"
+        lines += _wrap(f"conveyor launch: torchrun then stopped {what} {', '.join(stopped)}", 1)
+    return "\n".join(lines)
+
+
+def exit_code(failures: Mapping[int, Any]) -> int:
+    """The exit code of the worker that failed first, else of another; 1 if none has one
+    (workers killed by a signal)."""
+    codes = [failures[rank].exitcode for rank in _order(failures)]
+    return next((code for code in codes if code > 0), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default: ``sys.argv[1:]``); return its exit code.
 
-    A worker that fails makes this return that worker's exit code (1 if it has none),
-    after torchrun has printed which rank failed and why.
+    When workers fail, torchrun's report is followed by a short summary
+    (:func:`failure_summary`), and this returns the exit code of the worker that failed
+    first (1 if it has none).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
     args = sys.argv[1:] if argv is None else list(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in MALLOC_TUNABLES:
         os.environ.setdefault(name, str(1 << 30))
-    config = parse_args(args)  # type: ignore[no-untyped-call]
+    config = _parser().parse_args(args)
     if config.max_restarts > 0:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if config.rdzv_backend == "static" and str(config.nnodes) in ("1", "1:1"):
             config.standalone = True
+    script = config.training_script
+    _wrap_workers(config)
     try:
         run(config)  # type: ignore[no-untyped-call]
     except ChildFailedError as e:
+        e.name = script  # torchrun's report would name conveyor._launch_worker
         print(e.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
-        codes = [f.exitcode for f in e.failures.values() if f.exitcode > 0]
-        return codes[0] if codes else 1
+        print(failure_summary(e.failures), file=sys.stderr, flush=True)
+        return exit_code(e.failures)
     return 0
 
 

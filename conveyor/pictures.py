@@ -4,23 +4,66 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from conveyor.errors import ConfigError
 
 TimelineEvent = tuple[int, str, int, int, float, float]
 """(rank, kind, stage, microbatch, start, end)."""
 
-_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b"}
+WAIT = "wait"
+"""The kind of an event that waited for a transfer (drawn grey, unlabelled)."""
+
+_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b", WAIT: "#b0b0b0"}
+_FONT = 7  # points, for the micro-batch numbers in the boxes
+_DPI = 120
+
+
+def _names(split_backward: bool) -> dict[str, str]:
+    backward = "backward, input gradient" if split_backward else "backward"
+    return {
+        "F": "F: forward",
+        "B": f"B: {backward}",
+        "W": "W: weight gradient",
+        WAIT: "waiting for a transfer",
+    }
+
+
+def _shade(chunk: int, chunks: int) -> float:
+    """The opacity of a rank's ``chunk``-th stage: later chunks are lighter."""
+    return 1.0 - 0.5 * chunk / max(chunks - 1, 1)
+
+
+def _label_fits(label: str, box_px: float) -> bool:
+    # About 0.6 em per digit, plus a pixel of margin on each side.
+    return len(label) * 0.6 * _FONT * _DPI / 72 + 2 <= box_px
+
+
+def _check_folder(path: str | os.PathLike[str]) -> None:
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"cannot write {os.fspath(path)}: folder {os.fspath(folder)} does not exist; "
+            "create it or pick another path"
+        )
 
 
 def draw_timeline(
-    events: Iterable[TimelineEvent], path: str | os.PathLike[str], title: str = ""
-) -> None:
+    events: Iterable[TimelineEvent],
+    path: str | os.PathLike[str],
+    title: str = "",
+    unit: str = "time units",
+) -> Any:
     """Draw one row per rank, one box per action, coloured by kind, labelled by micro-batch.
 
     ``events`` are plain (rank, kind, stage, microbatch, start, end) tuples, so both
-    simulated and measured timelines can be drawn. Later stages of a rank are drawn
-    lighter. Raises :class:`~conveyor.errors.ConfigError` when matplotlib is missing.
+    simulated and measured timelines can be drawn; kind ``"wait"`` is a wait for a
+    transfer. ``unit`` names the time axis' unit (``"ms"``, ``"cost units"``). A rank's
+    later chunks are drawn lighter; the legend names every colour and shade. A box gets
+    its micro-batch number where the number fits. Returns the matplotlib ``Figure``.
+    Raises :class:`~conveyor.errors.ConfigError` when matplotlib is missing or the
+    folder of ``path`` does not exist.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -28,6 +71,7 @@ def draw_timeline(
         from matplotlib.patches import Patch
     except ImportError:
         raise ConfigError("drawing a PNG needs matplotlib; pip install matplotlib") from None
+    _check_folder(path)
     rows = list(events)
     ranks = max((e[0] for e in rows), default=0) + 1
     stages = max((e[2] for e in rows), default=0) + 1
@@ -35,41 +79,37 @@ def draw_timeline(
     begin = min((e[4] for e in rows), default=0.0)
     finish = max((e[5] for e in rows), default=1.0)
     length = max(finish - begin, 1e-9)
+    kinds = sorted({e[1] for e in rows}, key=lambda k: ("F", "B", "W", WAIT, k).index(k))
+    names = _names("W" in kinds)
 
-    figure = Figure(figsize=(min(max(8.0, 0.25 * len(rows) / ranks), 30.0), 1.0 + 0.5 * ranks))
+    figure = Figure(figsize=(min(max(8.0, 0.25 * len(rows) / ranks), 30.0), 1.2 + 0.5 * ranks))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    for rank, kind, stage, microbatch, start, end in rows:
-        chunk = min(stage // ranks, chunks - 1)
+    for rank, kind, stage, _, start, end in rows:
         axes.barh(
             rank,
             end - start,
             left=start - begin,
             height=0.8,
             color=_COLOURS.get(kind, "#999999"),
-            alpha=1.0 - 0.45 * chunk / max(chunks - 1, 1),
+            alpha=1.0 if kind == WAIT else _shade(min(stage // ranks, chunks - 1), chunks),
             edgecolor="white",
             linewidth=0.5,
         )
-        if (end - start) / length > 0.008:
-            axes.text(
-                start - begin + (end - start) / 2,
-                rank,
-                str(microbatch),
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white",
-            )
     axes.set_xlim(0, length)
     axes.set_ylim(ranks - 0.5, -0.5)
     axes.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-    axes.set_xlabel("time")
+    axes.set_xlabel(f"time ({unit})")
     if title:
         axes.set_title(title, loc="left", fontsize=10)
-    kinds = sorted({e[1] for e in rows}, key="FBW".find)
+    handles = [Patch(color=_COLOURS.get(k, "#999999"), label=names.get(k, k)) for k in kinds]
+    if chunks > 1:
+        handles += [
+            Patch(color="#555555", alpha=_shade(c, chunks), label=f"chunk {c} of each rank")
+            for c in range(chunks)
+        ]
     axes.legend(
-        handles=[Patch(color=_COLOURS.get(k, "#999999"), label=k) for k in kinds],
+        handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),  # right of the plot, clear of a long title
         ncol=1,
@@ -77,4 +117,24 @@ def draw_timeline(
         fontsize=8,
     )
     figure.tight_layout()
-    figure.savefig(os.fspath(path), dpi=120)
+    # The layout is final now, so a box's width in pixels is known.
+    axes_px = axes.get_position().width * figure.get_figwidth() * _DPI
+    for rank, kind, stage, microbatch, start, end in rows:
+        label = str(microbatch)
+        if kind == WAIT or not _label_fits(label, (end - start) / length * axes_px):
+            continue
+        light = _shade(min(stage // ranks, chunks - 1), chunks) < 0.75
+        axes.text(
+            start - begin + (end - start) / 2,
+            rank,
+            label,
+            ha="center",
+            va="center",
+            fontsize=_FONT,
+            color="black" if light else "white",
+        )
+    try:
+        figure.savefig(os.fspath(path), dpi=_DPI)
+    except OSError as error:
+        raise ConfigError(f"cannot write {os.fspath(path)}: {error.strerror}") from None
+    return figure

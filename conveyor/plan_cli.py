@@ -2,51 +2,96 @@
 
 FILE.py defines ``build()`` returning ``(model, inputs, targets, loss_fn)``: the model as
 ``Pipeline`` takes it, one sample batch and the loss. The command profiles the model in
-this one process (the link between ranks gets the defaults of :mod:`conveyor.profile`)
+this one process (the link between ranks gets the defaults of :mod:`conveyor.profiler`)
 and prints the chosen configuration and the ranked alternatives.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConfigError, ConveyorError
+
+BUILD = "define build() returning (model, inputs, targets, loss_fn)"
 
 
-def _load(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("conveyor_plan_target", Path(path))
+def _load(path: str) -> tuple[Any, Any, Any, Any]:
+    """Run FILE.py's ``build()``; a :class:`ConfigError` in one sentence for a bad file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"no file {path}; pass a Python file that defines build()")
+    spec = importlib.util.spec_from_file_location("conveyor_plan_target", file)
     if spec is None or spec.loader is None:
-        raise ConveyorError(f"cannot load {path}; pass a Python file that defines build()")
+        raise ConfigError(f"cannot load {path} as Python; pass a .py file that defines build()")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "build", None)):
-        raise ConveyorError(
-            f"{path} has no build(); define build() returning (model, inputs, targets, loss_fn)"
-        )
-    return module.build
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ConfigError(
+            f"{path} line {error.lineno}: {error.msg}; it must be Python that defines build()"
+        ) from None
+    except Exception as error:
+        raise ConfigError(
+            f"running {path} raised {_one_line(error)}; run 'python {path}' to see where"
+        ) from None
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise ConfigError(f"{path} has no build(); {BUILD}")
+    try:
+        built = build()
+    except ConveyorError:
+        raise
+    except Exception as error:
+        raise ConfigError(
+            f"{path}: build() raised {_one_line(error)}; call it in Python to see where"
+        ) from None
+    if not isinstance(built, tuple) or len(built) != 4:
+        raise ConfigError(f"{path}: build() returned {type(built).__name__}; {BUILD}")
+    return built[0], built[1], built[2], built[3]
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the planner on FILE.py's model; 0 on success, 1 on a user error."""
-    from conveyor.plan import plan
+    from conveyor.cli import HelpFormatter, Parser, plain
+    from conveyor.planner import plan
 
-    p = argparse.ArgumentParser(prog="conveyor plan", description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="conveyor plan",
+        description=plain((__doc__ or "").split("\n\n", 1)[-1]),  # without the usage line
+        formatter_class=HelpFormatter,
+    )
     p.add_argument(
         "file", help="a Python file whose build() returns (model, inputs, targets, loss_fn)"
     )
-    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (default 2)")
-    p.add_argument("--memory-limit", type=float, default=None, help="bytes per rank")
+    p.add_argument("--ranks", type=int, default=2, metavar="P", help="pipeline ranks")
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="BYTES",
+        help="most bytes per rank for parameters, gradients and activations (default: no limit)",
+    )
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.ranks < 1:
+        p.error(f"--ranks must be an integer >= 1, got {args.ranks}")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        p.error(f"--memory-limit must be a number of bytes > 0, got {args.memory_limit:g}")
     try:
-        model, inputs, targets, loss_fn = _load(args.file)()
+        model, inputs, targets, loss_fn = _load(args.file)
         chosen = plan(model, inputs, targets, loss_fn, args.ranks, args.memory_limit)
     except ConveyorError as e:
-        print(f"conveyor plan: {e}", file=sys.stderr)
+        # The planner names its Python argument; here it is the flag.
+        message = str(e).replace("memory_limit=", "--memory-limit ")
+        print(f"conveyor plan: error: {message}", file=sys.stderr)
         return 1
     peaks = ", ".join(f"{b / 2**20:.1f}" for b in chosen.peak_memory)
     print(

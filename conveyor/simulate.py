@@ -7,6 +7,7 @@ ran on another rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -198,13 +199,27 @@ def _box(action: Action, schedule: Schedule, cells: int) -> str:
     return label.ljust(cells) if len(label) < cells else action.kind * cells
 
 
-def ascii_timeline(result: SimResult, width: int = 120) -> str:
+def _cuts(inside: list[int], cells: int, room: int) -> list[int]:
+    """Where to cut ``cells`` columns into parts of at most ``room``: at the latest column
+    in the second half of each part that no box straddles (``inside[c]`` counts the boxes
+    straddling column c), else where the fewest do."""
+    cuts = [0]
+    while cells - cuts[-1] > room:
+        start = cuts[-1]
+        window = range(start + room, start + room // 2, -1)
+        cuts.append(min(window, key=lambda c: inside[c]))  # min keeps the latest of equals
+    return [*cuts, cells]
+
+
+def ascii_timeline(result: SimResult, width: int = 120, max_parts: int = 8) -> str:
     """The timeline as text: one row per rank, time left to right, idle as ``.``.
 
     Each action is a box starting with its label (kind and micro-batch, plus a chunk
     letter when ranks hold several chunks), or only its kind letter where the label does
-    not fit. Time is scaled so the shortest action fits its label, unless the rows would
-    get wider than ``width`` characters.
+    not fit. Time is scaled so the shortest action fits its label; rows wider than
+    ``width`` characters are cut into up to ``max_parts`` parts, one under the other
+    (cut between boxes where possible). A timeline that would need more parts is
+    squeezed into ``width`` instead, its short boxes losing their labels.
     """
     schedule = result.schedule
     events = [e for e in result.events if e.end > e.start]
@@ -213,17 +228,27 @@ def ascii_timeline(result: SimResult, width: int = 120) -> str:
     origin = min(e.start for e in events)
     longest = max(len(_label(e.action, schedule)) for e in events)
     shortest = min(e.end - e.start for e in events)
-    scale = min((longest + 1) / shortest, max(width - 10, 10) / result.makespan)
+    room = max(width - 10, 10)
+    scale = (longest + 1) / shortest
+    if result.makespan * scale > room * max_parts:
+        scale = min(scale, room / result.makespan)
     if shortest * scale >= 1:
         # Whole cells for the shortest action keep equal actions equally wide.
         scale = math.floor(shortest * scale + 1e-9) / shortest
     cells = max(1, round(result.makespan * scale))
     rows = [["."] * cells for _ in range(schedule.ranks)]
+    inside = [0] * (cells + 1)
     for event in events:
         first = round((event.start - origin) * scale)
         last = max(first + 1, round((event.end - origin) * scale))
         rows[event.rank][first:last] = _box(event.action, schedule, last - first)
+        for c in range(first + 1, min(last, cells)):
+            inside[c] += 1
     legend = "F/B/W + micro-batch" + (", letter = chunk" if schedule.chunks > 1 else "")
     lines = [f"one cell = {1 / scale:.3g} time units; {legend}; '.' = idle"]
-    lines += [f"rank {r:>2} |{''.join(row)}|" for r, row in enumerate(rows)]
+    cuts = _cuts(inside, cells, room)
+    for start, end in itertools.pairwise(cuts):
+        if len(cuts) > 2:
+            lines.append(f"time {start / scale:.4g} to {end / scale:.4g}:")
+        lines += [f"rank {r:>2} |{''.join(row[start:end])}|" for r, row in enumerate(rows)]
     return "\n".join(lines)

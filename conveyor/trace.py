@@ -6,6 +6,7 @@ Pure Python (no torch import).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -79,31 +80,68 @@ def actions_of(trace: dict[str, Any]) -> list[Timing]:
     return sorted(rows, key=lambda r: (r[4], r[0]))
 
 
+def _read(path: str) -> dict[str, Any]:
+    """The trace in ``path``; a ConfigError in one sentence when it is not one."""
+    from conveyor.errors import ConfigError
+
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            raise ValueError("no traceEvents list")
+        if not isinstance(trace.get("otherData", {}), dict):
+            raise ValueError("otherData is not an object")
+        actions_of(trace)  # every action event has what the picture needs
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no file {path}; pass a trace written by pipe.save_trace(path)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(
+            f"{path} is not a trace written by pipe.save_trace(path) (a Chrome trace JSON "
+            "with conveyor's action events)"
+        ) from None
+    return trace
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``conveyor trace FILE.json --png FILE.png``: draw a saved trace as a timeline."""
-    import argparse
+    """``conveyor trace FILE.json --png FILE.png``: draw a trace saved by
+    ``pipe.save_trace(path)`` as a timeline; 0 when drawn, 2 for a bad file or path."""
+    from conveyor.cli import HelpFormatter, Parser
+    from conveyor.errors import ConfigError
+    from conveyor.pictures import WAIT, draw_timeline
 
-    from conveyor.pictures import draw_timeline
-
-    parser = argparse.ArgumentParser(prog="conveyor trace", description=main.__doc__)
-    parser.add_argument("file", help="a trace written by pipe.save_trace(path)")
-    parser.add_argument("--png", required=True, help="the picture to write")
-    args = parser.parse_args(argv)
-    with open(args.file) as f:
-        trace = json.load(f)
-    info = trace.get("otherData", {})
-    waits = [
-        (e["tid"], "wait", e["args"]["stage"], e["args"]["microbatch"], e["ts"] / 1e6,
-         (e["ts"] + e["dur"]) / 1e6)
-        for e in trace["traceEvents"] if e.get("cat") == "wait"
-    ]
-    title = (
-        f"{info.get('schedule', '?')}: {info.get('ranks', '?')} ranks, "
-        f"{info.get('microbatches', '?')} micro-batches; bubble measured "
-        f"{info.get('measured_bubble', float('nan')):.3f}, simulated "
-        f"{info.get('simulated_bubble', float('nan')):.3f} (grey: waiting for a transfer)"
+    parser = Parser(
+        prog="conveyor trace",
+        description="Draw a trace saved by pipe.save_trace(path) as a timeline: a row per rank, "
+        "time in ms, grey where a rank waited for a transfer.",
+        formatter_class=HelpFormatter,
     )
-    draw_timeline(actions_of(trace) + waits, args.png, title)
+    parser.add_argument("file", help="a trace written by pipe.save_trace(path)")
+    parser.add_argument("--png", required=True, metavar="FILE", help="the picture to write")
+    args = parser.parse_args(argv)
+    try:
+        trace = _read(args.file)
+        info = trace.get("otherData", {})
+        waits = [
+            (e["tid"], WAIT, e["args"]["stage"], e["args"]["microbatch"], e["ts"] / 1e6,
+             (e["ts"] + e["dur"]) / 1e6)
+            for e in trace["traceEvents"] if e.get("cat") == "wait"
+        ]
+        chunks = info.get("chunks", "?")
+        title = (
+            f"{info.get('schedule', '?')}: {info.get('ranks', '?')} ranks x {chunks} "
+            f"chunk(s), {info.get('microbatches', '?')} micro-batches; bubble measured "
+            f"{info.get('measured_bubble', float('nan')):.3f}, simulated "
+            f"{info.get('simulated_bubble', float('nan')):.3f}"
+        )
+        in_ms = [(r, k, s, mb, a * 1e3, b * 1e3) for r, k, s, mb, a, b in actions_of(trace) + waits]
+        draw_timeline(in_ms, args.png, title, unit="ms")
+    except ConfigError as error:
+        print(f"conveyor trace: error: {error}", file=sys.stderr)
+        return 2
     print(f"wrote {args.png}")
     return 0
 

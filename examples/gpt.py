@@ -119,20 +119,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
     )
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--chunks", type=int, default=1)
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
-    ap.add_argument("--sample", type=int, default=200, help="characters to generate")
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from")
-    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
+    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
+    ap.add_argument("--chunks", type=int, default=1, help="stages per rank (default: %(default)s)")
+    ap.add_argument(
+        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
+    )
+    ap.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
+    ap.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--context", type=int, default=64, help="characters per sequence (default: %(default)s)"
+    )
+    ap.add_argument("--width", type=int, default=128, help="model width (default: %(default)s)")
+    ap.add_argument(
+        "--depth", type=int, default=4, help="transformer blocks (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--heads", type=int, default=4, help="attention heads per block (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW's learning rate (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--chars", type=int, default=2_000_000,
+        help="corpus size in characters (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--sample", type=int, default=200, help="characters to generate (default: %(default)s)"
+    )
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
+    ap.add_argument(
+        "--save-every", type=int, default=50, metavar="K",
+        help="steps between saves (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
@@ -153,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    where = (
+        f"on {ctx.pp_size} ranks"
+        if ctx.distributed
+        else f"in one process ({ctx.pp_size} pipeline ranks simulated)"
+    )
     say(
         f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{pipe.schedule.stages} stages on {ctx.pp_size} ranks ({args.schedule})"
+        f"{pipe.schedule.stages} stages {where} ({args.schedule})"
     )
     start = 0
     if args.checkpoint and exists(args.checkpoint):

@@ -73,7 +73,7 @@ def test_a_killed_rank_restarts_and_the_run_ends_like_an_uninterrupted_one(
 
 
 def _demo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """The demo in this process (one stage, no launch): its exit code and output."""
+    """The demo in this process (both stages, no launch): its exit code and output."""
     code = demo.main(["--nproc", "1", "--lr", "3e-3", *args])
     return code, capsys.readouterr().out
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
 
 import conveyor
+from conveyor import pictures
+from conveyor.pictures import draw_timeline
 from conveyor.trace import actions_of, main
 from tests import distributed
 from tests.models import batch, mlp
@@ -49,12 +52,26 @@ def test_two_process_trace_has_every_action_in_order(tmp_path: Path, schedule: s
     assert any(e.get("cat") == "wait" for e in events)  # rank 0 waits for gradients
 
 
-def test_one_process_trace_and_its_picture(tmp_path: Path) -> None:
+def test_one_process_trace_and_its_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, png = tmp_path / "trace.json", tmp_path / "trace.png"
     _traced(0, str(path), "zb-h1", 4)
-    _check(path, "zb-h1", 4)
+    trace = _check(path, "zb-h1", 4)
+    figures: list[Any] = []
+    monkeypatch.setattr(
+        pictures, "draw_timeline", lambda *a, **k: figures.append(draw_timeline(*a, **k))
+    )
     assert main([str(path), "--png", str(png)]) == 0
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 800 and height >= 300
+    (axes,) = figures[0].axes
+    assert axes.get_xlabel() == "time (ms)"
+    boxes = [e for e in trace["traceEvents"] if "dur" in e]
+    step_us = max(e["ts"] + e["dur"] for e in boxes) - min(e["ts"] for e in boxes)
+    assert axes.get_xlim()[1] == pytest.approx(step_us / 1e3)  # milliseconds, not seconds
+    assert axes.get_title(loc="left").startswith("zb-h1: 4 ranks x 1 chunk(s), 4 micro-batches")
+    legend = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert legend[:3] == ["F: forward", "B: backward, input gradient", "W: weight gradient"]

@@ -22,7 +22,12 @@ from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
 from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
-from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
+from conveyor.schedules.registry import (
+    SCHEDULE_NAMES,
+    check_chunks,
+    default_chunks,
+    get_schedule,
+)
 from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
 from conveyor.schedules.zbv import zbv
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
@@ -34,7 +39,9 @@ __all__ = [
     "F",
     "Schedule",
     "W",
+    "check_chunks",
     "check_sizes",
+    "default_chunks",
     "dependencies",
     "dualpipev",
     "execution_order",

@@ -16,8 +16,12 @@ from conveyor.schedules.one_f_one_b import one_f_one_b
 from conveyor.schedules.zbv import zbv
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 
-_ONE_CHUNK_HINT = "use 'zbv' or 'dualpipev' for two chunks per rank"
-_V_HINT = "pass chunks=2 (rank r holds stages r and 2*ranks-1-r)"
+# Hints name the arguments through {schedule} / {chunks} (see check_chunks), so the same
+# text reads right for the Python API and for the command line.
+_ONE_CHUNK_HINT = "use {schedule}zbv{end} or {schedule}dualpipev{end} for two chunks per rank"
+_V_HINT = "pass {chunks}2 (rank r holds stages r and 2*ranks-1-r)"
+_PYTHON_WORDS = {"schedule": "'", "chunks": "chunks=", "end": "'"}
+_FLAG_WORDS = {"schedule": "--schedule ", "chunks": "--chunks ", "end": ""}
 
 
 @dataclass(frozen=True)
@@ -25,13 +29,15 @@ class ScheduleSpec:
     """How to build a named schedule.
 
     ``build(ranks, microbatches, chunks)`` returns the schedule. ``chunks`` is the only
-    chunk count the schedule supports, or None when any count >= 1 works; ``hint`` is
-    appended to the error for a wrong chunk count.
+    chunk count the schedule supports, or None when any count >= 1 works; ``default`` is
+    the count used when none is given; ``hint`` is appended to the error for a wrong
+    chunk count.
     """
 
     build: Callable[[int, int, int], Schedule]
     chunks: int | None = None
     hint: str = ""
+    default: int = 1
 
 
 # To add a schedule: write its generator and add one entry here.
@@ -40,15 +46,16 @@ _REGISTRY: dict[str, ScheduleSpec] = {
     "1f1b": ScheduleSpec(
         lambda p, m, v: one_f_one_b(p, m),
         chunks=1,
-        hint="use 'interleaved-1f1b' for several chunks per rank",
+        hint="use {schedule}interleaved-1f1b{end} for several chunks per rank",
     ),
-    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b),
-    "looped-bfs": ScheduleSpec(looped_bfs),
+    # With one chunk these are plain 1F1B and GPipe: the name asks for chunks.
+    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b, default=2),
+    "looped-bfs": ScheduleSpec(looped_bfs, default=2),
     "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zb-late": ScheduleSpec(lambda p, m, v: zb_late(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
-    "zbv": ScheduleSpec(lambda p, m, v: zbv(p, m), chunks=2, hint=_V_HINT),
-    "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), chunks=2, hint=_V_HINT),
+    "zbv": ScheduleSpec(lambda p, m, v: zbv(p, m), chunks=2, hint=_V_HINT, default=2),
+    "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), chunks=2, hint=_V_HINT, default=2),
     # Unit costs and a cap of p micro-batches; the planner calls zero_bubble_auto with
     # measured costs.
     "zb-auto": ScheduleSpec(lambda p, m, v: zero_bubble_auto(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
@@ -58,20 +65,52 @@ SCHEDULE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 """The names :func:`get_schedule` accepts."""
 
 
-def get_schedule(name: str, ranks: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """Build the schedule called ``name`` and validate it.
-
-    Raises :class:`~conveyor.errors.ConfigError` for an unknown name, a chunk count the
-    schedule does not support, or sizes below 1.
-    """
+def _spec(name: str) -> ScheduleSpec:
     spec = _REGISTRY.get(name)
     if spec is None:
         known = ", ".join(repr(n) for n in SCHEDULE_NAMES)
         raise ConfigError(f"unknown schedule {name!r}; choose one of {known}")
-    check_sizes(ranks, microbatches, chunks)
+    return spec
+
+
+def default_chunks(name: str) -> int:
+    """The chunks per rank schedule ``name`` runs when none are given.
+
+    2 for ``interleaved-1f1b`` and ``looped-bfs`` (with 1 they would be plain 1F1B and
+    GPipe) and for the V schedules ``zbv`` and ``dualpipev`` (the only count they run),
+    else 1. Raises :class:`~conveyor.errors.ConfigError` for an unknown name.
+    """
+    return _spec(name).default
+
+
+def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -> int:
+    """The chunk count schedule ``name`` runs with: ``chunks``, or its default when None.
+
+    Raises :class:`~conveyor.errors.ConfigError` for an unknown name or a count the
+    schedule cannot run, in one sentence that names the arguments as Python keywords
+    (``chunks=2``), or with ``flags=True`` as command-line flags (``--chunks 2``).
+    """
+    spec = _spec(name)
+    if chunks is None:
+        return spec.default
     if spec.chunks is not None and chunks != spec.chunks:
-        hint = f"; {spec.hint}" if spec.hint else ""
+        words = _FLAG_WORDS if flags else _PYTHON_WORDS
+        named = f"--schedule {name}" if flags else f"schedule {name!r}"
+        hint = f"; {spec.hint.format(**words)}" if spec.hint else ""
         raise ConfigError(
-            f"schedule {name!r} runs {spec.chunks} chunk(s) per rank, got chunks={chunks}{hint}"
+            f"{named} runs {spec.chunks} chunk(s) per rank, got {words['chunks']}{chunks}{hint}"
         )
-    return validate(spec.build(ranks, microbatches, chunks))
+    return chunks
+
+
+def get_schedule(name: str, ranks: int, microbatches: int, chunks: int | None = None) -> Schedule:
+    """Build the schedule called ``name`` and validate it.
+
+    ``chunks`` is the number of stages per rank; None takes the schedule's default
+    (:func:`default_chunks`). Raises :class:`~conveyor.errors.ConfigError` for an unknown
+    name, a chunk count the schedule does not support, or sizes below 1.
+    """
+    spec = _spec(name)
+    check_sizes(ranks, microbatches, spec.default if chunks is None else chunks)
+    count = check_chunks(name, chunks)
+    return validate(spec.build(ranks, microbatches, count))
