@@ -59,6 +59,8 @@ class Context:
 
 
 _current: Context | None = None
+_exit_hook = False
+_exit_wait = DEFAULT_TIMEOUT  # the last init's time-out, for the barrier at exit
 
 
 def _timeout_from(timeout: float | None) -> float:
@@ -106,8 +108,13 @@ def init(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
-        # torch 2.13's gloo can abort at interpreter exit when the group is never destroyed.
+    # torch 2.13's gloo can abort at interpreter exit ("terminate called without an active
+    # exception") when the group is never destroyed: destroy it at exit, whoever made it.
+    global _exit_hook, _exit_wait
+    _exit_wait = seconds
+    if not _exit_hook:
         atexit.register(_destroy)
+        _exit_hook = True
     backend = str(dist.get_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp is None and world % dp:
@@ -179,9 +186,17 @@ def _group_options(backend: str, seconds: float) -> tuple[Any, Any] | None:
 
 
 def _destroy() -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    """At exit: leave together (a bounded barrier; a dead peer only costs its time-out),
+    then destroy the group, so no rank tears its connections down under a peer that still
+    uses them."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        work = dist.barrier(async_op=True)
+        if work is not None:
+            work.wait(datetime.timedelta(seconds=min(_exit_wait, 2.0)))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 def current() -> Context:

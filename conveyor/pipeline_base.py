@@ -33,7 +33,7 @@ from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule, validate
-from conveyor.schedules.registry import get_schedule
+from conveyor.schedules.registry import default_chunks, get_schedule
 from conveyor.simulate import simulate
 from conveyor.trace import Timing, chrome_trace, measured_bubble, measured_costs
 
@@ -205,6 +205,14 @@ class PipelineBase:
         schedule: str | Schedule, ranks: int, microbatches: int, chunks: int
     ) -> Schedule:
         if isinstance(schedule, str):
+            one = {"interleaved-1f1b": "1f1b", "looped-bfs": "gpipe"}.get(schedule)
+            if chunks == 1 and one is not None:
+                # chunks=1 is the default, and interleaving one chunk per rank would
+                # silently be plain 1F1B / GPipe: ask for the count, as the V schedules do.
+                raise ConfigError(
+                    f"schedule {schedule!r} interleaves several chunks per rank; pass "
+                    f"chunks={default_chunks(schedule)} (or more), or use {one!r} for one"
+                )
             return get_schedule(schedule, ranks, microbatches, chunks)
         if not isinstance(schedule, Schedule):
             raise ConfigError(
@@ -228,9 +236,10 @@ class PipelineBase:
 
     def __repr__(self) -> str:
         sched = self.schedule
+        where = "" if self.context.distributed else ", in one process"
         head = (
             f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
-            f"{sched.stages} stages, {self.microbatches} micro-batches)"
+            f"{sched.stages} stages, {self.microbatches} micro-batches{where})"
         )
         if not self._ready:
             return head + "\nnot split yet: the model is captured on the first batch"

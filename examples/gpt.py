@@ -30,6 +30,7 @@ from torch.nn import functional as F
 import conveyor
 from conveyor.checkpoint import exists
 from conveyor.progress import Progress
+from conveyor.schedules import check_chunks
 
 
 class Block(nn.Module):
@@ -120,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
     )
     ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument("--chunks", type=int, default=1, help="stages per rank (default: %(default)s)")
+    ap.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
     ap.add_argument(
         "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
     )
@@ -162,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     lookup = {c: i for i, c in enumerate(vocab)}
     data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     model = GPT(len(vocab), args.context, args.width, args.depth, args.heads)
-    annotate(model, ctx.pp_size * args.chunks)
+    chunks = check_chunks(args.schedule, args.chunks, flags=True)
+    annotate(model, ctx.pp_size * chunks)
     pipe = conveyor.Pipeline(
         model,
         loss_fn=lm_loss,
         microbatches=args.microbatches,
         schedule=args.schedule,
-        chunks=args.chunks,
+        chunks=chunks,
         context=ctx,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)

@@ -28,7 +28,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
 from conveyor.checkpoint import exists
+from conveyor.cli import HelpFormatter, plain
 from conveyor.progress import Progress
+from conveyor.schedules import check_chunks
 
 
 def build(vocab: int, args: argparse.Namespace) -> LlamaForCausalLM:
@@ -73,12 +75,13 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=plain(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter
     )
-    ap.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: processes or 2)")
+    ap.add_argument("--pp", type=int, help="pipeline ranks (default: processes, or 2)")
     ap.add_argument("--schedule", default="1f1b", help="a schedule name (conveyor simulate lists)")
-    ap.add_argument("--chunks", type=int, default=1, help="stages per rank")
+    ap.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=300, help="training steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_fn=None,
         microbatches=args.microbatches,
         schedule=args.schedule,
-        chunks=args.chunks,
+        chunks=check_chunks(args.schedule, args.chunks, flags=True),
         context=ctx,
         sample=(batch(0), None),
     )

@@ -134,6 +134,12 @@ CONFIGS = [
 
 
 Results = dict[tuple[str, str, int], Trace]
+
+
+def _runs(kind: str, pp: int, chunks: int) -> bool:
+    """The execution sequence has 5 steps with parameters: at 8 stages some rank would
+    train nothing, which Pipeline refuses at construction (tests/test_first_contact.py)."""
+    return not (kind == "sequence" and pp * chunks > 5)
 ACCUMULATE = [(4, 5), (5, 3)]  # two steps without zero_grad, the sequence length changing
 
 
@@ -150,6 +156,8 @@ def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
     ctx = conveyor.init(pp=pp)
     out = {}
     for kind, sched, chunks, m, sizes in CONFIGS:
+        if not _runs(kind, pp, chunks):
+            continue
         model, loss_fn = build(kind, pp * chunks)
         pipe = conveyor.Pipeline(
             model, loss_fn=loss_fn, microbatches=m, schedule=sched, chunks=chunks, context=ctx
@@ -186,6 +194,8 @@ def _merge_ranks(
 
 def _check(results: list[Results], pp: int) -> None:
     for kind, sched, chunks, _, sizes in CONFIGS:
+        if not _runs(kind, pp, chunks):
+            continue
         want = reference(kind, pp * chunks, batches(kind, sizes))
         got = [r[(kind, sched, chunks)] for r in results]
         alias = _aliases(kind, pp * chunks)

@@ -206,3 +206,33 @@ def test_the_planner_chooses_the_same_among_near_ties() -> None:
         for c in (plan(model, x, y, loss_fn, 2, profiles=jitter(f)) for f in (0.98, 1.0, 1.02))
     }
     assert len(picks) == 1, picks
+
+
+ZB_SCRIPT = """
+import torch, conveyor
+from torch import nn
+ctx = conveyor.init()
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(10)])
+pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=8, schedule="zb-h1")
+opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+for step in range(5):
+    pipe.train_step(torch.randn(32, 32), torch.randn(32, 32))
+    opt.step(); opt.zero_grad()
+print("done", ctx.rank, flush=True)
+"""
+
+
+def test_a_zero_bubble_run_exits_cleanly_every_time(tmp_path: Path) -> None:
+    script = tmp_path / "zb.py"
+    script.write_text(ZB_SCRIPT)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", str(script)],
+            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "terminate called" not in out and "SIGABRT" not in out, out
+        assert out.count("done") == 2, out

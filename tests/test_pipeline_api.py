@@ -94,7 +94,7 @@ def test_tuple_and_dict_inputs_are_unpacked_like_a_model_call() -> None:
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
 
 
-def test_a_hand_edited_schedule_drives_the_pipeline() -> None:
+def test_a_schedule_read_back_from_its_table_drives_the_pipeline() -> None:
     ctx = conveyor.init(pp=2)
     base = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule="gpipe", context=ctx)
     text = to_table(base.schedule)

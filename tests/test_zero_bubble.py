@@ -326,7 +326,7 @@ def test_v_schedules_ask_for_two_chunks(name: str) -> None:
     with pytest.raises(
         ConfigError, match=rf"'{name}' runs 2 chunk\(s\) per rank, got chunks=1; pass chunks=2"
     ):
-        get_schedule(name, 4, 8)
+        get_schedule(name, 4, 8, 1)
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto"])
@@ -350,9 +350,10 @@ def test_cli_simulates_every_name(name: str, capsys: pytest.CaptureFixture[str])
 def test_cli_reports_a_v_schedule_without_chunks_in_one_sentence(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8"]) == 2
+    argv = ["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8", "--chunks", "1"]
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "pass chunks=2" in err and err.count("\n") == 1
+    assert "pass --chunks 2" in err and err.count("\n") == 1
 
 
 def test_generating_and_validating_large_zero_bubble_schedules_is_fast() -> None:

@@ -18,6 +18,7 @@ from typing import cast
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import Schedule, check_sizes, loop_placement
 from conveyor.schedules.greedy import FILLS, StageCost, greedy_programs
+from conveyor.schedules.simulate import is_per_stage, normalize_cost, peak_activations, simulate
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2
 
 CostSpec = Sequence[float] | Sequence[Sequence[float]]
@@ -53,8 +54,6 @@ def zero_bubble_auto(
     simulated makespan, then the smallest peak; named ``zb-auto``. Raises
     :class:`ConfigError` for bad sizes, costs or a limit below 1.
     """
-    # Imported here: conveyor.simulate imports this package.
-    from conveyor.simulate import is_per_stage, normalize_cost, peak_activations, simulate
 
     check_sizes(ranks, microbatches)
     cap = _memory_cap(ranks, microbatches, memory_limit)
