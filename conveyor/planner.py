@@ -127,17 +127,21 @@ class Plan:
     calibration: Calibration | None = None  # of the chosen schedule's family, if any
 
     def table(self) -> str:
-        """The ranked alternatives as a markdown table."""
+        """The ranked alternatives as a markdown table; the chosen one is marked (the
+        simplest of those within :data:`TIE` of the fastest)."""
         lines = [
-            "| # | schedule | chunks | micro-batches | balance | step ms | peak MB/rank | fits |",
-            "|---:|---|---:|---:|---|---:|---|---|",
+            "| # | schedule | chunks | micro-batches | balance | step ms | peak MB/rank | fits "
+            "| chosen |",
+            "|---:|---|---:|---:|---|---:|---|---|---|",
         ]
+        mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance))
         for i, c in enumerate(self.alternatives, 1):
             peak = ", ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
+            chosen = (c.schedule, c.chunks, c.microbatches, c.balance) == mine
             lines.append(
                 f"| {i} | {c.schedule} | {c.chunks} | {c.microbatches} | "
                 f"{list(c.balance)} | {c.predicted_step * 1e3:.2f} | {peak} | "
-                f"{'yes' if c.fits else 'no'} |"
+                f"{'yes' if c.fits else 'no'} | {'yes' if chosen else ''} |"
             )
         return "\n".join(lines)
 

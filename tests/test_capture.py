@@ -108,7 +108,8 @@ def test_print_shows_modules_parameters_and_what_crosses() -> None:
     pipe.train_step(batches()[0][0], None)
     text = str(pipe)
     lines = text.splitlines()
-    assert lines[0].startswith("Pipeline(1f1b, 2 ranks x 1 chunks = 2 stages, 2 micro-batches)")
+    head = "Pipeline(1f1b, 2 ranks x 1 chunks = 2 stages, 2 micro-batches, in one process)"
+    assert lines[0] == head
     assert "GPT2LMHeadModel in 2 stages (captured with torch.export, cut as a graph)" in text
     stage0 = next(line for line in lines if line.startswith("stage 0"))
     assert "transformer.h.0-1" in stage0 and "transformer.wte" in stage0

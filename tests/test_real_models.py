@@ -57,14 +57,16 @@ def reference(name: str) -> Result:
     return out
 
 
-def pipelined(name: str, schedule: str, chunks: int, ctx: conveyor.Context) -> Result:
+def pipelined(
+    name: str, schedule: str, chunks: int, ctx: conveyor.Context, steps: int = 2
+) -> Result:
     model, batches, loss_fn = shared(name)
     pipe = conveyor.Pipeline(
         model, loss_fn=loss_fn, microbatches=MICROBATCHES, schedule=schedule, chunks=chunks,
         context=ctx,
     )
     out: Result = []
-    for inputs, targets in batches():
+    for inputs, targets in batches()[:steps]:
         for p in pipe.parameters():
             p.grad = None
         loss = pipe.train_step(inputs, targets)
@@ -104,10 +106,12 @@ def check(name: str, got: list[Result], want: Result, what: str) -> None:
             assert err < 1e-5, f"{what} step {step}: {n} relative error {err:.1e}"
 
 
-def _all_schedules(rank: int, pp: int, names: list[str]) -> dict[tuple[str, str], Result]:
+def _all_schedules(
+    rank: int, pp: int, names: list[str], steps: int = 2
+) -> dict[tuple[str, str], Result]:
     ctx = conveyor.init(pp=pp)
     return {
-        (name, schedule): pipelined(name, schedule, chunks, ctx)
+        (name, schedule): pipelined(name, schedule, chunks, ctx, steps)
         for name in names
         for schedule, chunks in SCHEDULES
     }
@@ -124,9 +128,10 @@ def test_one_process(name: str, pp: int) -> None:
 
 def test_two_processes() -> None:
     names = list(MODELS)
-    results = distributed.run(_all_schedules, 2, 2, names, timeout=600)
+    # One step each: the changing sequence length is covered in one process above.
+    results = distributed.run(_all_schedules, 2, 2, names, 1, timeout=600)
     for name in names:
-        want = reference(name)
+        want = reference(name)[:1]
         for schedule, _ in SCHEDULES:
             got = [r[(name, schedule)] for r in results]
             check(name, got, want, f"{name} {schedule} on 2 processes")
