@@ -23,17 +23,20 @@ DEFAULT_TIMEOUT = 300.0
 
 @dataclass(frozen=True)
 class Context:
-    """Where this process sits: global rank, pipeline rank, data-parallel rank, device.
+    """Where this process sits: global rank, pipeline, data-parallel and tensor-parallel
+    rank, device.
 
     ``distributed`` is False for the world of one process, which then runs the stages of
     all ``pp_size`` pipeline ranks itself. ``timeout`` (seconds) bounds every wait on a
     peer rank.
 
-    Global rank = ``dp_rank * pp_size + pp_rank``: consecutive ranks form one pipeline
-    replica. ``pp_group`` holds this replica's ranks and ``dp_group`` the ranks with this
-    ``pp_rank`` in every replica (both ``None`` with ``dp_size == 1``: the pipeline is then
-    the whole default group and there is nothing to average). ``mesh`` is the
-    ``(dp, pp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` they come from.
+    Global rank = ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``: tensor-parallel
+    groups are consecutive ranks, and with ``tp_size == 1`` consecutive ranks form one
+    pipeline replica. ``mesh`` is the ``(dp, pp, tp)``
+    :class:`~torch.distributed.device_mesh.DeviceMesh`; ``pp_group`` holds the ranks of
+    this process's pipeline (same ``dp_rank`` and ``tp_rank``), ``dp_group`` the ranks
+    with its ``pp_rank`` and ``tp_rank`` in every replica, ``tp_group`` the ranks sharing
+    its layers' shards (all three ``None`` in a world of one process).
     """
 
     rank: int
@@ -52,10 +55,14 @@ class Context:
     pp_explicit: bool = field(default=True, repr=False, compare=False)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
     mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     def global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank ``pp_rank`` in this process's replica."""
-        return self.dp_rank * self.pp_size + pp_rank
+        """Global rank of pipeline rank ``pp_rank`` in this process's pipeline (the same
+        replica and tensor-parallel rank)."""
+        return (self.dp_rank * self.pp_size + pp_rank) * self.tp_size + self.tp_rank
 
 
 _current: Context | None = None
@@ -75,29 +82,38 @@ def in_torchrun() -> bool:
 
 
 def init(
-    pp: int | None = None, dp: int = 1, backend: str | None = None, timeout: float | None = None
+    pp: int | None = None,
+    dp: int = 1,
+    tp: int = 1,
+    backend: str | None = None,
+    timeout: float | None = None,
 ) -> Context:
     """Set up conveyor for this process and return its :class:`Context`.
 
     Reads the ``torchrun`` environment (or an already initialised default process group).
-    ``pp`` defaults to world_size // dp; ``backend`` to ``nccl`` with CUDA, else ``gloo``.
-    Without a distributed environment this is a world of one process that runs all ``pp``
-    pipeline ranks itself. With ``dp > 1`` the world is ``dp`` pipeline replicas of ``pp``
-    consecutive ranks each; every replica trains on its own shard of the batch and
-    gradients are averaged over the replicas. ``timeout`` (seconds, default
+    ``pp`` defaults to world_size // (dp * tp); ``backend`` to ``nccl`` with CUDA, else
+    ``gloo``. Without a distributed environment this is a world of one process that runs
+    all ``pp`` pipeline ranks itself. With ``dp > 1`` the world is ``dp`` pipeline replicas;
+    every replica trains on its own shard of the batch and gradients are averaged (or, with
+    ``Pipeline(fsdp=True)``, reduce-scattered) over the replicas. With ``tp > 1`` every
+    pipeline rank is ``tp`` processes that share its layers' matrices
+    (``Pipeline(tp_plan=...)``). ``timeout`` (seconds, default
     ``$CONVEYOR_TIMEOUT`` or 300) bounds every wait on another rank, so a dead or stalled
     peer raises instead of hanging.
     """
     global _current
     seconds = _timeout_from(timeout)
-    if dp < 1 or (pp is not None and pp < 1):
-        raise ConfigError(f"pp and dp must be >= 1, got pp={pp}, dp={dp}")
+    for name, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+        bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
+        if value is not None and bad:
+            raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
     distributed = dist.is_available() and (dist.is_initialized() or in_torchrun())
     if not distributed:
-        if dp != 1:
+        if dp != 1 or tp != 1:
             raise ConfigError(
-                f"dp={dp} needs pp x dp processes; launch with `conveyor launch "
-                f"--nproc-per-node {(pp or 1) * dp} script.py`, or use dp=1 in one process"
+                f"dp={dp} x tp={tp} needs pp x dp x tp processes; launch with `conveyor "
+                f"launch --nproc-per-node {(pp or 1) * dp * tp} script.py`, or use dp=1 and "
+                f"tp=1 in one process"
             )
         _current = Context(
             0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds,
@@ -117,16 +133,16 @@ def init(
         _exit_hook = True
     backend = str(dist.get_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
-    if pp is None and world % dp:
+    if pp is None and world % (dp * tp):
         raise ConfigError(
-            f"dp={dp} does not divide the world size {world}; launch a multiple of {dp} "
-            f"processes or pick a dp that divides {world}"
+            f"dp x tp = {dp * tp} does not divide the world size {world}; launch a multiple of "
+            f"{dp * tp} processes or pick dp and tp whose product divides {world}"
         )
-    pp = world // dp if pp is None else pp
-    if pp * dp != world:
+    pp = world // (dp * tp) if pp is None else pp
+    if pp * dp * tp != world:
         raise ConfigError(
-            f"world size {world} is not pp x dp = {pp} x {dp}; launch {pp * dp} processes or "
-            f"change pp/dp so that pp * dp == {world}"
+            f"world size {world} is not pp x dp x tp = {pp} x {dp} x {tp}; launch "
+            f"{pp * dp * tp} processes or change pp/dp/tp so that pp * dp * tp == {world}"
         )
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
@@ -134,16 +150,13 @@ def init(
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    if dp == 1:
-        _current = Context(rank, world, rank, pp, 0, 1, device, backend, True, seconds)
-        return _current
-    mesh = _device_mesh(device.type, backend, dp, pp, seconds)
+    mesh = _device_mesh(device.type, backend, dp, pp, tp, seconds)
     _current = Context(
         rank,
         world,
-        rank % pp,
+        (rank // tp) % pp,
         pp,
-        rank // pp,
+        rank // (pp * tp),
         dp,
         device,
         backend,
@@ -152,26 +165,35 @@ def init(
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
         mesh=mesh,
+        tp_rank=rank % tp,
+        tp_size=tp,
+        tp_group=mesh.get_group("tp"),
     )
     return _current
 
 
-def _device_mesh(device_type: str, backend: str, dp: int, pp: int, seconds: float) -> DeviceMesh:
-    """The ``(dp, pp)`` mesh: rank = dp_rank * pp + pp_rank; its groups get our time-out.
+def _device_mesh(
+    device_type: str, backend: str, dp: int, pp: int, tp: int, seconds: float
+) -> DeviceMesh:
+    """The ``(dp, pp, tp)`` mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank; its groups
+    get our time-out.
 
     Collective over the whole world (every rank creates every group).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    names = ("dp", "pp", "tp")
     kwargs: dict[str, Any] = {}
-    options = _group_options(backend, seconds)
+    options = _group_options(backend, seconds, len(names))
     if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
-        kwargs["backend_override"] = {"dp": (backend, options[0]), "pp": (backend, options[1])}
+        kwargs["backend_override"] = {
+            name: (backend, option) for name, option in zip(names, options, strict=True)
+        }
     # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
-    return init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"), **kwargs)
+    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=names, **kwargs)
 
 
-def _group_options(backend: str, seconds: float) -> tuple[Any, Any] | None:
+def _group_options(backend: str, seconds: float, count: int) -> list[Any] | None:
     """Fresh backend options (one per mesh dimension) carrying a ``seconds`` time-out."""
     if backend == "gloo":
         make: Any = dist.ProcessGroupGloo._Options  # type: ignore[attr-defined]
@@ -179,10 +201,10 @@ def _group_options(backend: str, seconds: float) -> tuple[Any, Any] | None:
         make = dist.ProcessGroupNCCL.Options
     else:
         return None
-    pair = (make(), make())
-    for options in pair:
+    out = [make() for _ in range(count)]
+    for options in out:
         options._timeout = datetime.timedelta(seconds=seconds)
-    return pair
+    return out
 
 
 def _destroy() -> None:

@@ -6,7 +6,7 @@ the import direction is pipeline -> plan -> pipeline_base, with no cycle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ class Pipeline(PipelineBase):
         chunks: int = 1,
         balance: list[int] | None = None,
         context: Context | None = None,
+        fsdp: bool | str = False,
+        tp_plan: Mapping[str, Any] | None = None,
         sample: tuple[Any, Any] | None = None,
         memory_limit: float | None = None,
         recompute: bool | Iterable[int] = False,
@@ -79,6 +81,8 @@ class Pipeline(PipelineBase):
             chunks=chunks,
             balance=balance,
             context=context,
+            fsdp=fsdp,
+            tp_plan=tp_plan,
             sample=sample,
             recompute=recompute,
             autocast=autocast,

@@ -25,10 +25,16 @@ from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.capture import NeedsSample
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.runtime import microbatch
-from conveyor.runtime.data_parallel import DataParallel, global_loss
+from conveyor.runtime.data_parallel import (
+    DataParallel,
+    global_loss,
+    make_replicas_equal,
+    replica_share,
+)
 from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
+from conveyor.runtime.sharding import Sharded, apply_tp
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.transport import collective, guarded
@@ -80,6 +86,8 @@ class PipelineBase:
         chunks: int = 1,
         balance: list[int] | None = None,
         context: Context | None = None,
+        fsdp: bool | str = False,
+        tp_plan: Mapping[str, Any] | None = None,
         sample: tuple[Any, Any] | None = None,
         recompute: bool | Iterable[int] = False,
         autocast: torch.dtype | None = None,
@@ -103,6 +111,7 @@ class PipelineBase:
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         ranks = pipeline_ranks(self.context, model, schedule, chunks, balance)
+        self._sharding = _check_sharding(self.context, fsdp, tp_plan)
         self.schedule = self._make_schedule(schedule, ranks, microbatches, chunks)
         self._model = model
         self._balance = balance
@@ -135,6 +144,33 @@ class PipelineBase:
         )
         self._stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
         self._description = describe_split(self._model, all_stages, self.schedule.placement)
+        fsdp, tp_plan = self._sharding
+        # Tied weights on several ranks: copies start equal and their gradients are summed.
+        ties = [
+            ({s: _name_of(all_stages[s], all_stages[stages[0]], name) for s in stages}, stages)
+            for name, stages in shared_parameters(all_stages)
+        ]
+        self._shared = SharedParameters(ties, self.schedule.placement, self._stages, ctx)
+        self._shared.make_equal()
+        # Data-parallel replicas start from replica 0's parameters (before any sharding).
+        replicas = ctx.distributed and ctx.dp_size > 1
+        if replicas:
+            make_replicas_equal(self._stages, ctx)
+        sharded = None
+        if tp_plan is not None:
+            assert ctx.mesh is not None
+            names = [n for n, _ in self._model.named_modules()] if isinstance(
+                self._model, nn.Module
+            ) else []
+            apply_tp(self._stages, tp_plan, names, ctx.mesh["tp"])
+        if fsdp:
+            assert ctx.mesh is not None
+            _check_ties_for_fsdp(ties, self._stages)
+            sharded = Sharded(self._stages, ctx.mesh["dp"], per_action=fsdp == "reshard")
+        if tp_plan is not None or fsdp:
+            self._shared.rebind(self._stages)
+        # Without FSDP, replicas average their gradients while the pipeline drains.
+        self._dp = DataParallel(self.schedule, self._stages, ctx) if replicas and not fsdp else None
         self._engine = Engine(
             self.schedule,
             self._stages,
@@ -143,21 +179,11 @@ class PipelineBase:
             recompute=recompute_stages(recompute, self.schedule.stages),
             autocast=autocast_dtype(autocast),
             track_memory=track_memory,
+            sharded=sharded,
         )
-        # Tied weights on several ranks: copies start equal and their gradients are summed.
-        tied = [
-            (dict(all_stages[stages[0]].named_parameters())[name], stages)
-            for name, stages in shared_parameters(all_stages)
-        ]
-        self._shared = SharedParameters(tied, self.schedule.placement, self._stages, ctx)
-        self._shared.make_equal()
-        self._step_grads = StepGradients(self.parameters())
-        # Data parallel replicas: start equal, average gradients while the pipeline drains.
-        self._dp: DataParallel | None = None
-        if ctx.distributed and ctx.dp_size > 1:
-            self._dp = DataParallel(self.schedule, self._stages, ctx)
-            self._dp.make_equal(self._stages)
+        if self._dp is not None:
             self._engine.after_action = self._dp.after_action
+        self._step_grads = StepGradients(self.parameters())
         self._ready = True
 
     def _check_every_rank_trains(self, all_stages: list[nn.Module]) -> None:
@@ -304,7 +330,8 @@ class PipelineBase:
 
     def _shard_size(self, inputs: Any, targets: Any) -> int | None:
         """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
-        if self._dp is None or not self._holds(self.schedule.stages - 1):
+        replicas = self.context.distributed and self.context.dp_size > 1
+        if not replicas or not self._holds(self.schedule.stages - 1):
             return None
         if targets is not None:
             return microbatch.batch_size(targets, "targets")
@@ -317,7 +344,7 @@ class PipelineBase:
         if not self.context.distributed:
             assert loss is not None
             return loss
-        if self._dp is not None:
+        if self.context.dp_size > 1:
             return global_loss(loss, size, self.context)
         holder = self.schedule.placement[-1]
         buf = (
@@ -356,6 +383,11 @@ class PipelineBase:
         try:
             if dp is not None:
                 dp.begin(size)
+            elif self._sharding[0] and self.context.dp_size > 1:
+                # FSDP averages the replicas' gradients: weigh each replica's loss by its
+                # shard's share of the global batch (times the replicas) for uneven shards.
+                share = replica_share(size, self.context)
+                self._engine.loss_scale = share * self.context.dp_size
             loss, _ = self._run("train", inputs, targets)
             if dp is not None:
                 dp.wait()  # each .grad: this step's gradient, averaged over the replicas
@@ -582,6 +614,55 @@ class PipelineBase:
             raise ConfigError(
                 f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
                 f"pass the model's full state dict or strict=False"
+            )
+
+
+def _check_sharding(
+    ctx: Context, fsdp: bool | str, tp_plan: Mapping[str, Any] | None
+) -> tuple[bool | str, Mapping[str, Any] | None]:
+    """``Pipeline(fsdp=..., tp_plan=...)`` checked against the context."""
+    if fsdp not in (False, True, "reshard"):
+        raise ConfigError(
+            f"fsdp must be False, True (gather each stage once per step) or 'reshard' (gather "
+            f"each block per use), got {fsdp!r}"
+        )
+    if fsdp and (not ctx.distributed or ctx.dp_size < 2):
+        raise ConfigError(
+            "fsdp=True shards over the data-parallel replicas; start them with "
+            "conveyor.init(pp=P, dp=D) on P x D processes, D >= 2"
+        )
+    if tp_plan is not None and (not ctx.distributed or ctx.tp_size < 2):
+        raise ConfigError(
+            "tp_plan shards layers over tensor-parallel ranks; start them with "
+            "conveyor.init(pp=P, tp=T) on P x T processes, T >= 2"
+        )
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        raise ConfigError(
+            "tp_plan must map module-name patterns to torch ParallelStyles, e.g. "
+            "{'blocks.*.mlp.fc1': ColwiseParallel(), 'blocks.*.mlp.fc2': RowwiseParallel()}"
+        )
+    return fsdp, tp_plan
+
+
+def _name_of(stage: nn.Module, first: nn.Module, name: str) -> str:
+    """The name ``stage`` uses for the parameter ``first`` holds as ``name``."""
+    param = dict(first.named_parameters())[name]
+    return next(n for n, p in stage.named_parameters() if p is param)
+
+
+def _check_ties_for_fsdp(
+    ties: list[tuple[dict[int, str], list[int]]], stages: dict[int, nn.Module]
+) -> None:
+    """FSDP shards each stage on its own: a weight two stages of one rank share would
+    become two."""
+    for names, holders in ties:
+        local = [s for s in holders if s in stages]
+        if len(local) > 1:
+            raise ConfigError(
+                f"fsdp cannot shard the weight {names[local[0]]!r}, which stages "
+                f"{local[0]} and {local[1]} of this rank share (a V schedule with tied "
+                f"weights); use a schedule that places stages in a loop (1f1b, zb-h1, "
+                f"interleaved-1f1b) or untie the weight"
             )
 
 

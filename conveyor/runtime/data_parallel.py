@@ -15,6 +15,7 @@ the step; :meth:`DataParallel.wait` finishes them at the end of the step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -78,47 +79,11 @@ class DataParallel:
         self._weight = 1.0
         self.launched_early = 0  # buckets started by after_action (the rest by wait)
 
-    # ----------------------------------------------------------------- set-up
-    @torch.no_grad()
-    def make_equal(self, stages: dict[int, nn.Module]) -> None:
-        """Copy parameters and buffers from replica 0, so all replicas start equal."""
-        seen: set[int] = set()
-        tensors: list[torch.Tensor] = []
-        for s in sorted(stages):
-            for t in [*stages[s].parameters(), *stages[s].buffers()]:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    tensors.append(t)
-        src = self._ctx.pp_rank  # global rank of this pipeline rank in replica 0
-        for group in _by_dtype(tensors):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self._collective(
-                dist.broadcast(flat, src, group=self._group, async_op=True),
-                f"copying the parameters of replica 0 (rank {src})",
-            )
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
     # ----------------------------------------------------------------- one step
     def begin(self, size: int | None) -> None:
         """Start a training step; ``size`` is this replica's batch size on the rank holding
         the last stage, None elsewhere. Collective over the world."""
-        ctx = self._ctx
-        sizes = torch.zeros(ctx.dp_size, dtype=torch.float64, device=ctx.device)
-        if size is not None:
-            sizes[ctx.dp_rank] = size
-        self._collective(
-            dist.all_reduce(sizes, async_op=True), "exchanging the replicas' batch sizes"
-        )
-        counts = sizes.tolist()
-        if min(counts) <= 0:
-            raise PipelineError(
-                f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a "
-                f"non-empty shard"
-            )
-        self._weight = counts[ctx.dp_rank] / sum(counts)
+        self._weight = replica_share(size, self._ctx)
         self._active = True
         self._done = set()
         for bucket in self._buckets:
@@ -140,17 +105,17 @@ class DataParallel:
         bucket.launched = True
         for params in _by_dtype(bucket.params):
             p0 = params[0]
-            n = sum(p.numel() for p in params)
+            n = sum(_numel(p) for p in params)
             # This step's gradients, then one flag per parameter: did it get a gradient?
-            flat = torch.empty(n + len(params), dtype=p0.dtype, device=p0.device)
+            flat = torch.empty(n + len(params), dtype=p0.dtype, device=_local(p0).device)
             offset = 0
             for p in params:
-                part = flat[offset : offset + p.numel()]
+                part = flat[offset : offset + _numel(p)]
                 if p.grad is None:
                     part.zero_()
                 else:
-                    part.copy_(p.grad.reshape(-1))
-                offset += p.numel()
+                    part.copy_(_local(p.grad).reshape(-1))
+                offset += _numel(p)
             flags = [0.0 if p.grad is None else 1.0 for p in params]
             flat[n:].copy_(torch.tensor(flags, dtype=p0.dtype))
             flat.mul_(self._weight)
@@ -175,8 +140,8 @@ class DataParallel:
                 offset = 0
                 for p, flag in zip(params, had, strict=True):
                     if flag != 0:  # some replica produced a gradient for p
-                        p.grad = flat[offset : offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                        p.grad = _like(p, flat[offset : offset + _numel(p)])
+                    offset += _numel(p)
             bucket.pending = []
 
     def abort(self) -> None:
@@ -187,9 +152,82 @@ class DataParallel:
 
     def _collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
-        ranks = [r * self._ctx.pp_size + self._ctx.pp_rank for r in range(self._ctx.dp_size)]
+        ctx = self._ctx
+        ranks = [
+            (r * ctx.pp_size + ctx.pp_rank) * ctx.tp_size + ctx.tp_rank for r in range(ctx.dp_size)
+        ]
         suspect = f"a rank among {ranks} (or another replica)"
         wait_bounded(work, self._ctx.timeout, f"rank {self._ctx.rank}: {what}", suspect)
+
+
+@torch.no_grad()
+def make_replicas_equal(stages: dict[int, nn.Module], ctx: Context) -> None:
+    """Copy the stages' parameters and buffers from replica 0 (before any sharding), so
+    all replicas start equal. Collective over the ``dp`` group."""
+    seen: set[int] = set()
+    tensors: list[torch.Tensor] = []
+    for s in sorted(stages):
+        for t in [*stages[s].parameters(), *stages[s].buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(t)
+    src = ctx.pp_rank * ctx.tp_size + ctx.tp_rank  # this rank's counterpart in replica 0
+    for group in _by_dtype(tensors):
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        collective(
+            functools.partial(dist.broadcast, flat, src, group=ctx.dp_group, async_op=True),
+            ctx.timeout,
+            f"rank {ctx.rank}: copying the parameters of replica 0 (rank {src})",
+            f"rank {src} or another replica",
+        )
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) parameter's or gradient's own shard; others as they are."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _numel(t: torch.Tensor) -> int:
+    return _local(t).numel()
+
+
+def _like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's numbers) shaped as ``param``'s gradient."""
+    local = _local(param)
+    if local is param:
+        return values.view_as(param)
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(
+        values.view_as(local), param.device_mesh, param.placements, run_check=False
+    )
+
+
+def replica_share(size: int | None, ctx: Context) -> float:
+    """This replica's share of the global batch; ``size`` is its batch size on the ranks
+    holding the last stage, None elsewhere. Collective over the world."""
+    sizes = torch.zeros(ctx.dp_size, dtype=torch.float64, device=ctx.device)
+    if size is not None:
+        sizes[ctx.dp_rank] = size
+    collective(
+        lambda: dist.all_reduce(sizes, async_op=True),
+        ctx.timeout,
+        f"rank {ctx.rank}: exchanging the replicas' batch sizes",
+        "another rank",
+    )
+    counts = sizes.tolist()
+    if min(counts) <= 0:
+        raise PipelineError(
+            f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a "
+            f"non-empty shard"
+        )
+    return float(counts[ctx.dp_rank] / sum(counts))
 
 
 def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> torch.Tensor:

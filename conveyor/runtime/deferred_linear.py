@@ -84,7 +84,9 @@ class _Capture(TorchFunctionMode):
         if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if id(weight) in self.params and (bias is None or id(bias) in self.params):
+            plain = type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter
+            # Tensor-parallel (DTensor) weights go through autograd's generic split.
+            if plain and id(weight) in self.params and (bias is None or id(bias) in self.params):
                 device = x.device.type
                 if not torch.is_autocast_enabled(device):
                     return _DeferredLinear.apply(x, weight, bias, self.slot, None)  # type: ignore[no-untyped-call]
@@ -101,6 +103,10 @@ class LinearWeightStore:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._params = {id(p) for p in params}
         self._slots: dict[tuple[int, int], list[Entry]] = {}
+
+    def add_params(self, params: list[torch.Tensor]) -> None:
+        """Defer linear calls on ``params`` too (FSDP's gathered parameters)."""
+        self._params |= {id(p) for p in params}
 
     @contextmanager
     def capture(self, key: tuple[int, int]) -> Iterator[None]:

@@ -35,6 +35,7 @@ from conveyor.runtime.recompute import (
     rng_state,
     shape_only,
 )
+from conveyor.runtime.sharding import Sharded
 from conveyor.runtime.split_backward import WeightWork, backward_input
 from conveyor.runtime.transport import Transport, Work, collective
 from conveyor.runtime.wire import (
@@ -76,6 +77,8 @@ class _Plan:
 
     program: list[tuple[int, Action]]
     remote_input: list[Action | None]  # per program index: the remote message it consumes
+    first: dict[int, int]  # per local stage: the index of its first action
+    last: dict[int, int]  # per local stage: the index of its last action
     incoming: dict[int, list[Action]]  # per peer: producers of messages to us, in send order
     # (stage, micro-batch) whose B comes right after its F: recompute would free nothing.
     adjacent: frozenset[tuple[int, int]] = frozenset()
@@ -98,11 +101,18 @@ class Engine:
         recompute: frozenset[int] = frozenset(),
         autocast: torch.dtype | None = None,
         track_memory: bool = False,
+        sharded: Sharded | None = None,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
         ``torch.autocast`` (None: as the model is); ``track_memory``: measure the activation
-        memory of every step (:class:`~conveyor.runtime.memory.ActivationMeter`)."""
+        memory of every step (:class:`~conveyor.runtime.memory.ActivationMeter`);
+        ``sharded``: FSDP on these stages, gathered before each stage's first action of a
+        step and reduced after its last (:class:`~conveyor.runtime.sharding.Sharded`)."""
+        self.sharded = sharded
+        # Multiplies every micro-batch's loss before its backward (not the loss reported):
+        # FSDP's mean over replicas then weighs replicas by their shard of the batch.
+        self.loss_scale = 1.0
         self.schedule = schedule
         self.stages = stages
         self.loss_fn = loss_fn
@@ -154,7 +164,7 @@ class Engine:
 
         if self.transport is None:
             program = [(r, a) for r, a in execution_order(sched) if keep(a)]
-            plan = _Plan(program, [None] * len(program), {})
+            plan = _Plan(program, [None] * len(program), *_ends(program), {})
         else:
             program = [(self.rank, a) for a in sched.actions[self.rank] if keep(a)]
             remote = [self._remote_producer(a) for _, a in program]
@@ -165,7 +175,7 @@ class Engine:
                 sent = [a for a in peer_program if keep(a) and self._consumer_rank(a) == self.rank]
                 if sent:
                     incoming[peer] = sent
-            plan = _Plan(program, remote, incoming)
+            plan = _Plan(program, remote, *_ends(program), incoming)
         plan.adjacent = frozenset(
             (a.stage, a.microbatch)
             for (_, a), (_, b) in itertools.pairwise(plan.program)
@@ -242,6 +252,8 @@ class Engine:
         self._backward_bytes: dict[tuple[int, int], int] = {}
         if meter is not None:
             meter.reset()
+        if self.sharded is not None:
+            self.sharded.begin(sorted(plan.first, key=plan.first.__getitem__), train)
         with (
             torch.set_grad_enabled(train),
             meter.hooks() if meter is not None else contextlib.nullcontext(),
@@ -251,6 +263,8 @@ class Engine:
                 rank, action = program[i]
                 if self.transport is not None:
                     self._post_ahead(plan, i)
+                if self.sharded is not None and plan.first[action.stage] == i:
+                    self._gathered(action.stage)
                 self._start = clock()  # moved past any wait for inputs by _take
                 if action.kind == W:
                     # Consecutive W of one stage run as one: a GEMM per weight, not per W.
@@ -264,6 +278,8 @@ class Engine:
                         timings.append((rank, W, a.stage, a.microbatch, start, start + share))
                         if self.after_action is not None:
                             self.after_action(a)
+                    if self.sharded is not None and plan.last[action.stage] < j:
+                        self.sharded.finish(action.stage, train)
                     i = j
                     continue
                 if action.kind == F:
@@ -291,6 +307,8 @@ class Engine:
                 )
                 if self.after_action is not None:
                     self.after_action(action)
+                if self.sharded is not None and plan.last[action.stage] == i:
+                    self.sharded.finish(action.stage, train)
                 i += 1
         if self.transport is not None:
             self.transport.flush()
@@ -312,6 +330,17 @@ class Engine:
             )
         outputs = [self._outputs[m] for m in sorted(self._outputs)]
         return self._loss, outputs
+
+    def _gathered(self, stage: int) -> None:
+        """FSDP: wait for ``stage``'s parameters; the gathered tensors are what autograd
+        sees this step, so the split backward and the meter work on them."""
+        assert self.sharded is not None
+        self.sharded.ready(stage)
+        params: list[torch.Tensor] = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        self._params[stage] = params
+        self._store.add_params(params)
+        if self.meter is not None:
+            self.meter.exclude(params)
 
     def _agree_signature(self, inputs: list[Any] | None) -> tuple[int, int]:
         """A number all ranks share that changes when micro-batch input shapes change, and
@@ -395,7 +424,7 @@ class Engine:
             return
         if scaled is None:
             scaled = self._scaled_loss(out, m)
-        total = scaled.detach()
+        total = scaled.detach() / self.loss_scale
         self._loss = total if self._loss is None else self._loss + total
         if self._train:
             # A recomputed last stage keeps nothing: B recomputes the loss too.
@@ -414,7 +443,7 @@ class Engine:
             raise PipelineError(
                 f"loss_fn must return a scalar tensor (the mean loss of the micro-batch), got {got}"
             )
-        return loss.reshape(()) * self._weights[m]
+        return loss.reshape(()) * (self._weights[m] * self.loss_scale)
 
     def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, torch.Tensor | None]:
         """F under autocast and/or recompute; returns the output and, on the last stage
@@ -666,6 +695,16 @@ def model_loss(out: Any) -> torch.Tensor:
 def _batch_size(value: Any) -> int:
     leaves = [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.dim()]
     return int(leaves[0].shape[0]) if leaves else 1
+
+
+def _ends(program: list[tuple[int, Action]]) -> tuple[dict[int, int], dict[int, int]]:
+    """Per stage, the index of its first and of its last action in ``program``."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, (_, a) in enumerate(program):
+        first.setdefault(a.stage, i)
+        last[a.stage] = i
+    return first, last
 
 
 def _name(action: Action) -> str:

@@ -57,6 +57,10 @@ class ActivationMeter:
         self.peak = 0
         self.taken = 0  # bytes ever newly held: a delta over an F is what that F saved
 
+    def exclude(self, params: Iterable[torch.Tensor]) -> None:
+        """Also leave ``params`` out (FSDP's gathered parameters are new tensors)."""
+        self._params |= {p.untyped_storage().data_ptr() for p in params}
+
     def reset(self) -> None:
         """Start a step: the peak restarts from what is held now."""
         self.peak = self.current

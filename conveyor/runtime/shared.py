@@ -18,44 +18,58 @@ from conveyor.runtime.transport import collective
 class SharedParameters:
     """Sums, over the ranks holding a copy, each step's gradient of a shared parameter.
 
-    ``shared`` lists each tied parameter (this process's copy) with the stages using it.
+    ``shared`` lists each tied parameter as its name in each stage using it, and those
+    stages; ``local`` are this process's stages, where the copies are looked up by name.
 
     Every rank builds the same partition, so every rank creates the same process groups in
     the same order (``new_group`` is collective over the world): for each set of pipeline
-    ranks sharing a parameter, one group per data-parallel replica, holding that
-    replica's ranks of the set. Gradients are summed within the replica only.
+    ranks sharing a parameter, one group per data-parallel replica and tensor-parallel
+    rank, holding that pipeline's ranks of the set. Gradients are summed within it only.
     """
 
     def __init__(
         self,
-        shared: list[tuple[nn.Parameter, list[int]]],
+        shared: list[tuple[dict[int, str], list[int]]],
         placement: tuple[int, ...],
         local: dict[int, nn.Module],
         ctx: Context,
     ) -> None:
         self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
+        self._where: list[tuple[int, str]] = []  # (local stage, name) of each entry's copy
         self._rank = ctx.rank
         self._timeout = ctx.timeout
         if not ctx.distributed:
             return  # one process: the stages share the very same Parameter object
         timeout = datetime.timedelta(seconds=ctx.timeout)
         groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for param, stages in shared:
+        for names, stages in shared:
             ranks = tuple(sorted({placement[s] for s in stages}))
             if len(ranks) < 2:
                 continue
             if ranks not in groups:
                 for replica in range(ctx.dp_size):
-                    members = [replica * ctx.pp_size + r for r in ranks]
-                    group = dist.new_group(members, timeout=timeout)
-                    if replica == ctx.dp_rank:
-                        assert group is not None
-                        groups[ranks] = group
-            if any(s in local for s in stages):
+                    for shard in range(ctx.tp_size):
+                        members = [(replica * ctx.pp_size + r) * ctx.tp_size + shard for r in ranks]
+                        group = dist.new_group(members, timeout=timeout)
+                        if (replica, shard) == (ctx.dp_rank, ctx.tp_rank):
+                            assert group is not None
+                            groups[ranks] = group
+            mine = [s for s in stages if s in local]
+            if mine:
+                param = dict(local[mine[0]].named_parameters())[names[mine[0]]]
                 self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
+                self._where.append((mine[0], names[mine[0]]))
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def rebind(self, local: dict[int, nn.Module]) -> None:
+        """Look this rank's copies up again: tensor parallelism and FSDP replace a stage's
+        parameters with sharded ones."""
+        self._entries = [
+            (dict(local[s].named_parameters())[name], group, src)
+            for (s, name), (_, group, src) in zip(self._where, self._entries, strict=True)
+        ]
 
     def copies(self) -> set[int]:
         """``id`` of each local parameter whose first copy lives on another rank (to count a

@@ -1,0 +1,154 @@
+"""Tensor parallelism and FSDP2 on this rank's stages, with the schedule driving FSDP.
+
+Both use torch's own engines: :func:`torch.distributed.tensor.parallel.parallelize_module`
+with the user's ``ParallelStyle`` s on the ``tp`` mesh dimension, and
+:func:`torch.distributed.fsdp.fully_shard` on the ``dp`` dimension. What conveyor adds is
+when FSDP gathers and reduces. Left to its own hooks, FSDP would all-gather a stage's
+parameters for every micro-batch's forward and backward and reduce-scatter after each
+backward. Here the runtime knows the schedule, so by default each stage is one FSDP unit
+that is gathered once, before the stage's first action of the step (all of this rank's
+stages are started then, in the order the schedule uses them, and each is waited for
+right before its first action), kept gathered through every F, B and W of the step, and
+reduce-scattered and resharded once after the stage's last B / W: one all-gather and one
+reduce-scatter per stage per step. ``fsdp="reshard"`` instead wraps every block as a unit
+with FSDP's own gather-per-use and reshard-after-use (the least memory; schedules that
+split the backward need the gathered weights from B to W, so it takes the others only).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from conveyor.errors import ConfigError
+
+
+def apply_tp(
+    stages: dict[int, nn.Module], plan: Mapping[str, Any], names: Iterable[str], mesh: Any
+) -> None:
+    """Parallelize each stage's modules that ``plan`` names (fnmatch patterns over the
+    original model's module names) on the ``tp`` mesh ``mesh``."""
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    known = list(names)
+    size = mesh.size()
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise ConfigError(
+                f"tp_plan[{pattern!r}] is a {type(style).__name__}; give a torch ParallelStyle, "
+                f"e.g. ColwiseParallel() or RowwiseParallel() from "
+                f"torch.distributed.tensor.parallel"
+            )
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in known):
+            raise ConfigError(
+                f"tp_plan pattern {pattern!r} matches no module of the model; patterns match "
+                f"module names as in model.named_modules(), e.g. 'blocks.*.attn.q_proj'"
+            )
+    for stage in stages.values():
+        chosen: dict[str, Any] = {}
+        for name, module in stage.named_modules():
+            for pattern, style in plan.items():
+                if name and fnmatch.fnmatchcase(name, pattern):
+                    _check_divisible(name, module, style, size)
+                    chosen[name] = style
+                    break
+        if chosen:
+            parallelize_module(stage, mesh, chosen)
+
+
+def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
+    """The dimension ``style`` shards must split evenly into ``size`` parts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[type, tuple[str, str]] = {
+        nn.Linear: ("out_features", "in_features"),
+        nn.Embedding: ("embedding_dim", "num_embeddings"),
+    }
+    kind = next((dims[t] for t in dims if isinstance(module, t)), None)
+    if kind is None:
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            raise ConfigError(
+                f"tp_plan gives model.{name} ({type(module).__name__}) a "
+                f"{type(style).__name__}, which shards nn.Linear and nn.Embedding only; "
+                f"name the Linear / Embedding modules inside it"
+            )
+        return
+    field = kind[0] if isinstance(style, ColwiseParallel) else kind[1]
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and getattr(module, field) % size:
+        raise ConfigError(
+            f"tp_plan cannot shard model.{name}: {type(style).__name__} splits its "
+            f"{field} = {getattr(module, field)} over tp = {size} ranks, which does not "
+            f"divide it; use a tp that divides {getattr(module, field)} or leave the module "
+            f"out of the plan"
+        )
+
+
+def blocks_of(stage: nn.Module) -> list[nn.Module]:
+    """The units of ``fsdp="reshard"``: every module that runs as a module in ``stage``
+    and holds parameters directly or is an element of a ModuleList / Sequential."""
+    out: list[nn.Module] = []
+    for module in stage.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and module is not stage:
+            out += [m for m in module.children() if any(True for _ in m.parameters())]
+    return out
+
+
+class Sharded:
+    """FSDP2 over the ``dp`` mesh dimension for this rank's stages, gathered and reduced
+    by the schedule (see the module doc)."""
+
+    def __init__(
+        self, stages: dict[int, nn.Module], mesh: Any, per_action: bool = False
+    ) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.stages = stages
+        self.per_action = per_action
+        for stage in stages.values():
+            if per_action:
+                for block in blocks_of(stage):
+                    fully_shard(block, mesh=mesh, reshard_after_forward=True)
+                fully_shard(stage, mesh=mesh, reshard_after_forward=True)
+            else:
+                fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        self._pending: dict[int, Any] = {}
+
+    def begin(self, order: list[int], train: bool) -> None:
+        """Start gathering every stage, in the order the schedule first uses them."""
+        for s in order:
+            stage: Any = self.stages[s]
+            stage.set_requires_gradient_sync(False, recurse=True)
+            stage.set_is_last_backward(False)
+            stage.set_reshard_after_backward(self.per_action, recurse=True)
+            if not self.per_action:
+                self._pending[s] = stage.unshard(async_op=True)
+
+    def ready(self, stage: int) -> None:
+        """Wait for ``stage``'s gather (call before its first action of the step)."""
+        handle = self._pending.pop(stage, None)
+        if handle is not None:
+            handle.wait()
+
+    def finish(self, stage: int, train: bool) -> None:
+        """After ``stage``'s last action of the step: reduce-scatter its gradients over
+        the replicas (training) and free the gathered parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        self.ready(stage)
+        module: Any = self.stages[stage]
+        if train:
+            module.set_requires_gradient_sync(True, recurse=True)
+            module.set_is_last_backward(True)
+            module.set_reshard_after_backward(True, recurse=True)
+            state = fully_shard.state(module)  # type: ignore[attr-defined]
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        module.reshard()
+        for sub in module.modules():
+            if sub is not module and hasattr(sub, "reshard"):
+                sub.reshard()
