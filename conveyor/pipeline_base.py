@@ -34,7 +34,7 @@ from conveyor.runtime.data_parallel import (
 from conveyor.runtime.engine import Engine, LossFn, Mode
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
-from conveyor.runtime.sharding import Sharded, apply_tp
+from conveyor.runtime.sharding import Sharded, apply_tp, local_shard
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.transport import collective, guarded
@@ -515,7 +515,8 @@ class PipelineBase:
 
         The total norm covers every stage on every rank, each parameter once (a tied
         weight with copies on several ranks; data-parallel replicas, which hold equal
-        gradients after ``train_step``). Every local gradient is scaled by
+        gradients after ``train_step``; FSDP and tensor-parallel shards, each counted once
+        however many ranks hold it). Every local gradient is scaled by
         ``min(1, max_norm / (total + 1e-6))``; returns the total norm (float32), the same on
         every rank. ``norm_type``: any p > 0, or ``inf``. A collective in a distributed world:
         call it on every rank.
@@ -530,40 +531,43 @@ class PipelineBase:
         ctx = self.context
         params = [q for q in self.parameters() if q.grad is not None]
         copies = self._shared.copies()  # tied copies counted on another rank
-        # Per-parameter norms in at least float32, combined in float64 (the same on all ranks).
-        norms = [
-            torch.linalg.vector_norm(g, p, dtype=torch.promote_types(g.dtype, torch.float32))
+        # Every rank adds its own shard of each gradient, divided by how many ranks hold
+        # that same shard (replicas, and tensor-parallel ranks of an unsharded weight), so
+        # the sum over the world counts each number once. In float64, the same on all ranks.
+        holders = ctx.dp_size * ctx.tp_size
+        parts = [
+            (
+                torch.linalg.vector_norm(
+                    local_shard(g), p, dtype=torch.promote_types(g.dtype, torch.float32)
+                ).double(),
+                holders / _shards(g),
+            )
             for g in (q.grad for q in params if id(q) not in copies)
             if g is not None
         ]
-        stacked = (
-            torch.stack([n.double() for n in norms])
-            if norms
-            else torch.zeros(1, dtype=torch.float64, device=ctx.device)
-        )
+        zero = torch.zeros((), dtype=torch.float64, device=ctx.device)
         total: torch.Tensor
-        if not ctx.distributed:
-            total = torch.linalg.vector_norm(stacked, p)
-        elif math.isinf(p):
-            total = stacked.max()
-            self._collective(
-                lambda: dist.all_reduce(
-                    total, op=dist.ReduceOp.MAX, group=ctx.pp_group, async_op=True
-                ),
-                "adding up the gradient norm (pipe.clip_grad_norm_)",
-            )
+        if math.isinf(p):
+            total = torch.stack([n for n, _ in parts]).max() if parts else zero
+            if ctx.distributed:
+                self._collective(
+                    lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True),
+                    "adding up the gradient norm (pipe.clip_grad_norm_)",
+                )
         else:
-            total = torch.linalg.vector_norm(stacked, p).pow(p)
-            self._collective(
-                lambda: dist.all_reduce(total, group=ctx.pp_group, async_op=True),
-                "adding up the gradient norm (pipe.clip_grad_norm_)",
-            )
+            total = sum((n.pow(p) / count for n, count in parts), zero)
+            if ctx.distributed:
+                self._collective(
+                    lambda: dist.all_reduce(total, async_op=True),
+                    "adding up the gradient norm (pipe.clip_grad_norm_)",
+                )
             total = total.pow(1.0 / p)
         total = total.float()
         scale = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for q in params:
             assert q.grad is not None
-            q.grad.mul_(scale.to(q.grad.device))
+            grad = local_shard(q.grad)
+            grad.mul_(scale.to(grad.device))
         return total
 
     # ------------------------------------------------------------------ parameters
@@ -615,6 +619,17 @@ class PipelineBase:
                 f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
                 f"pass the model's full state dict or strict=False"
             )
+
+
+def _shards(t: torch.Tensor) -> int:
+    """Into how many pieces a DTensor's placements cut it (1 for a plain tensor)."""
+    placements = getattr(t, "placements", ())
+    mesh = getattr(t, "device_mesh", None)
+    count = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_shard() and mesh is not None:
+            count *= mesh.size(dim)
+    return count
 
 
 def _check_sharding(

@@ -40,7 +40,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from conveyor.checkpoint.dcp import _dcp_errors, _empty, _pack, _quiet, _unpack
+from conveyor.checkpoint.dcp import (
+    _dcp_errors,
+    _empty,
+    _empty_like,
+    _pack,
+    _quiet,
+    _sharded,
+    _unpack,
+)
 from conveyor.checkpoint.errors import CheckpointError
 from conveyor.checkpoint.layout import LATEST, META, _commit, _new_name
 from conveyor.checkpoint.layout import _resolve as _resolve
@@ -136,7 +144,9 @@ def save(
     state: dict[str, Any] = {}
     for e in view.entries:
         c = canon[e.names[0][2]]
-        if writer[c] != view.rank or f"model/{c}" in state:
+        # A sharded (DTensor) value is written by every rank holding a shard of it; DCP
+        # keeps one copy of a shard several ranks hold.
+        if (writer[c] != view.rank and not _sharded(e.value)) or f"model/{c}" in state:
             continue
         state[f"model/{c}"] = _pack(e.value)
         if e.param and id(e.value) in opt_index:
@@ -248,7 +258,7 @@ def load(
                 prefix = f"optim/{c}/"
                 for k, md in stored.items():
                     if k.startswith(prefix) and "/" not in k[len(prefix) :]:
-                        state[k] = _empty(md)
+                        state[k] = _empty_like(md, e.value)
     _raise_any(view, error)
 
     with _quiet(), _dcp_errors(f"loading checkpoint {where}", "is it damaged?"):

@@ -40,6 +40,23 @@ def _empty(md: Any) -> Any:
     return None
 
 
+def _sharded(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (FSDP / tensor-parallel shards)."""
+    return isinstance(value, Tensor) and hasattr(value, "placements")
+
+
+def _empty_like(md: Any, param: Any) -> Any:
+    """Where to load a parameter's stored optimizer state: sharded like the parameter when
+    it is a DTensor of the same shape (AdamW's moments), else as :func:`_empty`."""
+    if (
+        _sharded(param)
+        and isinstance(md, TensorStorageMetadata)
+        and tuple(md.size) == tuple(param.shape)
+    ):
+        return torch.empty_like(param, dtype=md.properties.dtype)
+    return _empty(md)
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """DCP warns that it runs in one process whenever ``no_dist`` is set; we mean it."""

@@ -67,6 +67,7 @@ def _view(target: Pipeline | nn.Module) -> _View:
                 "world_size": ctx.world_size,
                 "pp": target.schedule.ranks,
                 "dp": ctx.dp_size,
+                "tp": ctx.tp_size,
                 "schedule": target.schedule.name,
                 "stages": target.schedule.stages,
                 "chunks": target.schedule.chunks,

@@ -25,6 +25,7 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
+from conveyor.runtime.sharding import local_shard as _local
 from conveyor.runtime.transport import collective, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
@@ -184,12 +185,6 @@ def make_replicas_equal(stages: dict[int, nn.Module], ctx: Context) -> None:
         for t in group:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel (DTensor) parameter's or gradient's own shard; others as they are."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _numel(t: torch.Tensor) -> int:

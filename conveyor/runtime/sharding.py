@@ -21,9 +21,16 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from conveyor.errors import ConfigError
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (a view of its data); other tensors as they are."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def apply_tp(
