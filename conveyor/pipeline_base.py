@@ -627,7 +627,9 @@ def _shards(t: torch.Tensor) -> int:
     mesh = getattr(t, "device_mesh", None)
     count = 1
     for dim, placement in enumerate(placements):
-        if placement.is_shard() and mesh is not None:
+        # Not is_shard(): FSDP over a tensor-parallel weight shards it "strided", which
+        # is a shard too. Gradients are never partial sums here.
+        if mesh is not None and not placement.is_replicate():
             count *= mesh.size(dim)
     return count
 

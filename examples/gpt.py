@@ -34,13 +34,21 @@ from conveyor.schedules import check_chunks
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and an MLP."""
+    """Pre-norm transformer block: causal self-attention and an MLP.
+
+    Written so tensor parallelism can shard it (:data:`TP_PLAN`): q, k and v are separate
+    projections, and the head count per rank is read from the projected width
+    (``view(..., -1, head_dim)``), so with q/k/v sharded by columns each rank attends with
+    its share of the heads, and ``proj`` / ``mlp.2`` (sharded by rows) sum the shares.
+    """
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = width // heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
@@ -48,12 +56,26 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        shape = (x.size(0), x.size(1), self.heads, x.size(2) // self.heads)
-        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        h = self.ln1(x)
+        b, t = x.size(0), x.size(1)
+        q, k, v = (
+            f(h).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(x.shape))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.ln2(x))
+
+
+def tp_plan() -> dict[str, object]:
+    """Tensor parallelism for the blocks: q, k, v and the MLP's first layer by columns,
+    the attention output and the MLP's second layer by rows (Megatron's layout)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, object] = {
+        f"blocks.*.{name}": ColwiseParallel() for name in ("q", "k", "v", "mlp.0")
+    }
+    plan.update({f"blocks.*.{name}": RowwiseParallel() for name in ("proj", "mlp.2")})
+    return plan
 
 
 class GPT(nn.Module):
@@ -109,8 +131,8 @@ def sample(
         if logits is not None:
             probs = torch.softmax(logits[:, -1, :], dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
-        if ctx.distributed:
-            dist.broadcast(nxt, pipe.schedule.placement[-1])
+        if ctx.distributed:  # from this pipeline's last rank to its other ranks
+            dist.broadcast(nxt, ctx.global_rank(pipe.schedule.placement[-1]), ctx.pp_group)
         idx = torch.cat([idx, nxt], dim=1)
     return idx
 
@@ -151,6 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sample", type=int, default=200, help="characters to generate (default: %(default)s)"
     )
+    ap.add_argument(
+        "--dp", type=int, default=1, help="data-parallel replicas (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--tp", type=int, default=1,
+        help="tensor-parallel ranks per pipeline rank, sharding attention and MLP "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--fsdp", action="store_true",
+        help="shard parameters, gradients and optimizer state over the --dp replicas",
+    )
     ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
     ap.add_argument(
         "--save-every", type=int, default=50, metavar="K",
@@ -159,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
+    default_pp = None if dist.is_torchelastic_launched() else 2
+    ctx = conveyor.init(pp=args.pp or default_pp, dp=args.dp, tp=args.tp)
     text = corpus(args.chars)
     vocab = sorted(set(text))
     lookup = {c: i for i, c in enumerate(vocab)}
@@ -174,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         schedule=args.schedule,
         chunks=chunks,
         context=ctx,
+        fsdp=args.fsdp,
+        tp_plan=tp_plan() if args.tp > 1 else None,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     say = print if ctx.rank == 0 else (lambda *a, **k: None)
@@ -182,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.distributed
         else f"in one process ({ctx.pp_size} pipeline ranks simulated)"
     )
+    if ctx.dp_size > 1 or ctx.tp_size > 1:
+        where += (
+            f" x {ctx.dp_size} replicas{' (FSDP)' if args.fsdp else ''} x {ctx.tp_size} "
+            f"tensor-parallel"
+        )
     say(
         f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
@@ -196,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
         rows = windows(data, step, args.batch_size, args.context)
+        rows = rows[ctx.dp_rank :: ctx.dp_size]  # this replica's share of the batch
         loss = pipe.train_step(rows[:, :-1], rows[:, 1:])
         opt.step()
         opt.zero_grad()

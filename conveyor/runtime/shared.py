@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
+from conveyor.runtime.sharding import local_shard
 from conveyor.runtime.transport import collective
 
 
@@ -93,8 +94,11 @@ class SharedParameters:
         for param, group, _ in self._entries:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            # FSDP / tensor-parallel copies are sharded alike: the shards add up.
             self._run(
-                functools.partial(dist.all_reduce, param.grad, group=group, async_op=True),
+                functools.partial(
+                    dist.all_reduce, local_shard(param.grad), group=group, async_op=True
+                ),
                 "summing the gradients of tied weights",
                 group,
             )

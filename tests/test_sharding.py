@@ -1,0 +1,297 @@
+"""Pipeline x FSDP2 x tensor parallelism, on torch's own engines and exact: gradients
+(gathered with ``full_tensor()``) and parameters after 3 optimizer steps equal the unsplit
+model's on the global batch, for pp=2 x dp=2 with fsdp (1f1b, zb-h1, interleaved-1f1b),
+pp=2 x tp=2, and pp=2 x dp=2 x tp=2 with fsdp on 8 processes, on an MLP-block model and on
+the GPT example with its tied embedding. Also: one all-gather and one reduce-scatter per
+stage and step, the memory fsdp saves, clipping over the whole mesh, checkpoints that
+move between these layouts, and the errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import conveyor
+from tests import distributed
+from tests.models import batch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import gpt  # noqa: E402  (examples/gpt.py: the GPT example and its tensor-parallel plan)
+
+STEPS = 3
+Result = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), *[Block(16) for _ in range(4)], nn.Linear(16, 4))
+
+
+def gpt_model(stages: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = gpt.GPT(vocab=11, context=8, width=16, depth=4, heads=4)
+    gpt.annotate(model, stages)
+    return model
+
+
+def mlp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+
+
+def data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "mlp":
+        return batch(16, seed=step)
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 11, (8, 9), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def loss_of(kind: str) -> Any:
+    return nn.functional.mse_loss if kind == "mlp" else gpt.lm_loss
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach().clone()
+
+
+def train(pipe: conveyor.Pipeline, kind: str, ctx: conveyor.Context) -> Result:
+    """3 SGD steps on this replica's shard of each global batch."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    out: Result = []
+    for step in range(STEPS):
+        x, y = data(kind, step)
+        mine = slice(ctx.dp_rank, None, ctx.dp_size)
+        loss = float(pipe.train_step(x[mine], y[mine]))
+        grads = {n: _full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        out.append((loss, grads, {n: _full(p) for n, p in pipe.named_parameters()}))
+    return out
+
+
+def reference(kind: str, dp: int) -> Result:
+    """The unsplit model on the concatenated replica shards of each global batch."""
+    model = mlp() if kind == "mlp" else gpt_model(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: Result = []
+    for step in range(STEPS):
+        x, y = data(kind, step)
+        xs, ys = torch.cat([x[i::dp] for i in range(dp)]), torch.cat([y[i::dp] for i in range(dp)])
+        loss = loss_of(kind)(model(xs), ys)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append((float(loss.detach()), grads, params))
+    return out
+
+
+def check(got: list[Result], want: Result, what: str, kind: str) -> None:
+    aliases = {}
+    model = mlp() if kind == "mlp" else gpt_model(2)
+    first: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases[n] = first.setdefault(id(p), n)
+    for step, (loss, grads, params) in enumerate(want):
+        # A gradient that is zero in exact arithmetic (attention's key bias) is rounding
+        # noise on both sides: it is compared to the model's largest gradient instead.
+        floor = 1e-3 * max(float(g.norm()) for g in grads.values())
+        for result in got:
+            got_loss, got_grads, got_params = result[step]
+            assert got_loss == pytest.approx(loss, rel=1e-5), f"{what} step {step} loss"
+            for table, ref, label in ((got_grads, grads, "grad"), (got_params, params, "param")):
+                for name, value in table.items():
+                    w = ref[aliases[name]]
+                    err = float((value - w).norm()) / max(float(w.norm()), floor)
+                    assert err < 1e-5, f"{what} step {step} {label} {name}: {err:.1e}"
+
+
+# ---------------------------------------------------------------------------- 8 processes
+def _eight(rank: int, path: str) -> dict[str, Any]:
+    ctx = conveyor.init(pp=2, dp=2, tp=2, timeout=120)
+    out: dict[str, Any] = {}
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                             fsdp=True, tp_plan=mlp_plan(), context=ctx)
+    out["mlp"] = train(pipe, "mlp", ctx)
+    model = gpt_model(2)
+    pipe = conveyor.Pipeline(model, loss_fn=gpt.lm_loss, microbatches=2, fsdp=True,
+                             tp_plan=gpt.tp_plan(), context=ctx)
+    out["gpt"] = train(pipe, "gpt", ctx)
+    # Clipping sees every shard once: the norm of the whole model's gradient.
+    x, y = data("gpt", 0)
+    pipe.train_step(x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2])
+    out["norm"] = float(pipe.clip_grad_norm_(1e9))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt.step()
+    conveyor.save(pipe, path, opt, step=7)
+    out["saved"] = {n: _full(p) for n, p in pipe.named_parameters()}
+    out["moments"] = {n: _full(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()}
+    return out
+
+
+# ---------------------------------------------------------------------------- 4 processes
+def _count_collectives(pipe: conveyor.Pipeline, x: Any, y: Any) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) one training step issues on this rank."""
+    counts = [0, 0]
+    names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+             "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[0 if "gather" in name else 1] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    for name in saved:
+        setattr(dist, name, counting(name))
+    try:
+        pipe.train_step(x, y)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    return counts[0], counts[1]
+
+
+def _state_bytes(pipe: conveyor.Pipeline, x: Any, y: Any) -> int:
+    """This rank's parameter + gradient + AdamW state bytes after a step."""
+    from conveyor.runtime.sharding import local_shard
+
+    opt = torch.optim.AdamW(pipe.parameters())
+    pipe.train_step(x, y)
+    opt.step()
+    total = 0
+    for p in pipe.parameters():
+        for t in (p, p.grad, *opt.state[p].values()):
+            if isinstance(t, torch.Tensor):
+                t = local_shard(t)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _four(rank: int, path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with pytest.raises(conveyor.ConfigError, match=r"world size 4 is not pp x dp x tp = 2 x 2"):
+        conveyor.init(pp=2, dp=2, tp=3)
+    ctx = conveyor.init(pp=2, dp=2, timeout=120)
+    for sched, chunks in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                                 schedule=sched, chunks=chunks, fsdp=True, context=ctx)
+        out[f"fsdp {sched}"] = train(pipe, "mlp", ctx)
+        x, y = data("mlp", 0)
+        out[f"collectives {sched}"] = (_count_collectives(pipe, x[ctx.dp_rank :: 2],
+                                                          y[ctx.dp_rank :: 2]), chunks)
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2, fsdp=True,
+                             schedule="zb-h1", context=ctx)
+    out["fsdp gpt"] = train(pipe, "gpt", ctx)
+    x, y = data("mlp", 0)
+    x, y = x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]
+    sharded = _state_bytes(conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss,
+                                             microbatches=4, fsdp=True, context=ctx), x, y)
+    replicated = _state_bytes(conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss,
+                                                microbatches=4, context=ctx), x, y)
+    out["memory"] = sharded / replicated
+    # The 3-D checkpoint, loaded at pp=2 x dp=2 without fsdp.
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2, context=ctx)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    out["loaded step"] = conveyor.load(pipe, path, opt)
+    out["loaded"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    out["loaded moments"] = {n: opt.state[p]["exp_avg"].clone() for n, p in pipe.named_parameters()}
+
+    ctx = conveyor.init(pp=2, tp=2, timeout=120)
+    for sched in ("1f1b", "zb-h1"):
+        pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                                 schedule=sched, tp_plan=mlp_plan(), context=ctx)
+        out[f"tp {sched}"] = train(pipe, "mlp", ctx)
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2,
+                             tp_plan=gpt.tp_plan(), context=ctx)
+    out["tp gpt"] = train(pipe, "gpt", ctx)
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    errors = []
+    for plan in ({"*.nothing": ColwiseParallel()}, {"0": ColwiseParallel()}):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 4))
+        try:
+            conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
+                              tp_plan=plan, context=ctx)
+        except conveyor.ConfigError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    # The 3-D checkpoint, loaded at pp=4.
+    ctx = conveyor.init(pp=4, timeout=120)
+    pipe = conveyor.Pipeline(gpt_model(4), loss_fn=gpt.lm_loss, microbatches=2, context=ctx)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    out["pp4 step"] = conveyor.load(pipe, path, opt)
+    out["pp4"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    out["pp4 moments"] = {n: opt.state[p]["exp_avg"].clone() for n, p in pipe.named_parameters()}
+    return out
+
+
+def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    eight = distributed.run(_eight, 8, path, timeout=480)
+    four = distributed.run(_four, 4, path, timeout=480)
+    want_mlp, want_gpt = reference("mlp", 2), reference("gpt", 2)
+    check([r["mlp"] for r in eight], want_mlp, "pp2 x dp2 x tp2 fsdp mlp", "mlp")
+    check([r["gpt"] for r in eight], want_gpt, "pp2 x dp2 x tp2 fsdp gpt", "gpt")
+    for sched in ("1f1b", "zb-h1", "interleaved-1f1b"):
+        check([r[f"fsdp {sched}"] for r in four], want_mlp, f"pp2 x dp2 fsdp {sched}", "mlp")
+        for r in four:
+            (gathers, scatters), chunks = r[f"collectives {sched}"]
+            assert (gathers, scatters) == (chunks, chunks), sched  # one each per stage
+    check([r["fsdp gpt"] for r in four], want_gpt, "pp2 x dp2 fsdp gpt zb-h1", "gpt")
+    want_tp_mlp, want_tp_gpt = reference("mlp", 1), reference("gpt", 1)
+    for sched in ("1f1b", "zb-h1"):
+        check([r[f"tp {sched}"] for r in four], want_tp_mlp, f"pp2 x tp2 {sched}", "mlp")
+    check([r["tp gpt"] for r in four], want_tp_gpt, "pp2 x tp2 gpt", "gpt")
+    assert all(r["memory"] <= 0.55 for r in four), [r["memory"] for r in four]
+    # clipping: the norm of the whole unsplit gradient of that step
+    model = gpt_model(2)
+    for _, _, params in want_gpt[-1:]:
+        model.load_state_dict(params, strict=False)
+    x, y = data("gpt", 0)
+    gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])).backward()
+    norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+    assert all(r["norm"] == pytest.approx(norm, rel=1e-5) for r in eight), (eight[0]["norm"], norm)
+    # the checkpoint saved at pp2 x fsdp2 x tp2 reads back identically everywhere
+    saved = {n: v for r in eight for n, v in r["saved"].items()}
+    moments = {n: v for r in eight for n, v in r["moments"].items()}
+    plain = conveyor.load_model_state(path)
+    for name, value in plain.items():
+        if name in saved:
+            assert torch.equal(value, saved[name]), name
+    for r in four:
+        assert r["loaded step"] == r["pp4 step"] == 7
+        for table, ref in ((r["loaded"], saved), (r["pp4"], saved),
+                           (r["loaded moments"], moments), (r["pp4 moments"], moments)):
+            for name, value in table.items():
+                if name in ref:
+                    assert torch.equal(value, ref[name]), name
+    errors = four[0]["errors"]
+    assert "tp_plan pattern '*.nothing' matches no module" in errors[0]
+    assert "cannot shard model.0: ColwiseParallel splits its out_features = 15 over tp = 2" in (
+        errors[1]
+    )
