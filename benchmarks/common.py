@@ -5,11 +5,37 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from conveyor.context import in_torchrun
 from conveyor.launch import main as launch
+
+Step = Callable[[], None]
+
+
+def alternate(
+    runs: dict[Any, Step],
+    baseline: Step | None,
+    rounds: int,
+    timed: Callable[..., list[float]],
+    steps: int,
+    warmup: int,
+) -> tuple[dict[Any, list[float]], list[float]]:
+    """Seconds per step of every run and of ``baseline`` (a one-process loop this rank
+    runs while the others wait), round by round; the runs' order flips every round so
+    drift hits all alike."""
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    one_process: list[float] = []
+    for r in range(rounds):
+        dist.barrier()
+        if baseline is not None:
+            one_process += timed(baseline, steps, warmup, sync=False)
+        dist.barrier()  # the other ranks idle here while this one measures the baseline
+        for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            times[key] += timed(runs[key], steps, warmup)
+    return times, one_process
 
 
 def run_on_processes(

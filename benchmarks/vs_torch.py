@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from common import run_on_processes
+from common import alternate, run_on_processes
 
 import conveyor
 from conveyor.simulate import simulate
@@ -252,16 +252,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(mismatches, mismatch)
     baseline = single_process(x, y) if rank == 0 else None
 
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    one_process: list[float] = []
-    for r in range(args.rounds):
-        dist.barrier()
-        if baseline is not None:
-            one_process += timed(baseline, args.steps, args.warmup, sync=False)
-        dist.barrier()  # rank 1 idles here while rank 0 measures the baseline
-        keys = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for key in keys:
-            times[key] += timed(runs[key], args.steps, args.warmup)
+    times, one_process = alternate(runs, baseline, args.rounds, timed, args.steps, args.warmup)
     # Replay each schedule in simulated time with the stage costs conveyor measured.
     costs = {name: stage_costs(timings[name], pipes[name].schedule.stages) for name in pipes}
     bubbles = {

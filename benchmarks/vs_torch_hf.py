@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import alternate
 from torch import Tensor, nn
 
 import conveyor
@@ -122,15 +123,7 @@ def worker(args: argparse.Namespace, timed: Callable[..., list[float]]) -> None:
         if theirs is not None:
             runs[("torch", schedule)] = torch_step(theirs, x, y)
     baseline = single_process(x, y) if rank == 0 else None
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-    one_process: list[float] = []
-    for r in range(args.rounds):
-        dist.barrier()
-        if baseline is not None:
-            one_process += timed(baseline, args.steps, args.warmup, sync=False)
-        dist.barrier()
-        for key in list(runs) if r % 2 == 0 else list(runs)[::-1]:
-            times[key] += timed(runs[key], args.steps, args.warmup)
+    times, one_process = alternate(runs, baseline, args.rounds, timed, args.steps, args.warmup)
     if rank != 0:
         return
     base = statistics.median(one_process)

@@ -71,6 +71,7 @@ class Pipeline(PipelineBase):
                 pipeline_ranks(ctx, model, schedule, chunks, balance),
                 memory_limit,
                 microbatch_counts=[microbatches],  # keep the user's micro-batch count
+                param_shards=(ctx.dp_size if fsdp else 1) * (ctx.tp_size if tp_plan else 1),
             )
             schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
         super().__init__(

@@ -113,6 +113,13 @@ class PipelineBase:
         ranks = pipeline_ranks(self.context, model, schedule, chunks, balance)
         self._sharding = _check_sharding(self.context, fsdp, tp_plan)
         self.schedule = self._make_schedule(schedule, ranks, microbatches, chunks)
+        if fsdp == "reshard" and self.schedule.split_backward:
+            raise ConfigError(
+                f"fsdp='reshard' frees each block's gathered weights after every use, but "
+                f"{self.schedule.name!r} splits the backward and needs them from B until W; "
+                f"use fsdp=True with it, or a schedule without a split backward (1f1b, gpipe, "
+                f"interleaved-1f1b)"
+            )
         self._model = model
         self._balance = balance
         self._options = (recompute, autocast, track_memory)

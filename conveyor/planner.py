@@ -409,6 +409,17 @@ TIE = 0.05
 OUTLIER = 3.0
 
 
+def _sharded_profile(prof: Profile, shards: int) -> Profile:
+    """``prof`` with each unit's parameter bytes (and so its gradient's) cut ``shards``
+    ways."""
+    if shards <= 1:
+        return prof
+    layers = tuple(
+        dataclasses.replace(u, parameters=-(-u.parameters // shards)) for u in prof.layers
+    )
+    return dataclasses.replace(prof, layers=layers)
+
+
 def _step_compute(prof: Profile) -> float:
     """Seconds of F and whole backward of one step's micro-batches, all units together."""
     return sum(prof.times(False)) * prof.microbatches
@@ -458,6 +469,7 @@ def plan(
     schedules: Sequence[str] | None = None,
     profiles: dict[int, Profile] | None = None,
     calibrate: bool = True,
+    param_shards: int = 1,
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks that fits ``memory_limit``
     bytes per rank (parameters + gradients + activations; optimizer state not included).
@@ -468,7 +480,9 @@ def plan(
     (micro-batch count -> :class:`Profile`) skips profiling for those counts. A count whose
     profile is far slower than the others' (:data:`OUTLIER`) is measured again, and left
     out if it stays so. Candidates predicted within :data:`TIE` of the fastest count as
-    equal: the simplest of them is chosen, so the choice does not follow noise. With
+    equal: the simplest of them is chosen, so the choice does not follow noise.
+    ``param_shards``: into how many pieces each rank's parameters and gradients are cut
+    (FSDP over D replicas times tensor parallelism T); the memory model counts one piece. With
     ``calibrate`` (used only when the world is ``ranks`` processes) each count's profile
     is calibrated by short real runs (:func:`calibrate_family`, about a second per
     count). Raises :class:`ConfigError` when no candidate fits the limit.
@@ -498,7 +512,7 @@ def plan(
     for m in counts:
         if m not in cache:
             continue
-        prof = cache[m]
+        prof = _sharded_profile(cache[m], param_shards)
         cals = {
             kind: calibrate_family(model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit)
             if real

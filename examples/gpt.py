@@ -23,13 +23,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from text import corpus, windows
+from text import corpus, train, windows
 from torch import nn
 from torch.nn import functional as F
 
 import conveyor
-from conveyor.checkpoint import exists
-from conveyor.progress import Progress
 from conveyor.schedules import check_chunks
 
 
@@ -200,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     lookup = {c: i for i, c in enumerate(vocab)}
     data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     model = GPT(len(vocab), args.context, args.width, args.depth, args.heads)
+    count = sum(p.numel() for p in model.parameters())  # before sharding unties the copies
     chunks = check_chunks(args.schedule, args.chunks, flags=True)
     annotate(model, ctx.pp_size * chunks)
     pipe = conveyor.Pipeline(
@@ -226,27 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     say(
         f"{len(text):,} characters, vocabulary {len(vocab)}, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{count:,} parameters, "
         f"{pipe.schedule.stages} stages {where} ({args.schedule})"
     )
-    start = 0
-    if args.checkpoint and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, args.steps)
-        say(f"resumed from {args.checkpoint} at step {start}")
-    progress = Progress(pipe, args.steps - start, every=max(args.steps // 10, 1))
-    progress.count = start
-    loss = torch.tensor(0.0)
-    for step in range(start, args.steps):
+
+    def step_of(step: int) -> torch.Tensor:
         rows = windows(data, step, args.batch_size, args.context)
         rows = rows[ctx.dp_rank :: ctx.dp_size]  # this replica's share of the batch
-        loss = pipe.train_step(rows[:, :-1], rows[:, 1:])
-        opt.step()
-        opt.zero_grad()
-        progress.step(loss, args.batch_size)
-        done = step + 1
-        if args.checkpoint and (done % args.save_every == 0 or done == args.steps):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
+        return pipe.train_step(rows[:, :-1], rows[:, 1:])
+
+    loss = train(
+        pipe, opt, step_of, args.steps, args.batch_size, args.checkpoint, args.save_every, say
+    )
     out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
     return 0 if math.isfinite(loss.item()) else 1

@@ -23,13 +23,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from text import corpus, windows
+from text import corpus, train, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
-from conveyor.checkpoint import exists
 from conveyor.cli import HelpFormatter, plain
-from conveyor.progress import Progress
 from conveyor.schedules import check_chunks
 
 
@@ -108,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         ids = windows(data, step, args.batch_size, args.context - 1)
         return {"input_ids": ids, "labels": ids}  # the model shifts the labels itself
 
-    start = 0
     # sample= splits the model now, so a checkpoint can be loaded before the first step.
     pipe = conveyor.Pipeline(
         model,
@@ -124,21 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters")
     say(pipe)
-    if args.checkpoint and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, args.steps)
-        say(f"resumed from {args.checkpoint} at step {start}")
-    progress = Progress(pipe, args.steps - start, every=max(args.steps // 10, 1))
-    progress.count = start
-    loss = torch.tensor(0.0)
-    for step in range(start, args.steps):
-        loss = pipe.train_step(batch(step), None)
-        opt.step()
-        opt.zero_grad()
-        progress.step(loss, args.batch_size)
-        done = step + 1
-        if args.checkpoint and (done % args.save_every == 0 or done == args.steps):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
+    loss = train(
+        pipe,
+        opt,
+        lambda step: pipe.train_step(batch(step), None),
+        args.steps,
+        args.batch_size,
+        args.checkpoint,
+        args.save_every,
+        say,
+    )
     out = generate(pipe, ctx, [lookup[c] for c in "def "], args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out))
     return 0 if math.isfinite(loss.item()) else 1

@@ -120,3 +120,16 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "schedule" in out and "| 1 |" in out
     assert plan_main([str(script), "--ranks", "2", "--memory-limit", "10"]) == 1
+
+
+def test_memory_model_counts_one_shard_of_the_parameters() -> None:
+    x, y = _batch()
+    whole = plan(_model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[2],
+                 schedules=["1f1b"])
+    sharded = plan(_model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[2],
+                   schedules=["1f1b"], profiles={2: whole.profile} if whole.profile else None,
+                   param_shards=4)
+    assert whole.profile is not None and sharded.profile is not None
+    params = [sum(u.parameters for u in p.profile.layers) for p in (whole, sharded)]
+    assert params[1] == pytest.approx(params[0] / 4, rel=0.01)
+    assert max(sharded.peak_memory) < max(whole.peak_memory)

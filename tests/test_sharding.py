@@ -206,6 +206,13 @@ def _four(rank: int, path: str) -> dict[str, Any]:
     pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2, fsdp=True,
                              schedule="zb-h1", context=ctx)
     out["fsdp gpt"] = train(pipe, "gpt", ctx)
+    # Memory-tight: every block its own unit, gathered per use and freed after it.
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                             fsdp="reshard", context=ctx)
+    out["reshard"] = train(pipe, "mlp", ctx)
+    with pytest.raises(conveyor.ConfigError, match=r"fsdp='reshard' .* 'zb-h1' splits"):
+        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
+                          schedule="zb-h1", fsdp="reshard", context=ctx)
     x, y = data("mlp", 0)
     x, y = x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]
     sharded = _state_bytes(conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss,
@@ -263,6 +270,7 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
             (gathers, scatters), chunks = r[f"collectives {sched}"]
             assert (gathers, scatters) == (chunks, chunks), sched  # one each per stage
     check([r["fsdp gpt"] for r in four], want_gpt, "pp2 x dp2 fsdp gpt zb-h1", "gpt")
+    check([r["reshard"] for r in four], want_mlp, "pp2 x dp2 fsdp='reshard' 1f1b", "mlp")
     want_tp_mlp, want_tp_gpt = reference("mlp", 1), reference("gpt", 1)
     for sched in ("1f1b", "zb-h1"):
         check([r[f"tp {sched}"] for r in four], want_tp_mlp, f"pp2 x tp2 {sched}", "mlp")

@@ -47,11 +47,18 @@ class _Held:
         self.tensor = tensor
 
 
+def _storage(t: torch.Tensor) -> int:
+    """Where a parameter's data lives (a DTensor's: its shard's)."""
+    to_local = getattr(t, "to_local", None)
+    local = to_local() if callable(to_local) else t
+    return int(local.untyped_storage().data_ptr())
+
+
 class ActivationMeter:
     """Counts the bytes held for backward work on this rank (see the module docstring)."""
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._params = {_storage(p) for p in params}
         self._live: dict[Key, int] = {}  # memory -> how many holders
         self.current = 0
         self.peak = 0
@@ -59,13 +66,14 @@ class ActivationMeter:
 
     def exclude(self, params: Iterable[torch.Tensor]) -> None:
         """Also leave ``params`` out (FSDP's gathered parameters are new tensors)."""
-        self._params |= {p.untyped_storage().data_ptr() for p in params}
+        self._params |= {_storage(p) for p in params}
 
     def reset(self) -> None:
         """Start a step: the peak restarts from what is held now."""
         self.peak = self.current
 
     def _key(self, t: torch.Tensor) -> Key | None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor's own shard (no autograd in a hook)
         if t.layout != torch.strided or t.device.type == "meta" or t.numel() == 0:
             return None
         if t.untyped_storage().data_ptr() in self._params:
