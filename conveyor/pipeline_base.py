@@ -166,6 +166,14 @@ class PipelineBase:
         sharded = None
         if tp_plan is not None:
             assert ctx.mesh is not None
+            if "torch.export" in self._description.how:
+                raise ConfigError(
+                    f"tp_plan shards modules that run as modules, but "
+                    f"{self._description.model} was captured with torch.export, whose stages "
+                    f"read the weights by name; tensor parallelism is not supported for such "
+                    f"models yet: use fsdp=True / dp to shard them, or a model torch.fx can "
+                    f"trace"
+                )
             names = [n for n, _ in self._model.named_modules()] if isinstance(
                 self._model, nn.Module
             ) else []

@@ -187,9 +187,9 @@ def check(name: str, config: Config, pp: int, traces: list[tuple[Trace, float]])
 
 # ---------------------------------------------------------------------------- 4 processes
 def _pp2_dp2(rank: int, trace: str) -> dict[str, Any]:
-    with pytest.raises(conveyor.ConfigError, match="world size 4 is not pp x dp = 3 x 2"):
+    with pytest.raises(conveyor.ConfigError, match="world size 4 is not pp x dp x tp = 3 x 2 x 1"):
         conveyor.init(pp=3, dp=2)
-    with pytest.raises(conveyor.ConfigError, match="dp=3 does not divide the world size 4"):
+    with pytest.raises(conveyor.ConfigError, match="dp x tp = 3 does not divide the world size 4"):
         conveyor.init(dp=3)
     ctx = conveyor.init(pp=2, dp=2)
     layout = (ctx.rank, ctx.pp_rank, ctx.dp_rank, ctx.global_rank(0), ctx.global_rank(1))
@@ -228,7 +228,7 @@ PURE_DP: Config = ("mlp", "1f1b", 1, 2, [[4, 6], [5, 5]], "adamw", (0.01, 2.0), 
 
 
 def _two_processes(rank: int) -> dict[str, Any]:
-    with pytest.raises(conveyor.ConfigError, match="world size 2 is not pp x dp = 2 x 2"):
+    with pytest.raises(conveyor.ConfigError, match="world size 2 is not pp x dp x tp = 2 x 2 x 1"):
         conveyor.init(pp=2, dp=2)
     out: dict[str, Any] = {"pure-dp": pipelined(conveyor.init(pp=1, dp=2), PURE_DP)}
     ctx = conveyor.init(pp=2)
@@ -251,7 +251,7 @@ def test_clip_grad_norm_in_the_one_process_world(name: str) -> None:
 
 
 def test_dp_needs_processes_in_the_one_process_world() -> None:
-    with pytest.raises(conveyor.ConfigError, match="dp=2 needs pp x dp processes"):
+    with pytest.raises(conveyor.ConfigError, match="dp=2 x tp=1 needs pp x dp x tp processes"):
         conveyor.init(pp=2, dp=2)
 
 

@@ -92,4 +92,4 @@ def _init_wrong_world(rank: int) -> str:
 def test_world_size_not_matching_stages() -> None:
     msgs = distributed.run(_init_wrong_world, 2)
     for msg in msgs:
-        assert "world size 2 is not pp x dp = 3 x 1" in msg
+        assert "world size 2 is not pp x dp x tp = 3 x 1 x 1" in msg

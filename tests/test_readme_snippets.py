@@ -60,6 +60,10 @@ step = 1
         _MLP + "conveyor.init(pp=2)\n"
     ),
 }
+# The FSDP x tensor-parallel snippet needs 8 processes: tests/test_sharding.py runs it in
+# its 8-process world (``readme_snippet``), with a GPT of the example as ``model``.
+ELSEWHERE = "from torch.distributed.tensor.parallel import"
+SETUP[ELSEWHERE] = ""
 # Snippets the README runs on several processes, and how many.
 PROCESSES = {
     "import torch, conveyor\nfrom torch import nn": 2,
@@ -86,9 +90,15 @@ def _run(rank: int, code: str, where: str) -> dict[str, Any]:
     return {k: v for k, v in scope.items() if k in ("loss", "step")}
 
 
+def readme_snippet(start: str) -> str:
+    """The README snippet that begins with ``start``."""
+    return next(c for c in snippets() if c.startswith(start))
+
+
 @pytest.mark.parametrize(
     "code",
-    [c for c in snippets() if "dp=2" not in c],  # data parallelism needs its 4 processes
+    # data parallelism needs its 4 processes; the 8-process one runs in test_sharding.py
+    [c for c in snippets() if "dp=2" not in c and not c.startswith(ELSEWHERE)],
     ids=lambda c: c.splitlines()[0][:40],
 )
 def test_snippet_runs_in_one_process(code: str, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 import conveyor
 from tests import distributed
 from tests.models import batch
+from tests.test_readme_snippets import ELSEWHERE, readme_snippet
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -147,6 +148,11 @@ def _eight(rank: int, path: str) -> dict[str, Any]:
     conveyor.save(pipe, path, opt, step=7)
     out["saved"] = {n: _full(p) for n, p in pipe.named_parameters()}
     out["moments"] = {n: _full(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()}
+    # The README's snippet, as written, with the GPT example as the model.
+    scope: dict[str, Any] = {"conveyor": conveyor, "model": gpt_model(2), "loss_fn": gpt.lm_loss}
+    exec(readme_snippet(ELSEWHERE), scope)
+    x, y = data("gpt", 1)
+    out["readme"] = float(scope["pipe"].train_step(x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]))
     return out
 
 
@@ -298,6 +304,10 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
             for name, value in table.items():
                 if name in ref:
                     assert torch.equal(value, ref[name]), name
+    model = gpt_model(2)
+    x, y = data("gpt", 1)
+    want = float(gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])))
+    assert all(r["readme"] == pytest.approx(want, rel=1e-5) for r in eight)
     errors = four[0]["errors"]
     assert "tp_plan pattern '*.nothing' matches no module" in errors[0]
     assert "cannot shard model.0: ColwiseParallel splits its out_features = 15 over tp = 2" in (
