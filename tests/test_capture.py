@@ -27,7 +27,7 @@ def _grads(params: Any) -> dict[str, torch.Tensor]:
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
     assert set(got) == set(want), what
-    floor = 1e-4 * max(float(w.abs().max()) for w in want.values())
+    floor = 1e-3 * max(float(w.abs().max()) for w in want.values())  # as in test_real_models
     for n, w in want.items():
         err = float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor)
         assert err < 1e-5, f"{what}: {n} relative error {err:.1e}"
@@ -118,6 +118,10 @@ def test_print_shows_modules_parameters_and_what_crosses() -> None:
     # the residual stream crosses with its shape (micro-batch 3 x sequence 8 x width 32)
     assert re.search(r"sends: .*\(transformer\.h\.1\) float32\[3, 8, 32\]", text)
     assert "tied: lm_head.weight = transformer.wte.weight (stage 0)" in text
+    # the same model split again reuses its capture; the shapes shown are this run's
+    again = conveyor.Pipeline(model, loss_fn=None, microbatches=3, context=ctx)
+    again.train_step(batches()[0][0], None)
+    assert re.search(r"sends: .*\(transformer\.h\.1\) float32\[2, 8, 32\]", str(again))
     info = pipe.describe()
     assert [s.rank for s in info.stages] == [0, 1]
     assert sum(s.parameters for s in info.stages) == sum(

@@ -99,7 +99,10 @@ def check(name: str, got: list[Result], want: Result, what: str) -> None:
         assert set(merged) == {alias[n] for n in grads}, f"{what} step {step}: names"
         # A gradient that is zero in exact arithmetic (attention's key bias) is rounding
         # noise on both sides: such tensors are compared to the model's largest gradient.
-        floor = 1e-4 * max(float(w.abs().max()) for w in grads.values())
+        # The same holds for a gradient that is a near-cancelling sum (a batch norm bias):
+        # summed in another order (threads, micro-batches) it moves by rounding of the
+        # summands, which are of the model's gradient scale.
+        floor = 1e-3 * max(float(w.abs().max()) for w in grads.values())
         for n, w in grads.items():
             g = merged[alias[n]]
             err = float((g - w).abs().max()) / max(float(w.abs().max()), floor)

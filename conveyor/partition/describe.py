@@ -68,13 +68,16 @@ class SplitInfo:
 
     def with_shapes(self, measured: dict[int, list[str]]) -> SplitInfo:
         """This description with the shapes a run measured (per stage, one per value it
-        sends) filled in where the capture recorded none."""
+        sends): they replace the capture's, which are its sample's (a cached capture's
+        sample may have had another micro-batch size)."""
         stages = []
         for info in self.stages:
-            shapes = measured.get(info.stage, [])
+            # the stage also passes on values that are not tensors (no shape): skip those
+            shapes = [shape for shape in measured.get(info.stage, []) if shape]
+            if len(shapes) != len(info.sends):
+                shapes = [""] * len(info.sends)
             sends = tuple(
-                (name, shape or (shapes[i] if i < len(shapes) else ""))
-                for i, (name, shape) in enumerate(info.sends)
+                (name, got or shape) for (name, shape), got in zip(info.sends, shapes, strict=True)
             )
             stages.append(dataclasses.replace(info, sends=sends))
         return dataclasses.replace(self, stages=tuple(stages))
