@@ -70,7 +70,7 @@ def _check_annotated(model: nn.Module, batches: Any) -> None:
         want = _grads(model.named_parameters())
         model.zero_grad(set_to_none=True)
         loss = pipe.train_step(x, None)
-        assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+        assert float(loss) == pytest.approx(want_loss.item(), rel=1e-6)
         _close(_grads(model.named_parameters()), want, "annotated llama")
     blocks = _block_stages(pipe, "model.layers.")
     assert blocks == {"model.layers.0": {0}, "model.layers.1": {0},
@@ -275,7 +275,7 @@ def test_dropout_follows_train_and_eval() -> None:
     batch = {"input_ids": ids, "labels": ids}
     pipe.train_step(batch, None)  # captured in training mode
     model.eval()
-    want = float(model(**batch).loss)
+    want = model(**batch).loss.item()
     assert float(pipe.eval_step(batch, None)) == pytest.approx(want, rel=1e-6)
     assert float(pipe.eval_step(batch, None)) == pytest.approx(want, rel=1e-6)
     model.train()
