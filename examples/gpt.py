@@ -23,7 +23,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from text import corpus, train, windows
+from loop import add_pipeline_options, context, printer, train, where
+from text import corpus, windows
 from torch import nn
 from torch.nn import functional as F
 
@@ -137,16 +138,7 @@ def sample(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
-    )
-    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
-    )
-    ap.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
-    )
+    add_pipeline_options(ap)
     ap.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
     ap.add_argument(
         "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
@@ -183,16 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         "--fsdp", action="store_true",
         help="shard parameters, gradients and optimizer state over the --dp replicas",
     )
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
-    ap.add_argument(
-        "--save-every", type=int, default=50, metavar="K",
-        help="steps between saves (default: %(default)s)",
-    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    default_pp = None if dist.is_torchelastic_launched() else 2
-    ctx = conveyor.init(pp=args.pp or default_pp, dp=args.dp, tp=args.tp)
+    ctx = context(args, dp=args.dp, tp=args.tp)
     text = corpus(args.chars)
     vocab = sorted(set(text))
     lookup = {c: i for i, c in enumerate(vocab)}
@@ -212,21 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         tp_plan=tp_plan() if args.tp > 1 else None,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    say = print if ctx.rank == 0 else (lambda *a, **k: None)
-    where = (
-        f"on {ctx.pp_size} ranks"
-        if ctx.distributed
-        else f"in one process ({ctx.pp_size} pipeline ranks simulated)"
-    )
-    if ctx.dp_size > 1 or ctx.tp_size > 1:
-        where += (
-            f" x {ctx.dp_size} replicas{' (FSDP)' if args.fsdp else ''} x {ctx.tp_size} "
-            f"tensor-parallel"
-        )
+    say = printer(ctx)
     say(
         f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{count:,} parameters, "
-        f"{pipe.schedule.stages} stages {where} ({args.schedule})"
+        f"{pipe.schedule.stages} stages {where(ctx, args.fsdp)} ({args.schedule})"
     )
 
     def step_of(step: int) -> torch.Tensor:
@@ -234,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = rows[ctx.dp_rank :: ctx.dp_size]  # this replica's share of the batch
         return pipe.train_step(rows[:, :-1], rows[:, 1:])
 
-    loss = train(
-        pipe, opt, step_of, args.steps, args.batch_size, args.checkpoint, args.save_every, say
-    )
+    loss = train(pipe, opt, step_of, args.steps, args, say)
     out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
     return 0 if math.isfinite(loss.item()) else 1

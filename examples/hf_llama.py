@@ -23,7 +23,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from text import corpus, train, windows
+from loop import add_pipeline_options, context, printer, train
+from text import corpus, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
@@ -75,12 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=plain(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter
     )
-    ap.add_argument("--pp", type=int, help="pipeline ranks (default: processes, or 2)")
-    ap.add_argument("--schedule", default="1f1b", help="a schedule name (conveyor simulate lists)")
-    ap.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
-    )
-    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    add_pipeline_options(ap)
     ap.add_argument("--steps", type=int, default=300, help="training steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     ap.add_argument("--context", type=int, default=64, help="tokens per sequence")
@@ -90,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
     ap.add_argument("--sample", type=int, default=80, help="characters to generate")
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from")
-    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
+    ctx = context(args)
     text = corpus(args.chars)
     vocab = sorted(set(text))
     lookup = {c: i for i, c in enumerate(vocab)}
@@ -117,20 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         sample=(batch(0), None),
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    say = printer(ctx)
     say(f"{len(text):,} characters, vocabulary {len(vocab)}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters")
     say(pipe)
-    loss = train(
-        pipe,
-        opt,
-        lambda step: pipe.train_step(batch(step), None),
-        args.steps,
-        args.batch_size,
-        args.checkpoint,
-        args.save_every,
-        say,
-    )
+    loss = train(pipe, opt, lambda step: pipe.train_step(batch(step), None), args.steps, args, say)
     out = generate(pipe, ctx, [lookup[c] for c in "def "], args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out))
     return 0 if math.isfinite(loss.item()) else 1

@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from loop import add_pipeline_options, context, printer, train, where
 from torch import nn
 from torch.nn import functional as F
 
 import conveyor
-from conveyor.checkpoint import exists
-from conveyor.progress import Progress
+from conveyor.schedules import check_chunks
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
@@ -139,14 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "--data", type=Path, default=None, metavar="DIR",
         help="the cifar-10-batches-bin folder (default: random images)",
     )
-    ap.add_argument(
-        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
-    )
-    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument("--chunks", type=int, default=1, help="stages per rank (default: %(default)s)")
-    ap.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
-    )
+    add_pipeline_options(ap)
     ap.add_argument(
         "--batch-size", type=int, default=64, help="images per step (default: %(default)s)"
     )
@@ -168,16 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         "--clip", type=float, default=1.0,
         help="largest gradient norm, 0 for no clipping (default: %(default)s)",
     )
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
-    ap.add_argument(
-        "--save-every", type=int, default=50, metavar="K",
-        help="steps between saves (default: %(default)s)",
-    )
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    ctx = conveyor.init(pp=args.pp if args.pp else (None if dist.is_torchelastic_launched() else 2))
-    say = print if ctx.rank == 0 else (lambda *a, **k: None)
+    ctx = context(args)
+    say = printer(ctx)
     if args.data is not None:
         x_train, y_train = load_cifar(args.data, train=True)
         x_test, y_test = load_cifar(args.data, train=False)
@@ -190,48 +178,35 @@ def main(argv: list[str] | None = None) -> int:
         x_train, y_train = random_cifar(args.batch_size * max(args.steps, 1))
         x_test, y_test = random_cifar(args.batch_size)
     model = ResNet(tuple(int(b) for b in args.blocks.split(",")), args.base)
-    annotate(model, ctx.pp_size * args.chunks)
+    chunks = check_chunks(args.schedule, args.chunks, flags=True)
+    annotate(model, ctx.pp_size * chunks)
     pipe = conveyor.Pipeline(
         model,
         loss_fn=F.cross_entropy,
         microbatches=args.microbatches,
         schedule=args.schedule,
-        chunks=args.chunks,
+        chunks=chunks,
         context=ctx,
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    where = (
-        f"on {ctx.pp_size} ranks"
-        if ctx.distributed
-        else f"in one process ({ctx.pp_size} pipeline ranks simulated)"
-    )
     say(
         f"ResNet: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{pipe.schedule.stages} stages {where} ({args.schedule}), "
+        f"{pipe.schedule.stages} stages {where(ctx)} ({args.schedule}), "
         f"{'CIFAR-10' if args.data else 'random data'}: {len(x_train)} images"
     )
     order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(1))
     steps = len(x_train) // args.batch_size
     if args.steps:
         steps = min(steps, args.steps)
-    start = 0
-    if args.checkpoint and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, steps)
-        say(f"resumed from {args.checkpoint} at step {start}")
-    progress = Progress(pipe, steps - start, every=max(steps // 10, 1))
-    progress.count = start
-    for step in range(start, steps):
+
+    def step_of(step: int) -> torch.Tensor:
         at = order[step * args.batch_size : (step + 1) * args.batch_size]
-        loss = pipe.train_step(x_train[at], y_train[at])
+        loss: torch.Tensor = pipe.train_step(x_train[at], y_train[at])
         if args.clip > 0:
             pipe.clip_grad_norm_(args.clip)
-        opt.step()
-        opt.zero_grad()
-        progress.step(loss, len(at))
-        done = step + 1
-        if args.checkpoint and (done % args.save_every == 0 or done == steps):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
+        return loss
+
+    train(pipe, opt, step_of, steps, args, say)
     model.eval()  # the stages are the model's own modules: batch norm uses running stats
     correct = 0
     for i in range(0, len(x_test) - args.microbatches + 1, args.batch_size):
