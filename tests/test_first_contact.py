@@ -40,7 +40,7 @@ def test_one_process_runs_as_many_ranks_as_balance_or_annotations_say() -> None:
     x, y = torch.randn(8, 8, 8), torch.randint(0, 10, (8,))
     loss = pipe.train_step(x, y)
     want = nn.functional.cross_entropy(_readme_model()(x), y)
-    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert float(loss) == pytest.approx(want.item(), rel=1e-6)
     annotated = _readme_model()
     annotated[3].pipeline_stage = 1  # type: ignore[assignment]
     annotated[5].pipeline_stage = 2  # type: ignore[assignment]

@@ -306,7 +306,7 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
                     assert torch.equal(value, ref[name]), name
     model = gpt_model(2)
     x, y = data("gpt", 1)
-    want = float(gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])))
+    want = gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])).item()
     assert all(r["readme"] == pytest.approx(want, rel=1e-5) for r in eight)
     errors = four[0]["errors"]
     assert "tp_plan pattern '*.nothing' matches no module" in errors[0]
