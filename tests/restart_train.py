@@ -49,6 +49,7 @@ def main() -> None:
     print(f"rank {ctx.rank} attempt {attempt} starts at step {start}", flush=True)
     for step in range(start, args.steps):
         if step == args.kill_at and ctx.rank == 1 and attempt == 0:
+            print(f"rank 1 kills itself before step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         pipe.train_step(*batch(step))
         opt.step()

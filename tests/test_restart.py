@@ -46,8 +46,10 @@ def test_a_killed_rank_restarts_and_the_run_ends_like_an_uninterrupted_one(
     )  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
-    assert "exitcode: -9" in proc.stderr, log  # rank 1 was killed ...
-    for rank in (0, 1):  # ... and both ranks came back from the checkpoint of step 4
+    # Which rank torchrun reports as failed first (rank 1 killed, or rank 0 after it saw
+    # its peer gone) is a race, so the kill is read from the script's own line.
+    assert f"rank 1 kills itself before step {kill_at}" in proc.stdout, log
+    for rank in (0, 1):  # both ranks came back from the checkpoint of step 4
         assert f"rank {rank} attempt 0 starts at step 0" in proc.stdout, log
         assert f"rank {rank} attempt 1 starts at step {every}" in proc.stdout, log
         assert f"rank {rank} attempt 1 done" in proc.stdout, log
