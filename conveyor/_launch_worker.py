@@ -16,14 +16,9 @@ import sys
 import time
 from types import TracebackType
 
+from conveyor.errors import one_line
+
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
-
-
-def one_line(error: BaseException) -> str:
-    """``Type: message`` with the message's whitespace (newlines too) collapsed."""
-    text = " ".join(str(error).split())
-    name = type(error).__name__
-    return f"{name}: {text}" if text else name
 
 
 def write_error_file(path: str, error: BaseException) -> None:

@@ -62,7 +62,11 @@ class Context:
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this process's pipeline (the same
         replica and tensor-parallel rank)."""
-        return (self.dp_rank * self.pp_size + pp_rank) * self.tp_size + self.tp_rank
+        return self.rank_at(self.dp_rank, pp_rank, self.tp_rank)
+
+    def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """Global rank of the process at (``dp_rank``, ``pp_rank``, ``tp_rank``) of the mesh."""
+        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
 
 
 _current: Context | None = None

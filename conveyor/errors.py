@@ -17,3 +17,10 @@ class ConfigError(ConveyorError, ValueError):
 
 class PipelineError(ConveyorError, RuntimeError):
     """A step failed at run time, e.g. a peer rank died or stalled."""
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: message`` with the message's whitespace (newlines too) collapsed."""
+    text = " ".join(str(error).split())
+    name = type(error).__name__
+    return f"{name}: {text}" if text else name

@@ -473,18 +473,18 @@ class PipelineBase:
         busy = sum(end - start for *_, start, end in timings)
         wall = max((end for *_, end in timings), default=0.0)
         if self.context.distributed:
-            buf = torch.tensor([busy, wall], dtype=torch.float64)
+            busies = torch.tensor([busy], dtype=torch.float64)
             walls = torch.tensor([wall], dtype=torch.float64)
             group = self.context.pp_group
             self._collective(
-                lambda: dist.all_reduce(buf[:1], group=group, async_op=True),
+                lambda: dist.all_reduce(busies, group=group, async_op=True),
                 "measuring the bubble",
             )
             self._collective(
                 lambda: dist.all_reduce(walls, op=dist.ReduceOp.MAX, group=group, async_op=True),
                 "measuring the bubble",
             )
-            busy, wall = float(buf[0]), float(walls[0])
+            busy, wall = float(busies[0]), float(walls[0])
         ranks = self.schedule.ranks
         return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conveyor.errors import ConfigError, ConveyorError
+from conveyor.errors import ConfigError, ConveyorError, one_line
 
 BUILD = "define build() returning (model, inputs, targets, loss_fn)"
 
@@ -36,7 +36,7 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
         ) from None
     except Exception as error:
         raise ConfigError(
-            f"running {path} raised {_one_line(error)}; run 'python {path}' to see where"
+            f"running {path} raised {one_line(error)}; run 'python {path}' to see where"
         ) from None
     build = getattr(module, "build", None)
     if not callable(build):
@@ -47,16 +47,11 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
         raise
     except Exception as error:
         raise ConfigError(
-            f"{path}: build() raised {_one_line(error)}; call it in Python to see where"
+            f"{path}: build() raised {one_line(error)}; call it in Python to see where"
         ) from None
     if not isinstance(built, tuple) or len(built) != 4:
         raise ConfigError(f"{path}: build() returned {type(built).__name__}; {BUILD}")
     return built[0], built[1], built[2], built[3]
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:

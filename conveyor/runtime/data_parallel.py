@@ -154,9 +154,7 @@ class DataParallel:
     def _collective(self, work: dist.Work | None, what: str) -> None:
         assert work is not None
         ctx = self._ctx
-        ranks = [
-            (r * ctx.pp_size + ctx.pp_rank) * ctx.tp_size + ctx.tp_rank for r in range(ctx.dp_size)
-        ]
+        ranks = [ctx.rank_at(r, ctx.pp_rank, ctx.tp_rank) for r in range(ctx.dp_size)]
         suspect = f"a rank among {ranks} (or another replica)"
         wait_bounded(work, self._ctx.timeout, f"rank {self._ctx.rank}: {what}", suspect)
 
@@ -172,7 +170,7 @@ def make_replicas_equal(stages: dict[int, nn.Module], ctx: Context) -> None:
             if id(t) not in seen:
                 seen.add(id(t))
                 tensors.append(t)
-    src = ctx.pp_rank * ctx.tp_size + ctx.tp_rank  # this rank's counterpart in replica 0
+    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)  # this rank's counterpart in replica 0
     for group in _by_dtype(tensors):
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         collective(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.runtime.sharding import local_shard
 from conveyor.schedules.core import Action, B, F
 
 Key = tuple[int, int]  # (data pointer, bytes): one piece of memory
@@ -49,9 +50,7 @@ class _Held:
 
 def _storage(t: torch.Tensor) -> int:
     """Where a parameter's data lives (a DTensor's: its shard's)."""
-    to_local = getattr(t, "to_local", None)
-    local = to_local() if callable(to_local) else t
-    return int(local.untyped_storage().data_ptr())
+    return int(local_shard(t).untyped_storage().data_ptr())
 
 
 class ActivationMeter:

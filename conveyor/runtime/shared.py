@@ -50,7 +50,7 @@ class SharedParameters:
             if ranks not in groups:
                 for replica in range(ctx.dp_size):
                     for shard in range(ctx.tp_size):
-                        members = [(replica * ctx.pp_size + r) * ctx.tp_size + shard for r in ranks]
+                        members = [ctx.rank_at(replica, r, shard) for r in ranks]
                         group = dist.new_group(members, timeout=timeout)
                         if (replica, shard) == (ctx.dp_rank, ctx.tp_rank):
                             assert group is not None

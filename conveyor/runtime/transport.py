@@ -111,13 +111,7 @@ def collective(
     ``timeout`` seconds: a failure, time-out or error at the start raises a
     :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died,
     stalled or not called it."""
-    try:
-        work = start()
-    except Exception as exc:
-        raise PipelineError(
-            f"{doing} failed ({short_error(exc)}); {suspect} may have died, stalled or not "
-            f"reached the same call"
-        ) from exc
+    work = guarded(start, doing, suspect)
     if work is not None:
         wait_bounded(work, timeout, doing, suspect)
 

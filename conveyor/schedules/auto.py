@@ -12,16 +12,19 @@ Keeping ZB-H1 among the candidates makes the result never slower than ZB-H1 at a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import cast
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import Schedule, check_sizes, loop_placement
 from conveyor.schedules.greedy import FILLS, StageCost, greedy_programs
-from conveyor.schedules.simulate import is_per_stage, normalize_cost, peak_activations, simulate
+from conveyor.schedules.simulate import (
+    CostSpec,
+    is_per_stage,
+    normalize_cost,
+    peak_activations,
+    simulate,
+)
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2
-
-CostSpec = Sequence[float] | Sequence[Sequence[float]]
 
 
 def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
