@@ -127,7 +127,15 @@ def init(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
+        options: dict[str, Any] = {}
+        if backend == "nccl":
+            # Bound to its GPU at once: the communicators are made eagerly, not lazily on
+            # each rank pair's first transfer.
+            options["device_id"] = torch.device("cuda", _local_rank())
+        group_seconds = backend_timeout(backend, seconds)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=group_seconds), **options
+        )
     # torch 2.13's gloo can abort at interpreter exit ("terminate called without an active
     # exception") when the group is never destroyed: destroy it at exit, whoever made it.
     global _exit_hook, _exit_wait
@@ -149,7 +157,7 @@ def init(
             f"{pp * dp * tp} processes or change pp/dp/tp so that pp * dp * tp == {world}"
         )
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        local = _local_rank()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
@@ -188,13 +196,27 @@ def _device_mesh(
 
     names = ("dp", "pp", "tp")
     kwargs: dict[str, Any] = {}
-    options = _group_options(backend, seconds, len(names))
+    options = _group_options(backend, backend_timeout(backend, seconds), len(names))
     if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
         kwargs["backend_override"] = {
             name: (backend, option) for name, option in zip(names, options, strict=True)
         }
     # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=names, **kwargs)
+
+
+def backend_timeout(backend: str, seconds: float) -> float:
+    """The process groups' own time-out for conveyor's ``seconds``. On NCCL, waits are
+    stream-ordered and conveyor's watchdog names a stalled transfer after ``seconds``
+    (:mod:`conveyor.runtime.watchdog`); NCCL's watchdog, which ends the process without
+    naming the action, gets longer so that ours speaks first."""
+    return seconds + max(30.0, seconds / 4) if backend == "nccl" else seconds
+
+
+def _local_rank() -> int:
+    """This process's GPU: ``LOCAL_RANK``, else the global rank modulo the GPU count."""
+    fallback = int(os.environ.get("RANK", "0")) % max(torch.cuda.device_count(), 1)
+    return int(os.environ.get("LOCAL_RANK", fallback))
 
 
 def _group_options(backend: str, seconds: float, count: int) -> list[Any] | None:

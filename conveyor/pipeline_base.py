@@ -31,7 +31,7 @@ from conveyor.runtime.data_parallel import (
     make_replicas_equal,
     replica_share,
 )
-from conveyor.runtime.engine import Engine, LossFn, Mode
+from conveyor.runtime.engine import Engine, LossFn, Mode, StepRecord
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.sharding import Sharded, apply_tp, local_shard
@@ -180,7 +180,7 @@ class PipelineBase:
             apply_tp(self._stages, tp_plan, names, ctx.mesh["tp"])
         if fsdp:
             assert ctx.mesh is not None
-            _check_ties_for_fsdp(ties, self._stages)
+            _check_ties_for_fsdp(ties, self.schedule.placement)
             sharded = Sharded(self._stages, ctx.mesh["dp"], per_action=fsdp == "reshard")
         if tp_plan is not None or fsdp:
             self._shared.rebind(self._stages)
@@ -195,9 +195,9 @@ class PipelineBase:
             autocast=autocast_dtype(autocast),
             track_memory=track_memory,
             sharded=sharded,
+            on_action=self._dp.after_action if self._dp is not None else None,
         )
-        if self._dp is not None:
-            self._engine.after_action = self._dp.after_action
+        self._last_train: StepRecord | None = None
         self._step_grads = StepGradients(self.parameters())
         self._ready = True
 
@@ -335,13 +335,18 @@ class PipelineBase:
         if not self._ready:
             self._build_from(inputs)
 
-    def _run(self, mode: Mode, inputs: Any, targets: Any) -> tuple[torch.Tensor | None, list[Any]]:
+    def _run(
+        self, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0
+    ) -> StepRecord:
         last = self.schedule.stages - 1
         mb_inputs = self._split(inputs, "inputs", self._holds(0))
         mb_targets = None
         if mode != "predict" and self.loss_fn is not None:
             mb_targets = self._split(targets, "targets", self._holds(last))
-        return self._engine.run(mode, mb_inputs, mb_targets)
+        record = self._engine.run(mode, mb_inputs, mb_targets, loss_scale)
+        if mode == "train":  # traces and measurements show the last training step
+            self._last_train = record
+        return record
 
     def _shard_size(self, inputs: Any, targets: Any) -> int | None:
         """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
@@ -396,14 +401,15 @@ class PipelineBase:
         if isolate:
             self._step_grads.put_aside()
         try:
+            scale = 1.0
             if dp is not None:
                 dp.begin(size)
             elif self._sharding[0] and self.context.dp_size > 1:
                 # FSDP averages the replicas' gradients: weigh each replica's loss by its
                 # shard's share of the global batch (times the replicas) for uneven shards.
                 share = replica_share(size, self.context)
-                self._engine.loss_scale = share * self.context.dp_size
-            loss, _ = self._run("train", inputs, targets)
+                scale = share * self.context.dp_size
+            loss = self._run("train", inputs, targets, scale).loss
             if dp is not None:
                 dp.wait()  # each .grad: this step's gradient, averaged over the replicas
             if self._shared:
@@ -424,14 +430,14 @@ class PipelineBase:
         parallelism)."""
         self._begin(inputs, targets)
         size = self._shard_size(inputs, targets)
-        loss, _ = self._run("eval", inputs, targets)
+        loss = self._run("eval", inputs, targets).loss
         return self._share_loss(loss, size)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The whole batch's output on the rank holding the last stage, ``None`` elsewhere."""
         self._begin(inputs, None, predict=True)
-        _, outputs = self._run("predict", inputs, None)
+        outputs = self._run("predict", inputs, None).outputs
         return microbatch.merge(outputs) if outputs else None
 
     # ------------------------------------------------------------------ measurement
@@ -441,14 +447,14 @@ class PipelineBase:
         the step start; start is when the action's inputs
         had arrived, so waits on other ranks are not counted as work."""
         self._require_split('pipe.last_step_timings()')
-        return list(self._engine.timings)
+        return list(self._last_train.timings) if self._last_train is not None else []
 
     def last_step_waits(self) -> list[Timing]:
         """(rank, kind, stage, microbatch, start, end) of each wait of the last training
         step for another rank's output (the producer's kind, stage and micro-batch), in seconds
         from the step start."""
         self._require_split('pipe.last_step_waits()')
-        return list(self._engine.waits)
+        return list(self._last_train.waits) if self._last_train is not None else []
 
     def last_step_memory(self) -> MemoryReport:
         """This process's activation memory in the last training step: bytes autograd kept
@@ -458,9 +464,10 @@ class PipelineBase:
         self._require_split("pipe.last_step_memory()")
         if self._engine.meter is None:
             raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
-        if self._engine.memory is None:
+        record = self._last_train
+        if record is None or record.memory is None:
             raise ConfigError("no training step has run yet; call train_step first")
-        return self._engine.memory
+        return record.memory
 
     def measured_bubble(self) -> float:
         """1 - busy time / (ranks x step time) of the last training step, over all pipeline
@@ -469,12 +476,14 @@ class PipelineBase:
         A collective in a distributed world: call it on every rank.
         """
         self._require_split('pipe.measured_bubble()')
-        timings = self._engine.timings
+        timings = self.last_step_timings()
         busy = sum(end - start for *_, start, end in timings)
         wall = max((end for *_, end in timings), default=0.0)
         if self.context.distributed:
-            busies = torch.tensor([busy], dtype=torch.float64)
-            walls = torch.tensor([wall], dtype=torch.float64)
+            # On the context's device: NCCL reduces device tensors only.
+            device = self.context.device
+            busies = torch.tensor([busy], dtype=torch.float64, device=device)
+            walls = torch.tensor([wall], dtype=torch.float64, device=device)
             group = self.context.pp_group
             self._collective(
                 lambda: dist.all_reduce(busies, group=group, async_op=True),
@@ -497,7 +506,7 @@ class PipelineBase:
         the measured and simulated bubble; ``conveyor trace FILE --png PICTURE`` draws it.
         """
         self._require_split('pipe.save_trace()')
-        parts = [(self._engine.timings, self._engine.waits)]
+        parts = [(self.last_step_timings(), self.last_step_waits())]
         if self.context.distributed:
             gathered: list[Any] = [None] * self.context.pp_size
             guarded(
@@ -683,19 +692,21 @@ def _name_of(stage: nn.Module, first: nn.Module, name: str) -> str:
 
 
 def _check_ties_for_fsdp(
-    ties: list[tuple[dict[int, str], list[int]]], stages: dict[int, nn.Module]
+    ties: list[tuple[dict[int, str], list[int]]], placement: tuple[int, ...]
 ) -> None:
     """FSDP shards each stage on its own: a weight two stages of one rank share would
-    become two."""
+    become two. Checked over every rank's stages (every rank knows the whole placement),
+    so every rank raises the same error instead of only those holding the weight."""
     for names, holders in ties:
-        local = [s for s in holders if s in stages]
-        if len(local) > 1:
-            raise ConfigError(
-                f"fsdp cannot shard the weight {names[local[0]]!r}, which stages "
-                f"{local[0]} and {local[1]} of this rank share (a V schedule with tied "
-                f"weights); use a schedule that places stages in a loop (1f1b, zb-h1, "
-                f"interleaved-1f1b) or untie the weight"
-            )
+        for rank in sorted({placement[s] for s in holders}):
+            local = [s for s in holders if placement[s] == rank]
+            if len(local) > 1:
+                raise ConfigError(
+                    f"fsdp cannot shard the weight {names[local[0]]!r}, which stages "
+                    f"{local[0]} and {local[1]} of pipeline rank {rank} share (a V schedule "
+                    f"with tied weights); use a schedule that places stages in a loop "
+                    f"(1f1b, zb-h1, interleaved-1f1b) or untie the weight"
+                )
 
 
 def pipeline_ranks(

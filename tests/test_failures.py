@@ -127,3 +127,60 @@ def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
 def test_a_tensor_on_the_wrong_device_is_reported_with_stage_and_value() -> None:
     (msg,) = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
     assert msg.startswith("stage 0 (micro-batch 0) returned tensor 0 of its output on meta"), msg
+
+
+def test_stalled_rank_is_named_when_waits_are_stream_ordered() -> None:
+    # The CUDA path (waits without a time-out, a watchdog naming what is late), run on
+    # gloo: the other rank still fails within the time-out, naming the rank and action.
+    env = {"CONVEYOR_STREAM_WAITS": "1"}
+    (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120, env=env)
+    seconds, text = msg.split("s ", 1)
+    assert 2.5 <= float(seconds) < 20, msg
+    assert "rank 1" in text and "rank 0:" in text, msg
+    assert "waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
+
+
+class _Never:
+    """A work that never completes."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class _Done:
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_watchdog_names_the_late_work_and_aborts() -> None:
+    from conveyor.runtime.watchdog import Watchdog
+
+    aborted: list[float] = []
+    dog = Watchdog(0.3, on_expire=lambda: aborted.append(time.monotonic()), poll=0.02)
+    start = time.monotonic()
+    dog.watch(_Done(), "rank 0: F(stage 1, micro-batch 0) waiting ... from rank 1", "rank 1")  # type: ignore[arg-type]
+    dog.watch(_Never(), "rank 0: B(stage 0, micro-batch 2) waiting ... from rank 1", "rank 1")  # type: ignore[arg-type]
+    while not aborted and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert aborted and 0.3 <= aborted[0] - start < 1.0
+    try:
+        dog.check()
+    except conveyor.PipelineError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError("the watchdog did not fail")
+    assert text.startswith("rank 0: B(stage 0, micro-batch 2) waiting"), text
+    assert "did not finish within 0.3 s; rank 1 may have died or stalled" in text
+
+
+def test_watchdog_stays_quiet_while_works_finish() -> None:
+    from conveyor.runtime.watchdog import Watchdog
+
+    aborted: list[int] = []
+    dog = Watchdog(0.2, on_expire=lambda: aborted.append(1), poll=0.02)
+    for _ in range(20):
+        dog.watch(_Done(), "done", "nobody")  # type: ignore[arg-type]
+        time.sleep(0.02)
+    time.sleep(0.3)
+    dog.check()
+    assert not aborted

@@ -132,7 +132,8 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
         for stage in pipe.stages:
             stage.register_forward_hook(_record_dtype(made))
         loss = pipe.train_step(x, y).item()
-        wire = sorted({str(t.dtype) for meta in pipe._engine._sent.values() for t in meta.tensors})
+        metas = pipe._engine.channel.sent_metas
+        wire = sorted({str(t.dtype) for meta in metas for t in meta.tensors})
         dtypes = {str(p.grad.dtype) for p in pipe.parameters() if p.grad is not None}
         out[("autocast", name, chunks, rc)] = (loss, _grads(pipe), wire, dtypes, made)
         out[("autocast-eval", name, chunks, rc)] = pipe.eval_step(x, y).item()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import conveyor
+from conveyor.verify import Block
 from tests import distributed
 from tests.models import batch
 from tests.test_readme_snippets import ELSEWHERE, readme_snippet
@@ -28,16 +29,6 @@ import gpt  # noqa: E402  (examples/gpt.py: the GPT example and its tensor-paral
 
 STEPS = 3
 Result = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 def mlp() -> nn.Sequential:

@@ -117,8 +117,11 @@ class DataParallel:
                 else:
                     part.copy_(_local(p.grad).reshape(-1))
                 offset += _numel(p)
-            flags = [0.0 if p.grad is None else 1.0 for p in params]
-            flat[n:].copy_(torch.tensor(flags, dtype=p0.dtype))
+            # Set on the device: a host tensor copied in would sync per bucket on CUDA.
+            flat[n:].fill_(1.0)
+            for i, p in enumerate(params):
+                if p.grad is None:
+                    flat[n + i].zero_()
             flat.mul_(self._weight)
             for p in params:
                 p.grad = None  # now in the buffer; wait() puts the mean back

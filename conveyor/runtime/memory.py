@@ -31,12 +31,16 @@ class MemoryReport:
     ``simulated_peak``: the peak of the same actions in the same order with those sizes,
     the F part held from F until the last of B / W (as the simulator counts activations),
     the B change from B until W. In the one-process world all three cover every stage.
+    ``device_peak``: on CUDA, the most bytes the caching allocator had allocated during
+    the step (``torch.cuda.max_memory_allocated``: parameters, gradients and workspace
+    too); None on CPU.
     """
 
     peak: int
     forward: dict[tuple[int, int], int]
     at_backward: dict[tuple[int, int], int]
     simulated_peak: int
+    device_peak: int | None = None
 
 
 class _Held:

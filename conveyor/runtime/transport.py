@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from conveyor.errors import PipelineError
+from conveyor.runtime.watchdog import Watchdog
 
 Work = dist.Work
 
 
 class Transport:
-    """Asynchronous sends and receives to other pipeline ranks (by pipeline rank).
+    """Grouped, order-matched sends and receives to other pipeline ranks (by pipeline rank).
 
-    Every wait is bounded by ``timeout`` seconds; a failure or time-out becomes a
+    Operations are posted in groups with ``batch_isend_irecv`` and tag 0: messages match
+    by their order between two ranks, as under NCCL (gloo, which could match by tag, is
+    held to the same rule). On CPU every wait is bounded by ``timeout`` seconds; on CUDA
+    waits are stream-ordered and a :class:`~conveyor.runtime.watchdog.Watchdog` names a
+    transfer that does not finish in time. Either way a failure or time-out becomes a
     :class:`PipelineError` that names this rank, the peer and what was awaited.
     """
 
@@ -29,25 +36,58 @@ class Transport:
         self.device = device
         self.timeout = timeout
         self._delta = datetime.timedelta(seconds=timeout)
+        # Stream-ordered waits where the device allows them (CUDA); the environment
+        # variable lets tests run that path on CPU.
+        stream = device.type == "cuda" or os.environ.get("CONVEYOR_STREAM_WAITS") == "1"
+        self.watchdog = Watchdog(timeout) if stream else None
         # Each send keeps its tensor alive until the transfer is done.
         self._sends: list[tuple[Work, torch.Tensor, str]] = []
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
-        """Start sending ``tensor`` to ``peer``; completion is checked by :meth:`flush`."""
-        work = dist.isend(tensor, self.to_global(peer), tag=tag)
-        if work is not None:
-            self._sends.append((work, tensor, what))
+    def post(self, ops: list[Op]) -> list[Work]:
+        """Post ``ops`` as one group; returns their works in the same order. Sends are
+        waited for by :meth:`flush`, receives by :meth:`wait`."""
+        if not ops:
+            return []
+        if self.watchdog is not None:
+            self.watchdog.check()
+        works = self._post_now(ops)
+        for op, work in zip(ops, works, strict=True):
+            if op.send:
+                self._sends.append((work, op.tensor, op.what))
+        return works
 
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
-        """Post a receive into ``tensor`` from ``peer``; wait on it with :meth:`wait`."""
-        work = dist.irecv(tensor, self.to_global(peer), tag=tag)
-        assert work is not None
-        return work
+    def _post_now(self, ops: list[Op]) -> list[Work]:
+        batch = [
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, self.to_global(op.peer))
+            for op in ops
+        ]
+        try:
+            works = dist.batch_isend_irecv(batch)
+        except Exception as exc:
+            peers = ", ".join(sorted({self.name(op.peer) for op in ops}))
+            raise PipelineError(
+                f"{self.name(self.rank)}: posting transfers with {peers} failed "
+                f"({short_error(exc)}); a peer may have died"
+            ) from exc
+        if len(works) != len(ops):  # NCCL: one work for the whole coalesced group
+            works = [works[0]] * len(ops)
+        return works
 
     def wait(self, work: Work, peer: int, what: str) -> None:
-        """Wait for ``work`` at most ``timeout`` seconds, naming ``what`` if it fails."""
+        """Wait for ``work`` (see the class doc), naming ``what`` if it fails."""
         them = self.name(peer)
-        wait_bounded(work, self.timeout, f"{self.name(self.rank)}: {what} from {them}", them)
+        doing = f"{self.name(self.rank)}: {what} from {them}"
+        if self.watchdog is None:
+            wait_bounded(work, self.timeout, doing, them)
+            return
+        self.watchdog.watch(work, doing, them)
+        try:
+            work.wait()  # on CUDA: the current stream waits, the CPU does not
+        except Exception as exc:
+            self.watchdog.check()
+            raise PipelineError(
+                f"{doing} failed ({short_error(exc)}); {them} may have died or stalled"
+            ) from exc
 
     def name(self, rank: int) -> str:
         """``rank N`` for pipeline rank ``rank``; with data parallelism, the global rank
@@ -56,9 +96,19 @@ class Transport:
         return f"rank {rank}" if index == rank else f"rank {index} (pipeline rank {rank})"
 
     def flush(self) -> None:
-        """Wait for every send started since the last flush."""
+        """Wait for every send posted since the last flush."""
         sends, self._sends = self._sends, []
         for work, _, what in sends:
+            if self.watchdog is not None:
+                self.watchdog.watch(work, f"{self.name(self.rank)}: {what}", "the receiver")
+                try:
+                    work.wait()
+                except Exception as exc:
+                    self.watchdog.check()
+                    raise PipelineError(
+                        f"{self.name(self.rank)}: {what} failed ({short_error(exc)})"
+                    ) from exc
+                continue
             try:
                 work.wait(self._delta)
             except Exception as exc:
@@ -71,6 +121,17 @@ class Transport:
         """Forget sends that already completed, so their buffers can be freed early."""
         if len(self._sends) > 8:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One send (``send=True``) or receive of ``tensor`` with pipeline rank ``peer``;
+    ``what`` names it in errors."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    what: str = ""
 
 
 def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:

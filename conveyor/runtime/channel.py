@@ -1,0 +1,329 @@
+"""How a value gets from the stage that made it to the stage that uses it.
+
+One interface, two implementations: :class:`Mailbox` hands values over in memory (every
+consumer is in this process), :class:`Remote` also moves them between ranks with
+:class:`~conveyor.runtime.transport.Transport`, posting exactly what each
+:class:`~conveyor.runtime.program.Step` says (see :mod:`conveyor.runtime.program` for why
+that order cannot deadlock under NCCL).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from conveyor.context import Context
+from conveyor.errors import PipelineError
+from conveyor.runtime.program import Message, Step, consumer_stage
+from conveyor.runtime.transport import Op, Transport, Work, collective
+from conveyor.runtime.wire import (
+    HEADER_BYTES,
+    TensorMeta,
+    ValueMeta,
+    decode_header,
+    describe,
+    encode_header,
+    rebuild,
+)
+from conveyor.schedules import Action, F, Schedule
+from conveyor.trace import Timing
+
+# (signature of the step's input shapes, mode): descriptions are cached per key.
+StepKey = tuple[int, str]
+
+
+def action_name(action: Action) -> str:
+    """``F(stage 1, micro-batch 3)``."""
+    return f"{action.kind}(stage {action.stage}, micro-batch {action.microbatch})"
+
+
+def fresh_leaf(x: Any) -> Any:
+    """A stage-input leaf cut from the producer's graph (gradients stop at the boundary)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+class Mailbox:
+    """Every stage in this process: values are handed over in memory."""
+
+    def __init__(self, schedule: Schedule, stages: set[int] | dict[int, Any]) -> None:
+        self.schedule = schedule
+        self.stages = set(stages)
+        self.waits: list[Timing] = []
+        self._box: dict[Action, Any] = {}
+
+    @property
+    def sent_metas(self) -> list[ValueMeta]:
+        """The description of every distinct output sent to another rank."""
+        return []
+
+    def begin(self, key: StepKey, t0: float) -> None:
+        """Start a step (``t0``: its start on ``time.perf_counter``)."""
+        self._box = {}
+        self.waits = []
+
+    def agree(self, signature: int, size: int, has_inputs: bool) -> tuple[int, int]:
+        """The step's input signature and batch size as every pipeline rank sees them."""
+        return signature, size
+
+    def deliver(self, producer: Action, value: Any) -> None:
+        """``producer``'s result (F output or B input gradients), for its consumer."""
+        if producer.kind == F:
+            value = pytree.tree_map(fresh_leaf, value)
+        self._box[producer] = value
+
+    def take(self, producer: Action, consumer: Action) -> Any:
+        """``producer``'s result, for ``consumer``."""
+        return self._box.pop(producer)
+
+    def post(self, step: Step) -> None:
+        """Post ``step``'s transfers (none: nothing leaves this process)."""
+
+    def end(self) -> None:
+        """Finish the step's transfers."""
+
+
+@dataclass
+class _Incoming:
+    """A message whose tensors are being received."""
+
+    message: Message
+    meta: ValueMeta | None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    works: list[Work] = field(default_factory=list)
+
+
+class Remote(Mailbox):
+    """Values to stages of this process in memory, to other ranks over the wire.
+
+    F outputs travel as their tensors plus, the first time a (step signature, producer)
+    is seen, a fixed-size description; B input gradients need none (their shapes are
+    those of the receiver's saved outputs, given by ``gradient_metas``).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: set[int] | dict[int, Any],
+        ctx: Context,
+        gradient_metas: Callable[[Action], list[TensorMeta]],
+    ) -> None:
+        super().__init__(schedule, stages)
+        self.ctx = ctx
+        self.rank = ctx.pp_rank
+        self.device = ctx.device
+        self.transport = Transport(self.rank, ctx.global_rank, ctx.device, ctx.timeout)
+        self._gradient_metas = gradient_metas
+        self._key: StepKey = (0, "train")
+        self._t0 = 0.0
+        self._outgoing: tuple[Action, Any] | None = None
+        self._incoming: dict[Action, _Incoming] = {}
+        self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
+        self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
+
+    @property
+    def sent_metas(self) -> list[ValueMeta]:
+        return list(self._sent.values())
+
+    def begin(self, key: StepKey, t0: float) -> None:
+        super().begin(key, t0)
+        self._key, self._t0 = key, t0
+        self._outgoing = None
+        self._incoming = {}
+
+    def agree(self, signature: int, size: int, has_inputs: bool) -> tuple[int, int]:
+        holder = self.schedule.placement[0]
+        if self.rank == holder and not has_inputs:
+            raise PipelineError(
+                f"rank {self.rank} holds the first stage but got inputs=None; pass the batch "
+                f"on this rank"
+            )
+        buf = torch.tensor([signature, size], dtype=torch.int64, device=self.device)
+        name = self.transport.name
+        others = [name(r) for r in range(self.schedule.ranks) if r != self.rank]
+        if self.rank == holder:
+            doing = "sending the batch's shapes to " + ", ".join(others)
+            suspect = " or ".join(others)
+        else:
+            doing = f"receiving the batch's shapes from {name(holder)} (stage 0)"
+            suspect = f"{name(holder)} or another pipeline rank"
+        source = self.ctx.global_rank(holder)
+        collective(
+            lambda: dist.broadcast(buf, source, group=self.ctx.pp_group, async_op=True),
+            self.ctx.timeout,
+            f"{name(self.rank)}: starting a step ({doing})",
+            suspect,
+        )
+        values = buf.tolist()  # one host sync per step, not per micro-batch
+        return int(values[0]), int(values[1])
+
+    def deliver(self, producer: Action, value: Any) -> None:
+        consumer = consumer_stage(producer, self.schedule.stages)
+        if consumer in self.stages:
+            super().deliver(producer, value)
+        else:
+            self._outgoing = (producer, value)
+
+    def take(self, producer: Action, consumer: Action) -> Any:
+        if producer.stage in self.stages:
+            return super().take(producer, consumer)
+        incoming = self._incoming.pop(producer, None)
+        if incoming is None:
+            raise PipelineError(
+                f"rank {self.rank}: {action_name(consumer)} needs {action_name(producer)}, "
+                f"which no step of this rank's program receives; the schedule is inconsistent"
+            )
+        kind = "activations" if producer.kind == F else "gradients"
+        what = f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
+        began = time.perf_counter()
+        for work in dict.fromkeys(incoming.works):  # a coalesced group has one work
+            self.transport.wait(work, incoming.message.src, what)
+        ended = time.perf_counter()
+        if ended - began > 1e-5:  # a real wait, not an already finished receive
+            self.waits.append(
+                (
+                    self.rank,
+                    producer.kind,
+                    producer.stage,
+                    producer.microbatch,
+                    began - self._t0,
+                    ended - self._t0,
+                )
+            )
+        if producer.kind != F:
+            return incoming.tensors
+        meta = incoming.meta
+        assert meta is not None
+        train = self._key[1] == "train"
+        tensors = [
+            t.requires_grad_(m.requires_grad and train)
+            for t, m in zip(incoming.tensors, meta.tensors, strict=True)
+        ]
+        return rebuild(meta, tensors)
+
+    def post(self, step: Step) -> None:
+        descriptions: list[Op] = []
+        sends: list[Op] = []
+        if step.sends:
+            sends = self._outgoing_ops(step.sends[0], descriptions)
+        self._outgoing = None
+        unknown: list[tuple[Message, torch.Tensor]] = []
+        for message in step.recvs:
+            if message.producer.kind == F and self._meta(message) is None:
+                buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                unknown.append((message, buf))
+                descriptions.append(Op(False, buf, message.src))
+        if descriptions:
+            # New shapes: the descriptions go first, as their own group, and the receivers
+            # read them before they can size the tensors' buffers.
+            works = self.transport.post(descriptions)
+            received = works[len(descriptions) - len(unknown) :]
+            for (message, buf), work in zip(unknown, received, strict=True):
+                what = f"waiting for the output description of {action_name(message.producer)}"
+                self.transport.wait(work, message.src, what)
+                self._seen[self._key, message.producer] = decode_header(self._host(buf))
+        # Receives first: the group's operations progress together under NCCL, and gloo,
+        # which posts them one by one, then posts each receive before its own send's data
+        # occupies the connection.
+        receives: list[_Incoming] = []
+        ops: list[Op] = []
+        for message in step.recvs:
+            if message.producer.kind == F:
+                meta = self._meta(message)
+                assert meta is not None
+                metas = meta.tensors
+            else:
+                meta, metas = None, self._gradient_metas(message.producer)
+            incoming = _Incoming(message, meta)
+            for m in metas:
+                t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                incoming.tensors.append(t)
+                ops.append(Op(False, t, message.src))
+            receives.append(incoming)
+        works = self.transport.post(ops + sends)
+        position = 0
+        for incoming in receives:
+            n = len(incoming.tensors)
+            incoming.works = works[position : position + n]
+            position += n
+            self._incoming[incoming.message.producer] = incoming
+        self.transport.prune()
+
+    def end(self) -> None:
+        self.transport.flush()
+        if self._incoming:
+            left = ", ".join(action_name(p) for p in self._incoming)
+            raise PipelineError(f"rank {self.rank}: received but never used: {left}")
+
+    def _meta(self, message: Message) -> ValueMeta | None:
+        return self._seen.get((self._key, message.producer))
+
+    def _outgoing_ops(self, message: Message, descriptions: list[Op]) -> list[Op]:
+        """The send of ``message``'s value; its description is added to
+        ``descriptions`` when the receiver has not seen it."""
+        producer = message.producer
+        if self._outgoing is None or self._outgoing[0] != producer:
+            raise PipelineError(
+                f"rank {self.rank}: the program sends {action_name(producer)}, which has not "
+                f"run yet; the schedule is inconsistent"
+            )
+        value = self._outgoing[1]
+        where = f"stage {producer.stage} (micro-batch {producer.microbatch})"
+        if producer.kind != F:
+            what = f"sending input gradients of {where}"
+            return [Op(True, g.contiguous(), message.dst, what) for g in value]
+        meta, tensors = describe(value)
+        for i, t in enumerate(tensors):
+            if t.device != self.device:
+                raise PipelineError(
+                    f"{where} returned tensor {i} of its output on {t.device}, but this "
+                    f"rank's device is {self.device}; move it with "
+                    f".to({str(self.device)!r}) in the stage"
+                )
+        known = self._sent.get((self._key, producer))
+        if known is None:
+            header = encode_header(meta, where)
+            if self.device.type == "cuda":  # pinned: the copy does not sync the host
+                header = header.pin_memory().to(self.device, non_blocking=True)
+            else:
+                header = header.to(self.device)
+            what = f"sending output description of {where}"
+            descriptions.append(Op(True, header, message.dst, what))
+            self._sent[self._key, producer] = meta
+        elif known != meta:
+            raise PipelineError(
+                f"{where} output changed ({_difference(known, meta)}) although the input "
+                f"shapes did not; stage outputs must be tensors whose shapes follow the "
+                f"inputs (return varying non-tensor values from the last stage only)"
+            )
+        what = f"sending output of {where}"
+        return [Op(True, t, message.dst, what) for t in tensors]
+
+    def _host(self, buf: torch.Tensor) -> torch.Tensor:
+        """A received description on the host (CUDA: through pinned memory)."""
+        if buf.device.type != "cuda":
+            return buf
+        host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        host.copy_(buf, non_blocking=True)
+        torch.cuda.current_stream(buf.device).synchronize()
+        if self.transport.watchdog is not None:
+            self.transport.watchdog.check()
+        return host
+
+
+def _difference(old: ValueMeta, new: ValueMeta) -> str:
+    if old.spec != new.spec:
+        return "its structure"
+    for i, (a, b) in enumerate(zip(old.leaves, new.leaves, strict=True)):
+        if a != b:
+            before = f"{a[1]!r}" if isinstance(a, tuple) else f"tensor {a.shape} {a.dtype}"
+            after = f"{b[1]!r}" if isinstance(b, tuple) else f"tensor {b.shape} {b.dtype}"
+            return f"output value {i} was {before}, now {after}"
+    return "its description"

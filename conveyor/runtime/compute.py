@@ -1,0 +1,279 @@
+"""The work of one action on this process's stages: F, B, W, recompute and the loss.
+
+:class:`StageCompute` knows nothing of ranks or transfers: the run loop hands it an
+action's input and passes on what it returns. It keeps what a step needs between actions
+(saved activations from F to B, the split backward's pending W work, recompute stashes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from conveyor.errors import PipelineError
+from conveyor.partition.describe import shape_of
+from conveyor.runtime.call import StageCaller
+from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.memory import ActivationMeter
+from conveyor.runtime.recompute import (
+    RngState,
+    discard_saved,
+    replay_rng,
+    rng_state,
+    shape_only,
+)
+from conveyor.runtime.split_backward import WeightWork, backward_input
+from conveyor.runtime.wire import TensorMeta
+from conveyor.schedules import Action
+
+Mode = Literal["train", "eval", "predict"]
+LossFn = Callable[[Any, Any], torch.Tensor] | None
+
+
+def grad_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of ``value`` that require gradients."""
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model computed itself (``loss_fn=None``): its output if that is a scalar,
+    else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise PipelineError(
+            f"loss_fn=None takes the loss from the model's output, but its "
+            f"{type(out).__name__} has no loss; pass what the model needs to compute one "
+            f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
+        )
+    return loss
+
+
+def _track_float(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().requires_grad_()
+    return x
+
+
+class StageCompute:
+    """Runs F, B and W of the stages this process holds (see the module doc)."""
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        last_stage: int,
+        split_backward: bool,
+        loss_fn: LossFn,
+        device: torch.device,
+        *,
+        recompute: frozenset[int],
+        autocast: torch.dtype | None,
+        meter: ActivationMeter | None,
+    ) -> None:
+        self.stages = stages
+        self.last = last_stage
+        self.split_backward = split_backward
+        self.loss_fn = loss_fn
+        self.device = device
+        self.recompute = frozenset(s for s in recompute if s in stages)
+        self.autocast = autocast
+        self.meter = meter
+        # Neither option: the forward runs exactly the original, option-free code.
+        self._plain = not self.recompute and autocast is None
+        self.params: dict[int, list[torch.Tensor]] = {
+            s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
+        }
+        self._store = LinearWeightStore([p for ps in self.params.values() for p in ps])
+        self._call = StageCaller()
+        # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
+        self.sent_shapes: dict[int, list[str]] = {}
+        self.begin("train", None, [], 1.0, frozenset())
+
+    def begin(
+        self,
+        mode: Mode,
+        targets: list[Any] | None,
+        shares: list[float],
+        loss_scale: float,
+        adjacent: frozenset[tuple[int, int]],
+    ) -> None:
+        """Start a step: ``shares`` weigh each micro-batch's loss by its part of the batch;
+        ``loss_scale`` multiplies the losses that are differentiated (not the reported)."""
+        self.mode: Mode = mode
+        self.train = mode == "train"
+        self.targets = targets
+        self.shares = shares
+        self.loss_scale = loss_scale
+        self.adjacent = adjacent
+        self.saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.weights_pending: dict[tuple[int, int], WeightWork] = {}
+        # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
+        self._stash: dict[tuple[int, int], tuple[Any, RngState]] = {}
+        self.outputs: dict[int, Any] = {}
+        self.loss: torch.Tensor | None = None
+
+    def gathered(self, stage: int) -> None:
+        """FSDP gathered ``stage``: its gathered tensors are what autograd sees this step,
+        so the split backward and the meter work on them."""
+        params: list[torch.Tensor] = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        self.params[stage] = params
+        self._store.add_params(params)
+        if self.meter is not None:
+            self.meter.exclude(params)
+
+    def gradient_metas(self, producer: Action) -> list[TensorMeta]:
+        """Shapes of the gradients ``producer`` (a B of the next stage) sends here: those
+        of the outputs this process's F of the same micro-batch saved."""
+        saved = self.saved.get((producer.stage - 1, producer.microbatch))
+        if saved is None:
+            raise PipelineError(
+                f"gradients for stage {producer.stage - 1} micro-batch {producer.microbatch} "
+                f"are received before its forward ran; the schedule is inconsistent"
+            )
+        return [TensorMeta(tuple(t.shape), t.dtype, False) for t in saved[1]]
+
+    # ----------------------------------------------------------------- F
+    def forward(self, action: Action, value: Any) -> Any:
+        """F of ``action``: ``value`` is the stage input (the micro-batch for stage 0);
+        returns the output to pass on, or None on the last stage."""
+        s, m = action.stage, action.microbatch
+        if s == 0:
+            in_leaves: list[torch.Tensor] = []
+            if self.train and self.split_backward:
+                # Track the input's gradient (then dropped) so that B, not W, walks the
+                # stage's input path: the first stage's B and W then cost what the
+                # schedule assumes of every stage, instead of B nothing and W everything.
+                value = pytree.tree_map(_track_float, value)
+                in_leaves = grad_leaves(value)
+        else:
+            in_leaves = grad_leaves(value) if self.train else []
+        scaled: torch.Tensor | None = None
+        if not self._plain:
+            out, scaled = self._forward_with_options(s, m, value)
+        elif self.train and self.split_backward:
+            with self._store.capture((s, m)):
+                out = self._call(s, self.stages[s], value, s == 0)
+        else:
+            out = self._call(s, self.stages[s], value, s == 0)
+        if s < self.last:
+            if s not in self.sent_shapes:
+                values = out if isinstance(out, tuple) else (out,)
+                self.sent_shapes[s] = [shape_of(v) for v in values]
+            if self.train:
+                outs = grad_leaves(out)
+                if self._stash and (s, m) in self._stash:  # recomputed at B: shapes only
+                    outs = [shape_only(t) for t in outs]
+                self.saved[(s, m)] = (in_leaves, outs)
+            return out
+        if self.mode == "predict":
+            self.outputs[m] = pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
+            )
+            return None
+        if scaled is None:
+            scaled = self._scaled_loss(out, m)
+        total = scaled.detach() / self.loss_scale
+        self.loss = total if self.loss is None else self.loss + total
+        if self.train:
+            # A recomputed last stage keeps nothing: B recomputes the loss too.
+            recomputed = self._stash and (s, m) in self._stash
+            self.saved[(s, m)] = (in_leaves, [] if recomputed else [scaled])
+        return None
+
+    def _scaled_loss(self, out: Any, m: int) -> torch.Tensor:
+        """The micro-batch's loss times its share of the batch."""
+        if self.loss_fn is None:
+            loss = model_loss(out)
+        else:
+            assert self.targets is not None
+            loss = self.loss_fn(out, self.targets[m])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise PipelineError(
+                f"loss_fn must return a scalar tensor (the mean loss of the micro-batch), got {got}"
+            )
+        return loss.reshape(()) * (self.shares[m] * self.loss_scale)
+
+    def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, torch.Tensor | None]:
+        """F under autocast and/or recompute; returns the output and, on the last stage
+        (outside predict), the scaled loss, computed under the same autocast."""
+        recompute = self.train and s in self.recompute and (s, m) not in self.adjacent
+        if recompute:
+            self._stash[(s, m)] = (value, rng_state(self.device))
+            if self.meter is not None:  # the kept input is what recompute holds
+                self.meter.track(
+                    [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+                )
+        capture = self.train and self.split_backward and not recompute
+        scaled = None
+        with contextlib.ExitStack() as stack:
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+            if recompute:
+                # Build the graph (outputs know which of them need gradients), save nothing.
+                stack.enter_context(discard_saved())
+            with self._store.capture((s, m)) if capture else contextlib.nullcontext():
+                out = self._call(s, self.stages[s], value, s == 0)
+            if s == self.last and self.mode != "predict":
+                scaled = self._upcast(self._scaled_loss(out, m))
+        return out, scaled
+
+    def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
+        """B of a recompute stage: its forward again, from the kept input and RNG state;
+        returns the outputs to differentiate."""
+        value, rng = self._stash.pop((s, m))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(replay_rng(rng, self.device))
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+            split = self.split_backward
+            with self._store.capture((s, m)) if split else contextlib.nullcontext():
+                out = self._call(s, self.stages[s], value, s == 0)
+            if s == self.last:
+                return [self._upcast(self._scaled_loss(out, m))]
+        return grad_leaves(out)
+
+    def _upcast(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss computed in the autocast dtype, in float32 (micro-batch losses add up)."""
+        return loss.float() if self.autocast is not None and loss.dtype == self.autocast else loss
+
+    # ----------------------------------------------------------------- B and W
+    def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
+        """B of ``action`` given the gradients of its outputs (None on the last stage);
+        returns the input gradients to pass on, or None on the first stage."""
+        s, m = action.stage, action.microbatch
+        in_leaves, outs = self.saved.pop((s, m))
+        if self._stash and (s, m) in self._stash:
+            outs = self._rerun(s, m)
+        if self.split_backward:
+            got, work = backward_input(outs, grads, in_leaves, self.params[s])
+            self.weights_pending[(s, m)] = work
+            # Free what only B needed (W holds its own references) before anything else.
+            del outs
+            if self.meter is not None:
+                self.meter.track(self._store.kept((s, m)))  # held until W
+        else:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            got = [x.grad for x in in_leaves]
+        if s == 0:
+            return None
+        return [
+            g if g is not None else torch.zeros_like(x) for g, x in zip(got, in_leaves, strict=True)
+        ]
+
+    def weights(self, stage: int, microbatches: list[int]) -> None:
+        """W of ``stage`` for ``microbatches``, run together (a GEMM per weight)."""
+        for m in microbatches:
+            self.weights_pending.pop((stage, m)).run()
+        self._store.flush([(stage, m) for m in microbatches])
+
+    def leftovers(self) -> list[tuple[int, int]]:
+        """(stage, micro-batch) whose activations or W work the step never consumed."""
+        return [*self.saved, *self.weights_pending]

@@ -1,0 +1,178 @@
+"""What one rank does in a step, in which order: compute, receive, send. Pure Python.
+
+The runtime never decides when to post a transfer; it walks a :class:`RankProgram` built
+here from the :class:`~conveyor.schedules.Schedule`. The posting discipline is what makes
+the same program correct under NCCL, which matches messages by order alone, runs the
+operations between two ranks on one stream in posting order, lets a receive hold its
+stream until its data arrives and may hold a send until the peer's receive runs:
+
+1. Every action gets a **tick**: one more than the largest of its rank's previous
+   action's tick and its producer's tick (the earliest lock-step time it can run).
+2. At tick ``t`` a rank first computes its action of tick ``t`` (if any), then posts
+   **one group** (``batch_isend_irecv``) holding the send of that action's output and
+   the receives of every message its peers send at tick ``t``. When some value's
+   description (shapes, dtypes) is new, a group of descriptions goes first, and the
+   receivers wait for it before posting the tensors.
+3. A rank waits for a receive right before the action that consumes it, whose tick is
+   larger than the tick the receive was posted at.
+
+Why this cannot deadlock, under either stream model (one stream per rank pair, or one
+per rank) and whether sends block or are buffered: order all groups by (tick, phase).
+Each operation's counterpart sits in the peer's group of the same (tick, phase), and each
+rank posts its groups in increasing order. Suppose every group before (t, k) completes.
+Then each rank computes its tick-``t`` action (its inputs came at earlier ticks), so it
+posts its (t, k) group; the operations on its streams ahead of that group all belong to
+earlier groups, which have completed. So every (t, k) group reaches the head of its
+streams, where all its counterparts are too, and completes. Collectives (data parallel,
+FSDP, tensor parallel, tied weights) are posted at the same point of the same program by
+every member of their group, so they extend the same order. ``tests/test_nccl.py``
+replays what each rank really posts under these rules for every schedule and layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from conveyor.schedules import Action, B, F, Schedule, execution_order
+
+
+@dataclass(frozen=True)
+class Message:
+    """A value crossing ranks: ``producer``'s output (F) or input gradient (B), sent
+    from pipeline rank ``src`` to ``dst``."""
+
+    producer: Action
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One tick of one rank: compute ``action`` (None: idle), then post ``sends`` and
+    ``recvs`` as one group. ``rank`` is whose action it is (in the one-process world one
+    program holds every rank's actions)."""
+
+    tick: int
+    rank: int
+    action: Action | None
+    sends: tuple[Message, ...] = ()
+    recvs: tuple[Message, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """Everything a process does in one step of one mode, in order.
+
+    ``first`` / ``final``: per stage held here, the index in ``steps`` of its first and of
+    its last action (FSDP gathers before the first and reduces after the last).
+    ``adjacent``: (stage, micro-batch) whose B directly follows its F (recomputing its
+    forward would free nothing).
+    """
+
+    steps: tuple[Step, ...]
+    first: dict[int, int]
+    final: dict[int, int]
+    adjacent: frozenset[tuple[int, int]]
+
+    @property
+    def actions(self) -> list[Action]:
+        """The actions in the order they run."""
+        return [s.action for s in self.steps if s.action is not None]
+
+
+def producer_of(action: Action, stages: int) -> Action | None:
+    """The action whose result ``action`` consumes from another stage: F takes the
+    previous stage's F output, B the next stage's input gradient; None for the first F,
+    the last stage's B, and W."""
+    if action.kind == F and action.stage > 0:
+        return Action(F, action.stage - 1, action.microbatch)
+    if action.kind == B and action.stage < stages - 1:
+        return Action(B, action.stage + 1, action.microbatch)
+    return None
+
+
+def consumer_stage(producer: Action, stages: int) -> int | None:
+    """The stage that consumes ``producer``'s result, or None if nothing is passed on."""
+    if producer.kind == F and producer.stage < stages - 1:
+        return producer.stage + 1
+    if producer.kind == B and producer.stage > 0:
+        return producer.stage - 1
+    return None
+
+
+def ticks(schedule: Schedule, train: bool = True) -> dict[Action, int]:
+    """The lock-step tick of every action (forward actions only unless ``train``)."""
+    last_tick = [-1] * schedule.ranks
+    out: dict[Action, int] = {}
+    for rank, action in execution_order(schedule):
+        if not train and action.kind != F:
+            continue
+        producer = producer_of(action, schedule.stages)
+        after = out[producer] if producer is not None else -1
+        tick = max(last_tick[rank], after) + 1
+        out[action] = last_tick[rank] = tick
+    return out
+
+
+def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgram:
+    """Pipeline rank ``rank``'s program when each rank is its own process."""
+    at = ticks(schedule, train)
+    placement, stages = schedule.placement, schedule.stages
+    mine: dict[int, Action] = {}
+    incoming: dict[int, list[Message]] = {}
+    outgoing: dict[int, Message] = {}
+    for action, tick in at.items():
+        src = placement[action.stage]
+        consumer = consumer_stage(action, stages)
+        dst = placement[consumer] if consumer is not None else src
+        if src == rank:
+            mine[tick] = action
+        if src == dst or rank not in (src, dst):
+            continue
+        message = Message(action, src, dst)
+        if src == rank:
+            outgoing[tick] = message
+        else:
+            incoming.setdefault(tick, []).append(message)
+    steps = []
+    for tick in sorted(mine.keys() | incoming.keys()):
+        sent = outgoing.get(tick)
+        # Receives in peer order: the group's layout is the same on every run.
+        recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
+        steps.append(Step(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
+    return _finish(steps)
+
+
+def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
+    """Every rank's actions in one valid order, for the world of one process (every
+    value is handed over in memory)."""
+    steps = [
+        Step(i, rank, action)
+        for i, (rank, action) in enumerate(execution_order(schedule))
+        if train or action.kind == F
+    ]
+    return _finish(steps)
+
+
+def _finish(steps: Iterable[Step]) -> RankProgram:
+    steps = tuple(steps)
+    first: dict[int, int] = {}
+    final: dict[int, int] = {}
+    previous: Action | None = None
+    adjacent = set()
+    for i, step in enumerate(steps):
+        a = step.action
+        if a is None:
+            continue
+        first.setdefault(a.stage, i)
+        final[a.stage] = i
+        if (
+            previous is not None
+            and previous.kind == F
+            and a.kind == B
+            and (previous.stage, previous.microbatch) == (a.stage, a.microbatch)
+        ):
+            adjacent.add((a.stage, a.microbatch))
+        previous = a
+    return RankProgram(steps, first, final, frozenset(adjacent))
