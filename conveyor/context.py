@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import inspect
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from conveyor._groups import Held, release_all
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,15 +53,39 @@ class Context:
     backend: str | None
     distributed: bool
     timeout: float
-    pp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
     # Whether pp was chosen (by init(pp=...) or the world size): in a one-process world
     # without it, a Pipeline runs as many ranks as its balance or annotations describe.
     pp_explicit: bool = field(default=True, repr=False, compare=False)
-    dp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
-    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
     tp_rank: int = 0
     tp_size: int = 1
-    tp_group: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    # The mesh and its groups, through handles that the exit hook releases (_groups.py).
+    _mesh: Held[DeviceMesh] | None = field(default=None, repr=False, compare=False)
+    _groups: Held[dict[str, dist.ProcessGroup]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The ``(dp, pp, tp)`` device mesh (None in a world of one process)."""
+        return self._mesh.get() if self._mesh is not None else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """This process's pipeline: the ranks with its ``dp_rank`` and ``tp_rank``."""
+        return self._group("pp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks with this process's ``pp_rank`` and ``tp_rank`` in every replica."""
+        return self._group("dp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The ranks sharing this process's layers' shards."""
+        return self._group("tp")
+
+    def _group(self, name: str) -> dist.ProcessGroup | None:
+        return self._groups.get()[name] if self._groups is not None else None
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank`` in this process's pipeline (the same
@@ -75,9 +103,29 @@ _exit_wait = DEFAULT_TIMEOUT  # the last init's time-out, for the barrier at exi
 
 
 def _timeout_from(timeout: float | None) -> float:
+    """``init``'s time-out in seconds (else ``$CONVEYOR_TIMEOUT``, else the default),
+    checked before any process group is made: a finite number > 0."""
     if timeout is not None:
+        number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+        if not number or not math.isfinite(float(timeout)) or timeout <= 0:
+            raise ConfigError(
+                f"timeout must be a finite number of seconds > 0, got timeout={timeout!r}; "
+                f"pass e.g. conveyor.init(timeout=300)"
+            )
         return float(timeout)
-    return float(os.environ.get("CONVEYOR_TIMEOUT", DEFAULT_TIMEOUT))
+    text = os.environ.get("CONVEYOR_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(
+            f"$CONVEYOR_TIMEOUT must be a finite number of seconds > 0, got {text!r}; set "
+            f"e.g. CONVEYOR_TIMEOUT=300, or unset it for the default ({DEFAULT_TIMEOUT:g} s)"
+        )
+    return seconds
 
 
 def in_torchrun() -> bool:
@@ -174,12 +222,10 @@ def init(
         backend,
         True,
         seconds,
-        pp_group=mesh.get_group("pp"),
-        dp_group=mesh.get_group("dp"),
-        mesh=mesh,
         tp_rank=rank % tp,
         tp_size=tp,
-        tp_group=mesh.get_group("tp"),
+        _mesh=Held(mesh),
+        _groups=Held({name: mesh.get_group(name) for name in ("dp", "pp", "tp")}),
     )
     return _current
 
@@ -235,16 +281,21 @@ def _group_options(backend: str, seconds: float, count: int) -> list[Any] | None
 
 def _destroy() -> None:
     """At exit: leave together (a bounded barrier; a dead peer only costs its time-out),
-    then destroy the group, so no rank tears its connections down under a peer that still
-    uses them."""
-    if not dist.is_initialized():
-        return
-    with contextlib.suppress(Exception):
-        work = dist.barrier(async_op=True)
-        if work is not None:
-            work.wait(datetime.timedelta(seconds=min(_exit_wait, 2.0)))
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    destroy the groups, so no rank tears its connections down under a peer that still
+    uses them, and let go of conveyor's references to them, so that they are freed and
+    their worker threads joined now, while the interpreter is alive (``_groups.py`` says
+    why), also when the script destroyed the default group itself."""
+    global _current
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            work = dist.barrier(async_op=True)
+            if work is not None:
+                work.wait(datetime.timedelta(seconds=min(_exit_wait, 2.0)))
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    release_all()
+    _current = None
+    gc.collect()
 
 
 def current() -> Context:

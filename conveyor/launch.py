@@ -43,8 +43,12 @@ For that, with ``--max-restarts`` above 0 the launcher also sets, unless set,
 reuse the first attempt's rendezvous store and their process group connects to the dead
 workers' stale addresses (pytorch/pytorch#135712); and on one machine it uses the c10d
 rendezvous on a free port (``--standalone``) instead of the static one, whose store also
-outlives the attempt. On several machines use ``--rdzv-backend c10d --rdzv-endpoint
-HOST:PORT --rdzv-id JOB`` for restarts.
+outlives the attempt. On several machines restarts need ``--rdzv-backend c10d
+--rdzv-endpoint HOST:PORT --rdzv-id JOB``: the static rendezvous with ``--max-restarts``
+is refused there (after a restart a node cannot connect and the others hang). A
+rendezvous that fails, such as a c10d one whose peer never arrives within
+``--rdzv-conf join_timeout=SECONDS`` (torchrun's default: 600), ends with a short summary
+instead of torchrun's bare traceback.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ import sys
 import textwrap
 from collections.abc import Mapping
 from typing import Any
+
+from conveyor.errors import one_line
 
 # glibc reads these at process start, so the launcher sets them for its workers.
 MALLOC_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -71,12 +77,20 @@ conveyor launch runs torchrun (every option below is torchrun's) and adds:
     (--standalone) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so restarted workers do not
     reuse the dead ones' store (pytorch/pytorch#135712). torchrun restarts after any
     non-zero exit, also a script's deliberate one.
+    On several machines --max-restarts needs the c10d rendezvous (example below): with
+    the static one (--master-addr, --node-rank) restarted workers cannot reconnect, so
+    that combination is refused.
   - When a worker fails, the last lines (at most 5) name the rank that failed first and
-    its error in one line; the tracebacks stay above them.
+    its error in one line; the tracebacks stay above them. A rendezvous that fails (a
+    node that never arrives within --rdzv-conf join_timeout=SECONDS) ends in one line too.
 
 examples:
   conveyor launch --nproc-per-node 2 train.py --lr 0.1
   conveyor launch --nproc-per-node 2 --max-restarts 3 train.py --checkpoint ckpt
+
+  two machines, 4 processes each (run it on both; HOST is the first one's address):
+  conveyor launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 train.py
 """
 
 SUMMARY_WIDTH = 100
@@ -183,6 +197,55 @@ def failure_summary(failures: Mapping[int, Any]) -> str:
     return "\n".join(lines)
 
 
+def _max_nodes(nnodes: str) -> int:
+    """The largest node count of ``--nnodes N`` or ``MIN:MAX`` (0 if unreadable: torchrun
+    then reports it)."""
+    try:
+        return int(str(nnodes).split(":")[-1])
+    except ValueError:
+        return 0
+
+
+def _check_restarts(config: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse ``--max-restarts`` with the static rendezvous across machines: after a
+    restart its workers connect to the first attempt's store and hang."""
+    static = config.rdzv_backend == "static" and not config.standalone
+    if config.max_restarts > 0 and static and _max_nodes(config.nnodes) > 1:
+        parser.error(
+            f"--max-restarts {config.max_restarts} with --nnodes {config.nnodes} needs the "
+            f"c10d rendezvous (the static one, --master-addr/--node-rank, cannot reconnect "
+            f"restarted workers across machines): give every node --rdzv-backend c10d "
+            f"--rdzv-endpoint HOST:PORT --rdzv-id JOB instead"
+        )
+
+
+def rendezvous_summary(error: BaseException, config: argparse.Namespace) -> str:
+    """At most 4 lines for a rendezvous that failed (torchrun raises it without a word
+    when a node never arrives)."""
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    backend = config.rdzv_backend
+    if backend == "static":
+        where = f"{config.master_addr}:{config.master_port or 29500}"
+    else:
+        where = config.rdzv_endpoint or "localhost:29400"
+    if isinstance(error, RendezvousTimeoutError):
+        wait = _parse_rendezvous_config(config.rdzv_conf).get("join_timeout", "600")
+        what = f"did not gather --nnodes {config.nnodes} nodes within join_timeout={wait} s"
+    else:
+        what = f"failed: {one_line(error).rstrip('.')}"
+    same = "--rdzv-endpoint and --rdzv-id"
+    if backend == "static":
+        same = "--master-addr and --master-port"
+    text = (
+        f"conveyor launch: the {backend} rendezvous at {where} {what}; start conveyor launch "
+        f"on every node with the same --nnodes, {same}, and check that {where} is reachable "
+        f"from each"
+    )
+    return "\n".join(_wrap(text, 4))
+
+
 def exit_code(failures: Mapping[int, Any]) -> int:
     """The exit code of the worker that failed first, else of another; 1 if none has one
     (workers killed by a signal)."""
@@ -197,14 +260,23 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`failure_summary`), and this returns the exit code of the worker that failed
     first (1 if it has none).
     """
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import run
 
     args = sys.argv[1:] if argv is None else list(argv)
+    # Only launched workers get these. A one-process run (python train.py) keeps torch's
+    # thread per core, as a PyTorch user expects of a lone process and what an idle
+    # machine wants; the README says what to set on a shared one. Setting it in
+    # conveyor.init instead would come too late for the malloc tunables (read at start)
+    # and would silently slow a single process on a machine of its own.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in MALLOC_TUNABLES:
         os.environ.setdefault(name, str(1 << 30))
-    config = _parser().parse_args(args)
+    parser = _parser()
+    config = parser.parse_args(args)
+    _check_restarts(config, parser)
     if config.max_restarts > 0:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if config.rdzv_backend == "static" and str(config.nnodes) in ("1", "1:1"):
@@ -218,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e.format_msg(), file=sys.stderr)  # type: ignore[no-untyped-call]
         print(failure_summary(e.failures), file=sys.stderr, flush=True)
         return exit_code(e.failures)
+    except (RendezvousError, DistError) as e:  # the agent's own rendezvous, before any worker
+        print(rendezvous_summary(e, config), file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

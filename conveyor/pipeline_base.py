@@ -177,7 +177,7 @@ class PipelineBase:
             names = [n for n, _ in self._model.named_modules()] if isinstance(
                 self._model, nn.Module
             ) else []
-            apply_tp(self._stages, tp_plan, names, ctx.mesh["tp"])
+            apply_tp(self._stages, tp_plan, names, ctx.mesh["tp"], every=all_stages)
         if fsdp:
             assert ctx.mesh is not None
             _check_ties_for_fsdp(ties, self.schedule.placement)
@@ -196,6 +196,7 @@ class PipelineBase:
             track_memory=track_memory,
             sharded=sharded,
             on_action=self._dp.after_action if self._dp is not None else None,
+            modules={s: ", ".join(self._description.stages[s].modules) for s in held},
         )
         self._last_train: StepRecord | None = None
         self._step_grads = StepGradients(self.parameters())
@@ -223,10 +224,17 @@ class PipelineBase:
         Every rank must capture the same graph, so the rank holding stage 0 sends its first
         micro-batch to the others (ranks may pass ``inputs=None``)."""
         ctx = self.context
-        sample = None if inputs is None else self._first_microbatch(inputs)
-        if ctx.distributed:
-            box = [None if sample is None else microbatch.to_device(sample, torch.device("cpu"))]
+        if not ctx.distributed:
+            sample = None if inputs is None else self._first_microbatch(inputs)
+        else:
             holder = ctx.global_rank(self.schedule.placement[0])
+            box: list[Any] = [None]
+            if ctx.rank == holder and inputs is not None:
+                try:  # a bad batch is sent as its error, so that every rank raises it
+                    first = self._first_microbatch(inputs)
+                    box = [microbatch.to_device(first, torch.device("cpu"))]
+                except ConfigError as error:
+                    box = [error]
             guarded(
                 lambda: dist.broadcast_object_list(box, src=holder, group=ctx.pp_group),
                 f"rank {ctx.rank}: receiving the first batch from rank {holder} (the model is "
@@ -234,6 +242,8 @@ class PipelineBase:
                 f"rank {holder}",
             )
             sample = box[0]
+            if isinstance(sample, ConfigError):
+                raise sample
         if sample is None:
             raise ConfigError(
                 "this model is captured with torch.export on its first batch, but the first "
@@ -715,6 +725,8 @@ def pipeline_ranks(
     """Pipeline ranks: the context's, or in a one-process world where init() was not
     given pp, as many as the schedule, balance or annotations describe."""
     if ctx.distributed or ctx.pp_explicit:
+        if ctx.distributed and balance is not None and not isinstance(schedule, Schedule):
+            _check_balance_fits(ctx, balance, chunks)
         return ctx.pp_size
     if isinstance(schedule, Schedule):
         return schedule.ranks
@@ -728,3 +740,24 @@ def pipeline_ranks(
             f"share out; give a multiple of {chunks} stages"
         )
     return stages // chunks
+
+
+def _check_balance_fits(ctx: Context, balance: list[int], chunks: int) -> None:
+    """A balance for another stage count than pp x chunks of a launched run, in words
+    that say how many processes it needs (one process runs as many ranks as it says)."""
+    if not isinstance(balance, (list, tuple)) or len(balance) == ctx.pp_size * chunks:
+        return
+    stages, have = len(balance), ctx.pp_size * chunks
+    head = (
+        f"balance {list(balance)} describes {stages} stages, but this run has {ctx.pp_size} "
+        f"pipeline ranks x {chunks} chunk(s) = {have} stages"
+    )
+    if stages % chunks:
+        raise ConfigError(f"{head}; give balance {have} entries, one layer count per stage")
+    ranks = stages // chunks
+    need = ranks * ctx.dp_size * ctx.tp_size
+    mesh = f" x dp {ctx.dp_size} x tp {ctx.tp_size}" if need != ranks else ""
+    raise ConfigError(
+        f"{head}; launch {need} processes for {ranks} pipeline ranks{mesh} (conveyor launch "
+        f"--nproc-per-node {need} script.py), or give balance {have} entries"
+    )

@@ -55,7 +55,8 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the planner on FILE.py's model; 0 on success, 1 on a user error."""
+    """Run the planner on FILE.py's model; 0 on success, 2 on bad input (the file, a flag,
+    a memory limit nothing fits), 1 when profiling the model fails."""
     from conveyor.cli import HelpFormatter, Parser, plain
     from conveyor.planner import plan
 
@@ -87,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The planner names its Python argument; here it is the flag.
         message = str(e).replace("memory_limit=", "--memory-limit ")
         print(f"conveyor plan: error: {message}", file=sys.stderr)
-        return 1
+        # Bad input (the file, the flags) exits 2 as in every conveyor command; a failure
+        # while profiling the model (PipelineError) exits 1.
+        return 2 if isinstance(e, ConfigError) else 1
     peaks = ", ".join(f"{b / 2**20:.1f}" for b in chosen.peak_memory)
     print(
         f"schedule={chosen.schedule} chunks={chosen.chunks} microbatches={chosen.microbatches} "

@@ -283,6 +283,30 @@ def test_dropout_follows_train_and_eval() -> None:
     assert len(noisy) == 3  # dropout is active again
 
 
+def test_a_model_captured_in_eval_mode_keeps_its_attention_dropout_for_training() -> None:
+    """``from_pretrained`` returns a model in eval mode; captured so (here at construction,
+    from ``sample``), its attention dropout (SDPA's ``dropout_p``, Llama's only dropout)
+    must still act once the model is put in training mode."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=50, max_position_embeddings=16, use_cache=False,
+        attention_dropout=0.5, attn_implementation="sdpa",
+    )
+    model = T.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (4, 8))
+    batch = {"input_ids": ids, "labels": ids}
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2),
+                             sample=(batch, None))
+    want = model(**batch).loss.item()
+    assert float(pipe.eval_step(batch, None)) == pytest.approx(want, rel=1e-6)
+    model.train()
+    losses = {float(pipe.train_step(batch, None)) for _ in range(3)}
+    assert len(losses) == 3 and want not in losses, (losses, want)  # dropout acts
+
+
 # ---------------------------------------------------------------------------- errors
 def test_a_cache_in_the_output_asks_for_use_cache_false() -> None:
     import transformers as T

@@ -203,7 +203,7 @@ def test_plan_with_a_bad_file(
     path = tmp_path / "model.py"
     if source is not None:
         path.write_text(source)
-    assert main(["plan", str(path)]) == 1
+    assert main(["plan", str(path)]) == 2  # bad input, as in every conveyor command
     assert _one_error_line(capsys).startswith(
         "conveyor plan: error: " + message.format(path=path)
     )

@@ -119,7 +119,7 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main([str(script), "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "schedule" in out and "| 1 |" in out
-    assert plan_main([str(script), "--ranks", "2", "--memory-limit", "10"]) == 1
+    assert plan_main([str(script), "--ranks", "2", "--memory-limit", "10"]) == 2
 
 
 def test_memory_model_counts_one_shard_of_the_parameters() -> None:

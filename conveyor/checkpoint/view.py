@@ -100,11 +100,9 @@ def _tied_links(pipe: Pipeline) -> dict[int, tuple[int, ...]]:
     rank and the k-th on another are the same weight: the key is (group ranks..., k).
     """
     shared = getattr(pipe, "_shared", None)
-    entries = getattr(shared, "_entries", [])
     counts: dict[tuple[int, ...], int] = {}
     out: dict[int, tuple[int, ...]] = {}
-    for param, group, *_ in entries:
-        ranks = tuple(dist.get_process_group_ranks(group))
+    for param, ranks in shared.links() if shared is not None else []:
         k = counts.get(ranks, 0)
         counts[ranks] = k + 1
         out[id(param)] = (*ranks, k)

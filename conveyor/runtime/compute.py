@@ -227,7 +227,7 @@ class StageCompute:
     def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
         """B of a recompute stage: its forward again, from the kept input and RNG state;
         returns the outputs to differentiate."""
-        value, rng = self._stash.pop((s, m))
+        value, rng = self._stash[(s, m)]
         with contextlib.ExitStack() as stack:
             stack.enter_context(replay_rng(rng, self.device))
             if self.autocast is not None:
@@ -235,9 +235,15 @@ class StageCompute:
             split = self.split_backward
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            if s == self.last:
-                return [self._upcast(self._scaled_loss(out, m))]
-        return grad_leaves(out)
+            outs = [self._upcast(self._scaled_loss(out, m))] if s == self.last else grad_leaves(out)
+        # Dropped only now: an error in the forward above is then named a recompute.
+        del self._stash[(s, m)]
+        return outs
+
+    def reruns(self, stage: int, microbatch: int) -> bool:
+        """Whether B of (``stage``, ``microbatch``) is still to recompute its forward (after
+        an error: whether that recompute failed)."""
+        return (stage, microbatch) in self._stash
 
     def _upcast(self, loss: torch.Tensor) -> torch.Tensor:
         """A loss computed in the autocast dtype, in float32 (micro-batch losses add up)."""

@@ -57,7 +57,6 @@ class DataParallel:
         if not ctx.distributed or ctx.dp_group is None:
             raise ValueError("DataParallel needs a distributed context with dp_size > 1")
         self._ctx = ctx
-        self._group = ctx.dp_group
         users: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}
         for s in sorted(stages):
@@ -125,7 +124,7 @@ class DataParallel:
             flat.mul_(self._weight)
             for p in params:
                 p.grad = None  # now in the buffer; wait() puts the mean back
-            work = dist.all_reduce(flat, group=self._group, async_op=True)
+            work = dist.all_reduce(flat, group=self._ctx.dp_group, async_op=True)
             assert work is not None
             bucket.pending.append((work, flat, params))
 

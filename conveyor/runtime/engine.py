@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
-from conveyor.errors import PipelineError
+from conveyor.errors import ConveyorError, PipelineError, one_line
 from conveyor.runtime.channel import Mailbox, Remote
 from conveyor.runtime.compute import LossFn, Mode, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
@@ -79,6 +79,7 @@ class Engine:
         track_memory: bool = False,
         sharded: Sharded | None = None,
         on_action: Callable[[Action], None] | None = None,
+        modules: Mapping[int, str] | None = None,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
@@ -86,8 +87,10 @@ class Engine:
         memory of every training step; ``sharded``: FSDP on these stages, gathered before
         each stage's first action of a step and reduced after its last; ``on_action``:
         called after each action (data parallelism starts reducing a stage's gradients
-        after its last B / W)."""
+        after its last B / W); ``modules``: per stage, its modules as ``print(pipe)``
+        names them (an error raised in a stage's work names them)."""
         self.schedule = schedule
+        self.modules = dict(modules or {})
         self.stages = stages
         self.ctx = ctx
         self.sharded = sharded
@@ -239,16 +242,21 @@ class Engine:
         meter, compute = self.meter if self.compute.train else None, self.compute
         key = (action.stage, action.microbatch)
         start = time.perf_counter()  # after any wait for the inputs
-        if action.kind == F:
-            before = meter.taken if meter is not None else 0
-            out = compute.forward(action, value)
-            if meter is not None:
-                self._forward_bytes[key] = meter.taken - before
-        else:
-            before = meter.current if meter is not None else 0
-            out = compute.backward(action, value)
-            if meter is not None and self.schedule.split_backward:
-                self._backward_bytes[key] = meter.current - before
+        try:
+            if action.kind == F:
+                before = meter.taken if meter is not None else 0
+                out = compute.forward(action, value)
+                if meter is not None:
+                    self._forward_bytes[key] = meter.taken - before
+            else:
+                before = meter.current if meter is not None else 0
+                out = compute.backward(action, value)
+                if meter is not None and self.schedule.split_backward:
+                    self._backward_bytes[key] = meter.current - before
+        except ConveyorError:
+            raise  # already says what went wrong, in conveyor's words
+        except Exception as exc:
+            raise self._failed(action, [action.microbatch], exc) from exc
         end = time.perf_counter()
         self._timings.append((rank, action.kind, *key, start - self._t0, end - self._t0))
         return out
@@ -260,13 +268,42 @@ class Engine:
             self.channel.post(step)
         fused = [s.action for s in steps if s.action is not None]
         start = time.perf_counter()
-        self.compute.weights(fused[0].stage, [a.microbatch for a in fused])
+        microbatches = [a.microbatch for a in fused]
+        try:
+            self.compute.weights(fused[0].stage, microbatches)
+        except ConveyorError:
+            raise
+        except Exception as exc:
+            raise self._failed(fused[0], microbatches, exc) from exc
         share = (time.perf_counter() - start) / len(fused)
         for k, a in enumerate(fused):
             begin = start - self._t0 + k * share
             self._timings.append((steps[0].rank, W, a.stage, a.microbatch, begin, begin + share))
             if self.on_action is not None:
                 self.on_action(a)
+
+    def _failed(self, action: Action, microbatches: list[int], error: Exception) -> PipelineError:
+        """The error a stage's F, B or W raised, in one sentence naming the rank, the work,
+        the stage with its modules and the micro-batch(es); raised ``from`` the original."""
+        s = action.stage
+        if action.kind == F:
+            last = s == self.schedule.stages - 1 and self.compute.mode != "predict"
+            work = "forward (with the loss)" if last else "forward"
+        elif action.kind == W:
+            work = "weight-gradient backward (W)"
+        elif self.compute.reruns(s, action.microbatch):
+            work = "recomputed forward (at its backward)"
+        else:
+            work = "input-gradient backward (B)" if self.schedule.split_backward else "backward"
+        modules = self.modules.get(s)
+        named = f" (modules {modules})" if modules else ""
+        which = ", ".join(map(str, microbatches))
+        batches = f"micro-batch{'es' if len(microbatches) > 1 else ''} {which}"
+        where = f"rank {self.ctx.rank}: " if self.ctx.distributed else ""
+        return PipelineError(
+            f"{where}the {work} of stage {s}{named} on {batches} raised {one_line(error)}; "
+            f"its traceback, above this one, shows the failing line"
+        )
 
     def _signature(self, inputs: list[Any] | None) -> tuple[int, int]:
         """A number all ranks share that changes when micro-batch input shapes change, and

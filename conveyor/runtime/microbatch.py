@@ -12,6 +12,13 @@ from conveyor.errors import ConfigError
 
 def batch_size(batch: Any, what: str) -> int:
     """The common dim-0 size of every tensor in ``batch``."""
+    if isinstance(batch, list):
+        # A list would reach the first layer as one argument ('list' has no 'flatten').
+        raise ConfigError(
+            f"{what} is a list; pass a tensor, a tuple or a dict of tensors (inputs: a tuple "
+            f"is the model's positional arguments, a dict its keyword arguments), e.g. "
+            f"tuple({what})"
+        )
     leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     if not leaves:
         raise ConfigError(f"{what} holds no tensor; pass a tensor, or a tuple / dict of tensors")

@@ -34,10 +34,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_tp(
-    stages: dict[int, nn.Module], plan: Mapping[str, Any], names: Iterable[str], mesh: Any
+    stages: dict[int, nn.Module],
+    plan: Mapping[str, Any],
+    names: Iterable[str],
+    mesh: Any,
+    every: Iterable[nn.Module] = (),
 ) -> None:
     """Parallelize each stage's modules that ``plan`` names (fnmatch patterns over the
-    original model's module names) on the ``tp`` mesh ``mesh``."""
+    original model's module names) on the ``tp`` mesh ``mesh``. The plan is first checked
+    on ``every`` stage of the split (every rank's), so that each rank raises the same
+    error, not only the ranks that hold the module (the others would wait on them)."""
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
     known = list(names)
@@ -54,16 +60,23 @@ def apply_tp(
                 f"tp_plan pattern {pattern!r} matches no module of the model; patterns match "
                 f"module names as in model.named_modules(), e.g. 'blocks.*.attn.q_proj'"
             )
-    for stage in stages.values():
-        chosen: dict[str, Any] = {}
+
+    def chosen(stage: nn.Module) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for name, module in stage.named_modules():
             for pattern, style in plan.items():
                 if name and fnmatch.fnmatchcase(name, pattern):
                     _check_divisible(name, module, style, size)
-                    chosen[name] = style
+                    out[name] = style
                     break
-        if chosen:
-            parallelize_module(stage, mesh, chosen)
+        return out
+
+    for stage in every:
+        chosen(stage)
+    for stage in stages.values():
+        styles = chosen(stage)
+        if styles:
+            parallelize_module(stage, mesh, styles)
 
 
 def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
@@ -94,13 +107,106 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
 
 
 def blocks_of(stage: nn.Module) -> list[nn.Module]:
-    """The units of ``fsdp="reshard"``: every module that runs as a module in ``stage``
-    and holds parameters directly or is an element of a ModuleList / Sequential."""
-    out: list[nn.Module] = []
+    """The units of ``fsdp="reshard"`` in ``stage`` (the stage itself not included), the
+    innermost first, as ``fully_shard`` needs them.
+
+    A block is a module that runs by being called, so that FSDP's forward hooks gather
+    it: each module the stage calls (a layer of a layer list, a step of an execution
+    sequence, each module a graph split's graph calls) and, inside one, each element of a
+    ``ModuleList`` / ``Sequential`` (nested blocks, each a unit inside its parent's). A
+    block becomes a unit only when it holds parameters no inner unit holds, and none of
+    them is also held by a module outside it or read by name by the stage's graph (a tied
+    weight, a weight a traced function reads): those stay with the stage's own unit,
+    which is gathered for the stage's whole forward. A graph split by torch.fx calls
+    leaf modules (a transformer block's Linear and LayerNorm layers, not the block,
+    which does not run as a module there); one captured with torch.export reads every
+    weight by name, so the stage is its only unit.
+    """
+    holders: dict[int, set[int]] = {}
     for module in stage.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and module is not stage:
-            out += [m for m in module.children() if any(True for _ in m.parameters())]
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+    read = _read_by_name(stage)
+    out: list[nn.Module] = []
+    claimed: set[int] = set()
+    seen: set[int] = set()
+    for called in _called(stage):
+        for block in _innermost_first(called):
+            if id(block) in seen or block is stage:
+                continue
+            seen.add(id(block))
+            inside = {id(m) for m in block.modules()}
+            own = [p for p in block.parameters() if id(p) not in claimed]
+            if own and all(holders[id(p)] <= inside and id(p) not in read for p in own):
+                out.append(block)
+                claimed.update(id(p) for p in own)
     return out
+
+
+def _called(stage: nn.Module) -> list[nn.Module]:
+    """The modules ``stage``'s forward calls directly, in order."""
+    from torch import fx
+
+    from conveyor.partition.execution import ExecutionSequence
+
+    if isinstance(stage, fx.GraphModule):
+        calls = [n for n in stage.graph.nodes if n.op == "call_module"]
+        return [stage.get_submodule(str(n.target)) for n in calls]
+    if isinstance(stage, nn.Sequential):  # a layer list's stage calls each layer
+        return list(stage.children())
+    if isinstance(stage, ExecutionSequence):
+        return [stage.get_submodule(s) for s in stage.steps if isinstance(s, str)]
+    return []
+
+
+def _innermost_first(module: nn.Module) -> list[nn.Module]:
+    """``module`` and the ModuleList / Sequential elements nested in it, each after
+    the elements nested in it."""
+    out: list[nn.Module] = []
+
+    def elements(m: nn.Module) -> list[nn.Module]:
+        found: list[nn.Module] = []
+        for child in m.children():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)):
+                found.append(child)
+            else:
+                found += elements(child)
+        return found
+
+    for element in elements(module):
+        out += _innermost_first(element)
+    out.append(module)
+    return out
+
+
+def _read_by_name(stage: nn.Module) -> set[int]:
+    """Parameters ``stage``'s graph reads by name (``get_attr``), not through a call."""
+    from torch import fx
+
+    if not isinstance(stage, fx.GraphModule):
+        return set()
+    out: set[int] = set()
+    for n in stage.graph.nodes:
+        if n.op == "get_attr":
+            *prefix, field = str(n.target).split(".")
+            value = getattr(stage.get_submodule(".".join(prefix)), field, None)
+            if isinstance(value, nn.Parameter):
+                out.add(id(value))
+    return out
+
+
+def _own_storage(module: nn.Module, args: Any, output: Any) -> Any:
+    """A unit's outputs that are views (a Linear's on a 3-D input) as copies, before FSDP
+    hooks its backward gather on them: an in-place op on a view (the next layer's
+    ``ReLU(inplace=True)``) would drop that hook, and the backward would run on the
+    sharded weights."""
+    from torch.utils import _pytree as pytree
+
+    def own(t: Any) -> Any:
+        view = isinstance(t, torch.Tensor) and t.requires_grad and t._base is not None
+        return t.clone() if view else t
+
+    return pytree.tree_map(own, output)
 
 
 class Sharded:
@@ -118,6 +224,7 @@ class Sharded:
             if per_action:
                 for block in blocks_of(stage):
                     fully_shard(block, mesh=mesh, reshard_after_forward=True)
+                    block.register_forward_hook(_own_storage, prepend=True)
                 fully_shard(stage, mesh=mesh, reshard_after_forward=True)
             else:
                 fully_shard(stage, mesh=mesh, reshard_after_forward=False)

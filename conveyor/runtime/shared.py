@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.runtime.sharding import local_shard
 from conveyor.runtime.transport import collective
@@ -35,7 +36,8 @@ class SharedParameters:
         local: dict[int, nn.Module],
         ctx: Context,
     ) -> None:
-        self._entries: list[tuple[torch.Tensor, dist.ProcessGroup, int]] = []
+        # Groups through handles the exit hook releases (conveyor/_groups.py says why).
+        self._entries: list[tuple[torch.Tensor, Held[dist.ProcessGroup], int]] = []
         self._where: list[tuple[int, str]] = []  # (local stage, name) of each entry's copy
         self._rank = ctx.rank
         self._timeout = ctx.timeout
@@ -58,7 +60,8 @@ class SharedParameters:
             mine = [s for s in stages if s in local]
             if mine:
                 param = dict(local[mine[0]].named_parameters())[names[mine[0]]]
-                self._entries.append((param, groups[ranks], ctx.global_rank(ranks[0])))
+                held = Held(groups[ranks])
+                self._entries.append((param, held, ctx.global_rank(ranks[0])))
                 self._where.append((mine[0], names[mine[0]]))
 
     def __len__(self) -> int:
@@ -72,6 +75,14 @@ class SharedParameters:
             for (s, name), (_, group, src) in zip(self._where, self._entries, strict=True)
         ]
 
+    def links(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each local copy with the global ranks of the group holding the copies, in the
+        same global order on every rank."""
+        return [
+            (param, tuple(dist.get_process_group_ranks(held.get())))
+            for param, held, _ in self._entries
+        ]
+
     def copies(self) -> set[int]:
         """``id`` of each local parameter whose first copy lives on another rank (to count a
         tied parameter once in a norm over the whole model)."""
@@ -80,7 +91,8 @@ class SharedParameters:
     @torch.no_grad()
     def make_equal(self) -> None:
         """Copy each shared parameter from its lowest rank, so the copies start equal."""
-        for param, group, src in self._entries:
+        for param, held, src in self._entries:
+            group = held.get()
             self._run(
                 functools.partial(dist.broadcast, param.data, src, group=group, async_op=True),
                 f"copying tied weights from rank {src}",
@@ -91,7 +103,8 @@ class SharedParameters:
     def reduce(self) -> None:
         """Sum this step's gradient of each shared parameter over its copies (the caller
         keeps earlier gradients aside: :class:`~conveyor.runtime.step_grads.StepGradients`)."""
-        for param, group, _ in self._entries:
+        for param, held, _ in self._entries:
+            group = held.get()
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             # FSDP / tensor-parallel copies are sharded alike: the shards add up.
