@@ -35,13 +35,12 @@ class Transport:
         self.to_global = to_global
         self.device = device
         self.timeout = timeout
-        self._delta = datetime.timedelta(seconds=timeout)
         # Stream-ordered waits where the device allows them (CUDA); the environment
         # variable lets tests run that path on CPU.
         stream = device.type == "cuda" or os.environ.get("CONVEYOR_STREAM_WAITS") == "1"
         self.watchdog = Watchdog(timeout) if stream else None
         # Each send keeps its tensor alive until the transfer is done.
-        self._sends: list[tuple[Work, torch.Tensor, str]] = []
+        self._sends: list[tuple[Work, torch.Tensor, str, int]] = []
 
     def post(self, ops: list[Op]) -> list[Work]:
         """Post ``ops`` as one group; returns their works in the same order. Sends are
@@ -53,7 +52,7 @@ class Transport:
         works = self._post_now(ops)
         for op, work in zip(ops, works, strict=True):
             if op.send:
-                self._sends.append((work, op.tensor, op.what))
+                self._sends.append((work, op.tensor, op.what, op.peer))
         return works
 
     def _post_now(self, ops: list[Op]) -> list[Work]:
@@ -76,17 +75,19 @@ class Transport:
     def wait(self, work: Work, peer: int, what: str) -> None:
         """Wait for ``work`` (see the class doc), naming ``what`` if it fails."""
         them = self.name(peer)
-        doing = f"{self.name(self.rank)}: {what} from {them}"
+        self._wait(work, f"{self.name(self.rank)}: {what} from {them}", them)
+
+    def _wait(self, work: Work, doing: str, suspect: str) -> None:
         if self.watchdog is None:
-            wait_bounded(work, self.timeout, doing, them)
+            wait_bounded(work, self.timeout, doing, suspect)
             return
-        self.watchdog.watch(work, doing, them)
+        self.watchdog.watch(work, doing, suspect)
         try:
             work.wait()  # on CUDA: the current stream waits, the CPU does not
         except Exception as exc:
             self.watchdog.check()
             raise PipelineError(
-                f"{doing} failed ({short_error(exc)}); {them} may have died or stalled"
+                f"{doing} failed ({short_error(exc)}); {suspect} may have died or stalled"
             ) from exc
 
     def name(self, rank: int) -> str:
@@ -96,26 +97,15 @@ class Transport:
         return f"rank {rank}" if index == rank else f"rank {index} (pipeline rank {rank})"
 
     def flush(self) -> None:
-        """Wait for every send posted since the last flush."""
+        """Wait for every send posted since the last flush (a coalesced group's one work
+        once)."""
         sends, self._sends = self._sends, []
-        for work, _, what in sends:
-            if self.watchdog is not None:
-                self.watchdog.watch(work, f"{self.name(self.rank)}: {what}", "the receiver")
-                try:
-                    work.wait()
-                except Exception as exc:
-                    self.watchdog.check()
-                    raise PipelineError(
-                        f"{self.name(self.rank)}: {what} failed ({short_error(exc)})"
-                    ) from exc
-                continue
-            try:
-                work.wait(self._delta)
-            except Exception as exc:
-                raise PipelineError(
-                    f"{self.name(self.rank)}: {what} failed ({short_error(exc)}); the "
-                    f"receiving rank may have died or stalled (time-out {self.timeout:g} s)"
-                ) from exc
+        done: set[int] = set()
+        for work, _, what, peer in sends:
+            if id(work) not in done:
+                done.add(id(work))
+                self._wait(work, f"{self.name(self.rank)}: {what} to {self.name(peer)}",
+                           self.name(peer))
 
     def prune(self) -> None:
         """Forget sends that already completed, so their buffers can be freed early."""
