@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from conveyor.cli.launch import main as launch
 from conveyor.context import in_torchrun
-from conveyor.launch import main as launch
 
 Step = Callable[[], None]
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from vs_torch import BATCH, LAYERS, MICROBATCHES, WIDTH, build_model, single_process
 
 import conveyor
-from conveyor.launch import MALLOC_TUNABLES
+from conveyor.cli.launch import MALLOC_TUNABLES
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 
 BIG_RANKS, BIG_MICROBATCHES = 64, 512

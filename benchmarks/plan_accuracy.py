@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import run_on_processes
 
 import conveyor
-from conveyor.planner import Plan, plan
+from conveyor.observe.trace import measured_costs
+from conveyor.planning.planner import Plan, plan
+from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 from conveyor.simulate import simulate
-from conveyor.trace import Timing, measured_costs
 
 BATCH, PROCS = 64, 2
 TOKENS, WIDTH, TOKEN_LAYERS = 64, 128, 12  # the unbalanced model's input: BATCH x TOKENS x WIDTH

@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import alternate, run_on_processes
 
 import conveyor
+from conveyor.observe.trace import measured_costs
+from conveyor.runtime.timing import Timing
 from conveyor.simulate import simulate
-from conveyor.trace import Timing, measured_costs
 
 LAYERS, WIDTH, BATCH, MICROBATCHES, PROCS = 8, 1024, 64, 8, 2
 

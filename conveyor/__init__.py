@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from conveyor.partition.annotations import set_stage
     from conveyor.partition.execution import sequence
     from conveyor.pipeline import Pipeline
-    from conveyor.planner import plan
-    from conveyor.profiler import profile
+    from conveyor.planning.planner import plan
+    from conveyor.planning.profiler import profile
 
 __all__ = [
     "CheckpointError",
@@ -50,8 +50,8 @@ _LAZY = {
     "load_model_state": "conveyor.checkpoint",
     "save": "conveyor.checkpoint",
     "Pipeline": "conveyor.pipeline",
-    "plan": "conveyor.planner",
-    "profile": "conveyor.profiler",
+    "plan": "conveyor.planning.planner",
+    "profile": "conveyor.planning.profiler",
     "sequence": "conveyor.partition.execution",
     "set_stage": "conveyor.partition.annotations",
 }

@@ -15,7 +15,7 @@ from torch import nn
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError
 from conveyor.pipeline_base import PipelineBase, pipeline_ranks
-from conveyor.planner import Plan, plan
+from conveyor.planning.planner import Plan, plan
 from conveyor.runtime.engine import LossFn
 from conveyor.schedules import Schedule
 

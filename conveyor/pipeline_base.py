@@ -2,7 +2,7 @@
 
 Everything :class:`conveyor.Pipeline` does except ``schedule="auto"``: the planner that
 resolves ``"auto"`` calibrates by running pipelines itself, so it sits above this class
-(:mod:`conveyor.planner` imports it) and ``Pipeline`` (:mod:`conveyor.pipeline`) above both.
+(:mod:`conveyor.planning.planner` imports it) and ``Pipeline`` (:mod:`conveyor.pipeline`) above both.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError
+from conveyor.observe.trace import chrome_trace, measured_bubble, measured_costs
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.capture import NeedsSample
@@ -37,11 +38,11 @@ from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.runtime.sharding import Sharded, apply_tp, local_shard
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import StepGradients
+from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import default_chunks, get_schedule
 from conveyor.simulate import simulate
-from conveyor.trace import Timing, chrome_trace, measured_bubble, measured_costs
 
 
 class PipelineBase:

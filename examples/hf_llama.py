@@ -28,7 +28,7 @@ from text import corpus, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
-from conveyor.cli import HelpFormatter, plain
+from conveyor.cli._args import HelpFormatter, plain
 from conveyor.schedules import check_chunks
 
 

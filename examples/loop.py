@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import conveyor
 from conveyor.checkpoint import exists
-from conveyor.progress import Progress
+from conveyor.observe.progress import Progress
 
 
 def add_pipeline_options(ap: argparse.ArgumentParser) -> None:

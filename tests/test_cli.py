@@ -14,7 +14,7 @@ from typing import NoReturn
 import pytest
 
 import conveyor
-from conveyor.cli import _build_parser, main
+from conveyor.cli.command import _build_parser, main
 from tests.test_simulate import DESIGN_EXAMPLE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_demo_and_launch_get_their_arguments_untouched(
 
     module = types.ModuleType(f"conveyor.{command}")
     module.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, f"conveyor.{command}", module)
+    monkeypatch.setitem(sys.modules, f"conveyor.cli.{command}", module)
     argv = ["--nproc", "2", "train.py", "--lr", "0.1", "--help"]
     assert main([command, *argv]) == 3
     assert received == [argv]

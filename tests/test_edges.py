@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 import conveyor
+import conveyor.cli.launch
 import conveyor.context
-import conveyor.launch
-from conveyor.cli import main as cli_main
+from conveyor.cli.command import main as cli_main
 from tests import distributed
 from tests.models import batch, mlp
 from tests.test_readme_snippets import readme_snippet
@@ -305,7 +305,7 @@ def test_static_rendezvous_with_restarts_on_several_nodes_is_refused(
         raise AssertionError("torchrun started: the static rendezvous waits for the other node")
 
     monkeypatch.setattr(torch.distributed.run, "run", started)
-    for name in ("OMP_NUM_THREADS", *conveyor.launch.MALLOC_TUNABLES):
+    for name in ("OMP_NUM_THREADS", *conveyor.cli.launch.MALLOC_TUNABLES):
         monkeypatch.delenv(name, raising=False)  # the launcher sets them; restored after
     argv = ["launch", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
             "--max-restarts", "1", "--nproc-per-node", "1", "train.py"]
@@ -333,11 +333,11 @@ def test_rendezvous_summary_formats_torchs_errors() -> None:
         RendezvousTimeoutError,
     )
 
-    config = conveyor.launch._parser().parse_args(
+    config = conveyor.cli.launch._parser().parse_args(
         ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400",
          "--rdzv-conf", "join_timeout=20", "train.py"]
     )
-    summary = conveyor.launch.rendezvous_summary(RendezvousTimeoutError(), config)
+    summary = conveyor.cli.launch.rendezvous_summary(RendezvousTimeoutError(), config)
     lines = summary.splitlines()
     assert len(lines) <= 4 and all(len(line) <= 100 for line in lines)
     assert " ".join(line.strip() for line in lines) == (
@@ -348,7 +348,7 @@ def test_rendezvous_summary_formats_torchs_errors() -> None:
     refused = RendezvousConnectionError(
         "The connection to the C10d store has failed. See inner exception for details."
     )
-    lines = conveyor.launch.rendezvous_summary(refused, config).splitlines()
+    lines = conveyor.cli.launch.rendezvous_summary(refused, config).splitlines()
     assert len(lines) <= 4 and all(len(line) <= 100 for line in lines)
     assert " ".join(line.strip() for line in lines) == (
         "conveyor launch: the c10d rendezvous at host0:29400 failed: RendezvousConnectionError: "
@@ -407,5 +407,5 @@ def test_the_readme_says_what_to_set_for_one_process_runs() -> None:
     words = shlex.split(commands[0])
     assert words[-2:] == ["python", "train.py"]
     settings = dict(word.split("=", 1) for word in words[:-2])
-    want = {"OMP_NUM_THREADS": "1"} | {n: str(1 << 30) for n in conveyor.launch.MALLOC_TUNABLES}
+    want = {"OMP_NUM_THREADS": "1"} | {n: str(1 << 30) for n in conveyor.cli.launch.MALLOC_TUNABLES}
     assert settings == want  # exactly what conveyor launch sets

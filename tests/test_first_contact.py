@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.planner import OUTLIER, plan
-from conveyor.profiler import profile
+from conveyor.planning.planner import OUTLIER, plan
+from conveyor.planning.profiler import profile
 from conveyor.runtime.transport import short_error
 from tests import distributed
 from tests.models import batch, mlp

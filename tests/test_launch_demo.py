@@ -1,4 +1,4 @@
-"""``conveyor.launch`` (a torchrun front) and ``conveyor.demo`` end to end, in subprocesses."""
+"""``conveyor launch`` (a torchrun front) and ``conveyor demo`` end to end, in subprocesses."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 import pytest
 
-import conveyor.launch
-from conveyor import demo
-from conveyor.trace import measured_costs
+import conveyor.cli.launch
+from conveyor.cli import demo
+from conveyor.observe.trace import measured_costs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,20 +120,20 @@ def test_failure_summary_orders_by_the_workers_own_time() -> None:
         2: _Failure(1, _recorded("ValueError: bad batch", 100.2), 100),
         3: _Failure(-9, "Signal 9 (SIGKILL) received by PID 9", 101),
     }
-    assert conveyor.launch.failure_summary(failures).splitlines() == [
+    assert conveyor.cli.launch.failure_summary(failures).splitlines() == [
         "conveyor launch: rank 2 failed first (exit 1): ValueError: bad batch",
         "conveyor launch: also failed: rank 0 (exit 1), rank 3 (killed by SIGKILL)",
         "conveyor launch: torchrun then stopped rank 1",
     ]
-    assert conveyor.launch.exit_code(failures) == 1
+    assert conveyor.cli.launch.exit_code(failures) == 1
     killed = {5: _Failure(-9, "Signal 9 (SIGKILL) received by PID 9", 101)}
-    assert conveyor.launch.failure_summary(killed) == (
+    assert conveyor.cli.launch.failure_summary(killed) == (
         "conveyor launch: rank 5 failed first: killed by SIGKILL"
     )
-    assert conveyor.launch.exit_code(killed) == 1
+    assert conveyor.cli.launch.exit_code(killed) == 1
     exited = {0: _Failure(-15, "Signal 15", 7), 1: _Failure(3, "To enable traceback see: x", 7)}
-    assert conveyor.launch.exit_code(exited) == 3  # the failing worker's own code
-    assert conveyor.launch.failure_summary(exited).splitlines() == [
+    assert conveyor.cli.launch.exit_code(exited) == 3  # the failing worker's own code
+    assert conveyor.cli.launch.failure_summary(exited).splitlines() == [
         "conveyor launch: rank 1 failed first (exit 3) without an exception; see its output",
         "conveyor launch: torchrun then stopped rank 0",
     ]
@@ -141,7 +141,7 @@ def test_failure_summary_orders_by_the_workers_own_time() -> None:
 
 def test_failure_summary_wraps_a_long_error_between_words() -> None:
     message = "PipelineError: " + " ".join(["supercalifragilistic"] * 30)
-    summary = conveyor.launch.failure_summary({1: _Failure(1, _recorded(message, 5.0), 5)})
+    summary = conveyor.cli.launch.failure_summary({1: _Failure(1, _recorded(message, 5.0), 5)})
     lines = summary.splitlines()
     assert len(lines) == 3 and all(len(line) <= 100 for line in lines)
     assert lines[-1].endswith("supercalifragilistic ...")
@@ -153,7 +153,7 @@ def test_launch_main_in_process(
     script: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert conveyor.launch.main(["--nproc-per-node", "2", str(script), "x"]) == 0
+    assert conveyor.cli.launch.main(["--nproc-per-node", "2", str(script), "x"]) == 0
     assert os.environ["OMP_NUM_THREADS"] == "1"
     ranks = _ranks(capfd.readouterr().out)
     assert ranks["0"] == ranks["1"] == "world=2 omp=1 threads=1 mmap=1073741824 args=['x']"
@@ -196,7 +196,7 @@ def _launched(argv: list[str], accuracy: float, monkeypatch: pytest.MonkeyPatch)
         Path(result).write_text(json.dumps({"accuracy": accuracy}))
         return 0
 
-    monkeypatch.setattr(conveyor.launch, "main", launch)
+    monkeypatch.setattr(conveyor.cli.launch, "main", launch)
     monkeypatch.delenv("RANK", raising=False)  # not under torchrun
     configs.append(demo.main(argv))
     return configs
@@ -209,7 +209,7 @@ def test_demo_nproc_reaches_torchrun_and_not_the_workers(
     config, code = _launched(argv, 0.95, monkeypatch)
     assert code == 0
     assert (config.nproc_per_node, config.max_restarts) == ("3", 2)
-    assert (config.module, config.training_script) == (True, "conveyor.demo")
+    assert (config.module, config.training_script) == (True, "conveyor.cli.demo")
     args = config.training_script_args
     assert args[:4] == ["--epochs", "2", "--lr", "0.003"] and args[4] == "--result-file"
     assert len(args) == 6  # --nproc and --max-restarts are the launcher's alone

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import conveyor.pictures
-from conveyor.cli import main
+import conveyor.observe.pictures
+from conveyor.cli.command import main
 from conveyor.errors import ConfigError
-from conveyor.pictures import draw_timeline
+from conveyor.observe.pictures import draw_timeline
 from conveyor.schedules import get_schedule
 from conveyor.simulate import ascii_timeline, simulate
 
@@ -27,7 +27,7 @@ def _drawn(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         figures.append(draw_timeline(*args, **kwargs))
         return figures[-1]
 
-    monkeypatch.setattr(conveyor.pictures, "draw_timeline", keep)
+    monkeypatch.setattr(conveyor.observe.pictures, "draw_timeline", keep)
     return figures
 
 

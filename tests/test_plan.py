@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.cli.plan import main as plan_main
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance_within
-from conveyor.plan_cli import main as plan_main
-from conveyor.planner import TIE, plan
-from conveyor.profiler import LayerProfile, Profile, profile
+from conveyor.planning.planner import TIE, plan
+from conveyor.planning.profiler import LayerProfile, Profile, profile
 
 
 def _model() -> nn.Sequential:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.progress import Progress
+from conveyor.observe.progress import Progress
 
 
 def _pipe(distributed: bool, rank: int = 0) -> SimpleNamespace:

@@ -16,7 +16,7 @@ import pytest
 from torch import nn
 
 import conveyor
-from conveyor import demo
+from conveyor.cli import demo
 from tests.models import assert_close, mlp
 from tests.restart_train import batch, optimizer
 

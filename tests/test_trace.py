@@ -11,9 +11,10 @@ import pytest
 from torch import nn
 
 import conveyor
-from conveyor import pictures
-from conveyor.pictures import draw_timeline
-from conveyor.trace import actions_of, main
+import conveyor.cli.trace as trace_command
+from conveyor.cli.trace import main
+from conveyor.observe.pictures import draw_timeline
+from conveyor.observe.trace import actions_of
 from tests import distributed
 from tests.models import batch, mlp
 
@@ -60,7 +61,7 @@ def test_one_process_trace_and_its_picture(
     trace = _check(path, "zb-h1", 4)
     figures: list[Any] = []
     monkeypatch.setattr(
-        pictures, "draw_timeline", lambda *a, **k: figures.append(draw_timeline(*a, **k))
+        trace_command, "draw_timeline", lambda *a, **k: figures.append(draw_timeline(*a, **k))
     )
     assert main([str(path), "--png", str(png)]) == 0
     data = png.read_bytes()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.cli import main
+from conveyor.cli.command import main
 from conveyor.errors import ConfigError
 from conveyor.schedules import (
     SCHEDULE_NAMES,

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from conveyor.context import Context
 from conveyor.errors import PipelineError
 from conveyor.runtime.program import Message, Step, consumer_stage
+from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import Op, Transport, Work, collective
 from conveyor.runtime.wire import (
     HEADER_BYTES,
@@ -32,7 +33,6 @@ from conveyor.runtime.wire import (
     rebuild,
 )
 from conveyor.schedules import Action, F, Schedule
-from conveyor.trace import Timing
 
 # (signature of the step's input shapes, mode): descriptions are cached per key.
 StepKey = tuple[int, str]
@@ -188,7 +188,7 @@ class Remote(Mailbox):
         ended = time.perf_counter()
         if ended - began > 1e-5:  # a real wait, not an already finished receive
             self.waits.append(
-                (
+                Timing(
                     self.rank,
                     producer.kind,
                     producer.stage,

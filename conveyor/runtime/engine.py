@@ -32,8 +32,8 @@ from conveyor.runtime.program import (
     single_process_program,
 )
 from conveyor.runtime.sharding import Sharded
+from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
-from conveyor.trace import Timing
 
 __all__ = ["Engine", "LossFn", "Mode", "StepRecord", "model_loss"]
 
@@ -258,7 +258,9 @@ class Engine:
         except Exception as exc:
             raise self._failed(action, [action.microbatch], exc) from exc
         end = time.perf_counter()
-        self._timings.append((rank, action.kind, *key, start - self._t0, end - self._t0))
+        self._timings.append(
+            Timing(rank, action.kind, *key, start - self._t0, end - self._t0)
+        )
         return out
 
     def _weights(self, steps: Sequence[Step]) -> None:
@@ -278,7 +280,9 @@ class Engine:
         share = (time.perf_counter() - start) / len(fused)
         for k, a in enumerate(fused):
             begin = start - self._t0 + k * share
-            self._timings.append((steps[0].rank, W, a.stage, a.microbatch, begin, begin + share))
+            self._timings.append(
+                Timing(steps[0].rank, W, a.stage, a.microbatch, begin, begin + share)
+            )
             if self.on_action is not None:
                 self.on_action(a)
 

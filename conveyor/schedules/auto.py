@@ -12,19 +12,15 @@ Keeping ZB-H1 among the candidates makes the result never slower than ZB-H1 at a
 from __future__ import annotations
 
 import dataclasses
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import Schedule, check_sizes, loop_placement
 from conveyor.schedules.greedy import FILLS, StageCost, greedy_programs
-from conveyor.schedules.simulate import (
-    CostSpec,
-    is_per_stage,
-    normalize_cost,
-    peak_activations,
-    simulate,
-)
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2
+
+if TYPE_CHECKING:
+    from conveyor.simulate import CostSpec
 
 
 def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
@@ -57,6 +53,9 @@ def zero_bubble_auto(
     simulated makespan, then the smallest peak; named ``zb-auto``. Raises
     :class:`ConfigError` for bad sizes, costs or a limit below 1.
     """
+
+    # conveyor.simulate reads this package's Schedule, so it is imported on use here.
+    from conveyor.simulate import is_per_stage, normalize_cost, peak_activations, simulate
 
     check_sizes(ranks, microbatches)
     cap = _memory_cap(ranks, microbatches, memory_limit)

@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import ConfigError
-
-TimelineEvent = tuple[int, str, int, int, float, float]
-"""(rank, kind, stage, microbatch, start, end)."""
+from conveyor.runtime.timing import Timing
 
 WAIT = "wait"
 """The kind of an event that waited for a transfer (drawn grey, unlabelled)."""
@@ -50,7 +48,7 @@ def _check_folder(path: str | os.PathLike[str]) -> None:
 
 
 def draw_timeline(
-    events: Iterable[TimelineEvent],
+    events: Iterable[Timing],
     path: str | os.PathLike[str],
     title: str = "",
     unit: str = "time units",

@@ -2,7 +2,7 @@
 
 FILE.py defines ``build()`` returning ``(model, inputs, targets, loss_fn)``: the model as
 ``Pipeline`` takes it, one sample batch and the loss. The command profiles the model in
-this one process (the link between ranks gets the defaults of :mod:`conveyor.profiler`)
+this one process (the link between ranks gets the defaults of :mod:`conveyor.planning.profiler`)
 and prints the chosen configuration and the ranked alternatives.
 """
 
@@ -57,8 +57,8 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the planner on FILE.py's model; 0 on success, 2 on bad input (the file, a flag,
     a memory limit nothing fits), 1 when profiling the model fails."""
-    from conveyor.cli import HelpFormatter, Parser, plain
-    from conveyor.planner import plan
+    from conveyor.cli._args import HelpFormatter, Parser, plain
+    from conveyor.planning.planner import plan
 
     p = Parser(
         prog="conveyor plan",

@@ -7,7 +7,7 @@ per step. Rank 0 shows the loss as it trains, then the held-out accuracy, the me
 time and the measured pipeline bubble beside the simulated one.
 
 Outside torchrun, ``conveyor demo`` launches itself in ``--nproc`` processes through
-:mod:`conveyor.launch` (one compute thread each); with ``--nproc 1`` the one process runs
+:mod:`conveyor.cli.launch` (one compute thread each); with ``--nproc 1`` the one process runs
 both stages itself. Under torchrun it just runs.
 
 Exit code 0 when the held-out accuracy reaches ``--min-accuracy``; 3 when it does not
@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from conveyor.cli import HelpFormatter, Parser, plain
+from conveyor.cli._args import HelpFormatter, Parser, plain
 from conveyor.context import in_torchrun
-from conveyor.trace import Timing, measured_costs
+from conveyor.observe.trace import measured_costs
+from conveyor.runtime.timing import Timing
 
 T = TypeVar("T")
 
@@ -194,7 +195,7 @@ def train(args: argparse.Namespace) -> int:
     """Train and evaluate on this rank; return the exit code."""
     import conveyor
     from conveyor.checkpoint import exists
-    from conveyor.progress import Progress
+    from conveyor.observe.progress import Progress
     from conveyor.schedules.registry import default_chunks
     from conveyor.simulate import simulate
 
@@ -309,14 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     and check the accuracy they report here (so a low one is not restarted as a crash)."""
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     if not in_torchrun() and args.nproc > 1:
-        from conveyor.launch import main as launch
+        from conveyor.cli.launch import main as launch
 
         restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
         with tempfile.TemporaryDirectory(prefix="conveyor-demo-") as folder:
             result = Path(folder) / "result.json"
             workers = [*worker_argv(args), "--result-file", str(result)]
             code = launch(
-                ["--nproc-per-node", str(args.nproc), *restarts, "-m", "conveyor.demo", *workers]
+                [
+                    "--nproc-per-node", str(args.nproc), *restarts,
+                    "-m", "conveyor.cli.demo", *workers,
+                ]
             )
             if code != 0:
                 return code  # a crash; the launcher has said which rank and why

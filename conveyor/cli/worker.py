@@ -1,6 +1,6 @@
-"""One worker of :mod:`conveyor.launch`: runs the user's script and records how it failed.
+"""One worker of :mod:`conveyor.cli.launch`: runs the user's script and records how it failed.
 
-``python -m conveyor._launch_worker [-m] TARGET ARGS...`` runs TARGET as ``python TARGET
+``python -m conveyor.cli.worker [-m] TARGET ARGS...`` runs TARGET as ``python TARGET
 ARGS`` (or ``python -m TARGET ARGS``) would. An exception that escapes the script is
 printed as Python prints it (without this module's frames), and its type, one-line
 message and time go to the error file torchrun gives each worker

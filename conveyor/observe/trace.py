@@ -6,12 +6,10 @@ Pure Python (no torch import).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable
 from typing import Any
 
-Timing = tuple[int, str, int, int, float, float]
-"""(rank, kind, stage, microbatch, start, end) of one action, seconds from the step start."""
+from conveyor.runtime.timing import Timing
 
 
 def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, float, float]]:
@@ -73,15 +71,25 @@ def chrome_trace(
 def actions_of(trace: dict[str, Any]) -> list[Timing]:
     """The action events of a trace made by :func:`chrome_trace`, in start order."""
     rows = [
-        (e["tid"], e["args"]["kind"], e["args"]["stage"], e["args"]["microbatch"],
-         e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        Timing(e["tid"], e["args"]["kind"], e["args"]["stage"], e["args"]["microbatch"],
+               e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
         for e in trace["traceEvents"] if e.get("cat") in ("F", "B", "W")
     ]
-    return sorted(rows, key=lambda r: (r[4], r[0]))
+    return sorted(rows, key=lambda r: (r.start, r.rank))
 
 
-def _read(path: str) -> dict[str, Any]:
-    """The trace in ``path``; a ConfigError in one sentence when it is not one."""
+def read_trace(path: str) -> dict[str, Any]:
+    """The trace in ``path``, checked.
+
+    Args:
+        path: a file written by ``pipe.save_trace(path)``.
+
+    Returns:
+        The trace as a dict (Chrome trace JSON).
+
+    Raises:
+        ConfigError: in one sentence, when the file is missing or is not such a trace.
+    """
     from conveyor.errors import ConfigError
 
     try:
@@ -104,47 +112,3 @@ def _read(path: str) -> dict[str, Any]:
             "with conveyor's action events)"
         ) from None
     return trace
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``conveyor trace FILE.json --png FILE.png``: draw a trace saved by
-    ``pipe.save_trace(path)`` as a timeline; 0 when drawn, 2 for a bad file or path."""
-    from conveyor.cli import HelpFormatter, Parser
-    from conveyor.errors import ConfigError
-    from conveyor.pictures import WAIT, draw_timeline
-
-    parser = Parser(
-        prog="conveyor trace",
-        description="Draw a trace saved by pipe.save_trace(path) as a timeline: a row per rank, "
-        "time in ms, grey where a rank waited for a transfer.",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("file", help="a trace written by pipe.save_trace(path)")
-    parser.add_argument("--png", required=True, metavar="FILE", help="the picture to write")
-    args = parser.parse_args(argv)
-    try:
-        trace = _read(args.file)
-        info = trace.get("otherData", {})
-        waits = [
-            (e["tid"], WAIT, e["args"]["stage"], e["args"]["microbatch"], e["ts"] / 1e6,
-             (e["ts"] + e["dur"]) / 1e6)
-            for e in trace["traceEvents"] if e.get("cat") == "wait"
-        ]
-        chunks = info.get("chunks", "?")
-        title = (
-            f"{info.get('schedule', '?')}: {info.get('ranks', '?')} ranks x {chunks} "
-            f"chunk(s), {info.get('microbatches', '?')} micro-batches; bubble measured "
-            f"{info.get('measured_bubble', float('nan')):.3f}, simulated "
-            f"{info.get('simulated_bubble', float('nan')):.3f}"
-        )
-        in_ms = [(r, k, s, mb, a * 1e3, b * 1e3) for r, k, s, mb, a, b in actions_of(trace) + waits]
-        draw_timeline(in_ms, args.png, title, unit="ms")
-    except ConfigError as error:
-        print(f"conveyor trace: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.png}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -109,7 +109,7 @@ class Profile:
     ) -> Profile:
         """This profile with F, B and W times scaled by what a real run measured (for the
         split backward when ``split``, else for plain F and the whole backward) and the
-        link latency replaced: see :func:`conveyor.planner.calibrate_family`."""
+        link latency replaced: see :func:`conveyor.planning.planner.calibrate_family`."""
 
         def scale(u: LayerProfile) -> LayerProfile:
             if split:

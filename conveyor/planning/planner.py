@@ -1,7 +1,7 @@
 """The planner: pick schedule, chunks, micro-batch count and balance by simulation.
 
 For every micro-batch count in a small set (p, 2p, 4p, 8p, capped by the batch size) the
-model is profiled at that micro-batch size (:func:`conveyor.profiler.profile`). For every
+model is profiled at that micro-batch size (:func:`conveyor.planning.profiler.profile`). For every
 schedule that can run (stages = ranks x chunks <= profiled units) the units are balanced
 by measured time, exact min-max under the memory limit (:func:`balance_within`), then
 refined by simulation: moving one unit across a stage boundary is kept while the simulated
@@ -36,7 +36,7 @@ from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance as min_max_balance
 from conveyor.partition.balance import balance_within
 from conveyor.pipeline_base import PipelineBase
-from conveyor.profiler import LossFn, Profile, profile, units
+from conveyor.planning.profiler import LossFn, Profile, profile, units
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
@@ -303,7 +303,8 @@ def _run_reference(
 ) -> tuple[float, list[tuple[float, float, float]]]:
     """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
     of ``schedule``; a collective. Gradients already in ``.grad`` are left as they were."""
-    from conveyor.trace import Timing, measured_costs
+    from conveyor.observe.trace import measured_costs
+    from conveyor.runtime.timing import Timing
 
     module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
     params = list(module.parameters())

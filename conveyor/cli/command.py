@@ -7,68 +7,21 @@ import importlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
+from conveyor.cli._args import HelpFormatter, Parser
 from conveyor.errors import ConfigError, ScheduleError
 
 # Subcommands handled by another module's ``main(argv)``; their arguments are passed on
 # untouched (argparse would otherwise try to read options meant for them).
 FORWARDED = {
-    "demo": ("conveyor.demo", "train a small network on handwritten digits in 2 stages"),
-    "launch": ("conveyor.launch", "run a script in several processes (a front to torchrun)"),
-    "trace": ("conveyor.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
-    "plan": ("conveyor.plan_cli", "pick split, schedule and micro-batches for FILE.py's model"),
+    "demo": ("conveyor.cli.demo", "train a small network on handwritten digits in 2 stages"),
+    "launch": ("conveyor.cli.launch", "run a script in several processes (a front to torchrun)"),
+    "trace": ("conveyor.cli.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
+    "plan": ("conveyor.cli.plan", "pick split, schedule and micro-batches for FILE.py's model"),
 }
-
-
-def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    parser.exit(2, f"{parser.prog}: error: {message}; see '{parser.prog} --help'\n")
-
-
-class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit code 2), without the
-    usage block: what was wrong and where to read more."""
-
-    def error(self, message: str) -> NoReturn:
-        """Print ``message`` as one line and exit with code 2."""
-        _fail(self, message)
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give a parser made elsewhere (torchrun's) :class:`Parser`'s one-line errors."""
-    setattr(parser, "error", lambda message: _fail(parser, message))  # noqa: B010
-    return parser
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends "(default: X)" to every option
-    whose default says something (not None or False) and whose help names none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if (
-            not action.option_strings
-            or "default" in text
-            or action.default is None
-            or action.default is False
-            or action.default == argparse.SUPPRESS
-        ):
-            return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
-
-
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
-
-
-def plain(text: str) -> str:
-    """Docstring text for ``--help``: without reStructuredText markup (double backticks,
-    :func:`roles`, ``::`` before a literal block)."""
-    text = _ROLE.sub(r"\1", text).replace("``", "")
-    return re.sub(r"::$", ":", text, flags=re.M)
 
 
 def parse_cost(text: str) -> tuple[float, float, float]:
@@ -167,7 +120,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     schedule = get_schedule(args.schedule, args.ranks, args.microbatches, chunks)
     result = simulate(schedule, cost=cost, comm=args.comm)
     if args.png:
-        from conveyor.pictures import draw_timeline
+        from conveyor.observe.pictures import draw_timeline
+        from conveyor.runtime.timing import Timing
 
         title = (
             f"{schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunk(s), "
@@ -175,7 +129,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"bubble {result.bubble:.1%}"
         )
         draw_timeline(
-            [(e.rank, *e.action, e.start, e.end) for e in result.events],
+            [Timing(e.rank, *e.action, e.start, e.end) for e in result.events],
             args.png,
             title,
             unit="cost units",
@@ -238,6 +192,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

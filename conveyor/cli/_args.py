@@ -1,0 +1,54 @@
+"""Argument parsing shared by conveyor's commands: one-line usage errors, help that
+shows defaults, docstrings as plain text."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import NoReturn
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}; see '{parser.prog} --help'\n")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), without the
+    usage block: what was wrong and where to read more."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` as one line and exit with code 2."""
+        _fail(self, message)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give a parser made elsewhere (torchrun's) :class:`Parser`'s one-line errors."""
+    setattr(parser, "error", lambda message: _fail(parser, message))  # noqa: B010
+    return parser
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and appends "(default: X)" to every option
+    whose default says something (not None or False) and whose help names none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """Docstring text for ``--help``: without reStructuredText markup (double backticks,
+    :func:`roles`, ``::`` before a literal block)."""
+    text = _ROLE.sub(r"\1", text).replace("``", "")
+    return re.sub(r"::$", ":", text, flags=re.M)
