@@ -1,35 +1,89 @@
-"""``Pipeline``, the object users touch: :class:`PipelineBase` plus ``schedule="auto"``.
+"""``Pipeline``, the object users touch: it runs steps and holds module-like state.
 
-The planner resolves ``"auto"`` and calibrates by running :class:`PipelineBase` itself, so
-the import direction is pipeline -> plan -> pipeline_base, with no cycle.
+What it runs is built by :mod:`conveyor._build` from options checked by
+:mod:`conveyor._options`; clipping lives in :mod:`conveyor.runtime.clipping`, measurement
+in :mod:`conveyor.observe.measure`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from conveyor._build import RankParts, build, first_microbatch, held_stages, shared_sample
+from conveyor._options import Options, make_schedule, pipeline_ranks
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError
-from conveyor.pipeline_base import PipelineBase, pipeline_ranks
+from conveyor.observe.measure import pipeline_bubble, write_trace
+from conveyor.partition.capture import NeedsSample
+from conveyor.partition.describe import SplitInfo
 from conveyor.planning.planner import Plan, plan
-from conveyor.runtime.engine import LossFn
+from conveyor.runtime import microbatch
+from conveyor.runtime.clipping import clip_grad_norm
+from conveyor.runtime.compute import LossFn, Mode
+from conveyor.runtime.data_parallel import global_loss, replica_share
+from conveyor.runtime.engine import StepRecord
+from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.step_grads import StepGradients
+from conveyor.runtime.timing import Timing
+from conveyor.runtime.transport import collective
 from conveyor.schedules import Schedule
 
 
-class Pipeline(PipelineBase):
-    """A model cut into stages and trained by a pipeline schedule: build it the same way
-    on every rank, call ``train_step`` and step your optimizer over ``pipe.parameters()``.
+class Pipeline:
+    """A model cut into stages and trained by a pipeline schedule.
 
-    Everything is as in :class:`~conveyor.pipeline_base.PipelineBase` (which documents
-    data parallelism, recompute, autocast and memory tracking), plus
-    ``schedule="auto"``: :func:`conveyor.plan` picks the schedule, chunks and balance
-    (keeping ``microbatches``), profiling the model on ``sample=(inputs, targets)`` within
-    ``memory_limit`` bytes per rank; the result is ``pipe.plan``. In a distributed world
-    every rank must build the pipeline at the same time (planning is collective).
+    Build it the same way on every rank. ``train_step`` returns the whole batch's loss on
+    every rank and leaves in each local parameter's ``.grad`` the gradient the unsplit
+    model would have; step your optimizer over ``pipe.parameters()`` as usual.
+
+    With data x pipeline parallelism (``conveyor.init(pp=P, dp=D)`` on P x D processes)
+    each of the D replicas passes its own shard of the global batch (pick it with
+    ``ctx.dp_rank`` / ``ctx.dp_size``; shards may differ in size). Replicas start from
+    replica 0's parameters; ``train_step`` averages each stage's gradient over the
+    replicas, weighted by shard size, so ``.grad`` gets the global batch's gradient and the
+    returned loss is the global batch's.
+
+    Args:
+        model: the whole model, built the same on every rank. A layer list or
+            ``nn.Sequential`` is cut into contiguous stages; any other model is captured as
+            a graph (``torch.fx``, or ``torch.export`` on ``sample`` or the first batch).
+        loss_fn: ``(output, target) -> scalar``, the mean over a micro-batch; None when the
+            model computes its own loss (e.g. a transformers model given ``labels``).
+        microbatches: micro-batches per step (>= 1).
+        schedule: a schedule name (``gpipe``, ``1f1b``, ``interleaved-1f1b``,
+            ``looped-bfs``, ``zb-h1``, ``zb-h2``, ``zb-late``, ``zb-auto``, ``zbv``,
+            ``dualpipev``), ``"auto"`` (the planner picks schedule, chunks and balance,
+            keeping ``microbatches``; the result is ``pipe.plan``; collective), or a
+            :class:`~conveyor.schedules.Schedule`.
+        chunks: stages per rank (interleaved and V schedules).
+        balance: layers per stage, e.g. ``[3, 2, 3]``; None: the model's
+            ``pipeline_stage`` annotations, else balanced automatically.
+        context: the processes to run on; default :func:`conveyor.init`'s.
+        fsdp: shard parameters, gradients and optimizer state over the data-parallel
+            replicas with torch FSDP2: True gathers each stage once per step,
+            ``"reshard"`` each block per use.
+        tp_plan: ``{module-name pattern: ParallelStyle}``, sharding those modules over the
+            tensor-parallel ranks (DTensor).
+        sample: ``(inputs, targets)`` to capture a model ``torch.fx`` cannot trace at
+            construction (else on the first batch), and for ``schedule="auto"``.
+        memory_limit: bytes of activations per rank the planner must stay within.
+        recompute: True (every stage) or global stage indices whose forward is re-run at B
+            (under F's RNG state, so dropout repeats its masks) instead of keeping its
+            activations.
+        autocast: ``torch.bfloat16`` or ``torch.float16``: stage forwards and the loss run
+            under ``torch.autocast``; parameters and gradients keep their dtype.
+        track_memory: measure each training step's activation memory
+            (:meth:`last_step_memory`; a Python call per tensor autograd saves).
+
+    Raises:
+        ConfigError: an option that cannot work, in one sentence that says what to do.
     """
 
     def __init__(
@@ -50,42 +104,425 @@ class Pipeline(PipelineBase):
         autocast: torch.dtype | None = None,
         track_memory: bool = False,
     ) -> None:
+        self.context = ctx = context if context is not None else current()
         self.plan: Plan | None = None
         if schedule == "auto":
-            if sample is None:
-                raise ConfigError(
-                    "schedule='auto' profiles the model on a batch: pass sample=(inputs, "
-                    "targets), e.g. your first batch"
-                )
-            if loss_fn is None:
-                raise ConfigError(
-                    "schedule='auto' needs a loss_fn to profile the last layers with; pass "
-                    "one, or name a schedule"
-                )
-            ctx = context if context is not None else current()
-            self.plan = plan(
-                model,
-                sample[0],
-                sample[1],
-                loss_fn,
-                pipeline_ranks(ctx, model, schedule, chunks, balance),
-                memory_limit,
-                microbatch_counts=[microbatches],  # keep the user's micro-batch count
-                param_shards=(ctx.dp_size if fsdp else 1) * (ctx.tp_size if tp_plan else 1),
+            self.plan = _auto_plan(model, ctx, loss_fn, microbatches, chunks, balance, fsdp,
+                                   tp_plan, sample, memory_limit)
+            schedule = self.plan.built
+            chunks, balance = self.plan.chunks, self.plan.balance
+        options = Options(loss_fn, microbatches, chunks, balance, fsdp, tp_plan, sample,
+                          recompute, autocast, track_memory)
+        ranks = pipeline_ranks(ctx, model, schedule, chunks, balance)
+        options.check_context(ctx)
+        self.schedule = make_schedule(schedule, ranks, microbatches, chunks)
+        options.check_schedule(self.schedule)
+        self.options = options
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self._model = model
+        self._parts: RankParts | None = None
+        self._last_train: StepRecord | None = None
+        self._sent_shapes: dict[int, list[str]] = {}  # as the last step saw them
+        first = None if sample is None else first_microbatch(sample[0], microbatches)
+        # A model fx cannot trace is captured with torch.export on the first batch.
+        with contextlib.suppress(NeedsSample):
+            self._adopt(build(model, self.schedule, options, ctx, first))
+
+    def _adopt(self, parts: RankParts) -> None:
+        self._parts = parts
+        self._step_grads = StepGradients(self.parameters())
+
+    def _split(self, what: str) -> RankParts:
+        """This rank's parts; before a split made on the first batch, an error that says so."""
+        if self._parts is None:
+            raise ConfigError(
+                f"{what} needs the split, which is made on the first batch: "
+                f"{type(self._model).__name__} is captured with torch.export on a sample; run "
+                f"a train_step first, or pass sample=(inputs, targets) to Pipeline to split "
+                f"it at construction"
             )
-            schedule, chunks, balance = self.plan.built, self.plan.chunks, self.plan.balance
-        super().__init__(
-            model,
-            loss_fn=loss_fn,
-            microbatches=microbatches,
-            schedule=schedule,
-            chunks=chunks,
-            balance=balance,
-            context=context,
-            fsdp=fsdp,
-            tp_plan=tp_plan,
-            sample=sample,
-            recompute=recompute,
-            autocast=autocast,
-            track_memory=track_memory,
+        return self._parts
+
+    # ------------------------------------------------------------------ the split
+    def describe(self) -> SplitInfo:
+        """The split: per stage its rank, modules (original names, numbered runs folded),
+        parameter count, tied weights and the values it sends on.
+
+        Returns:
+            A :class:`~conveyor.partition.describe.SplitInfo`; ``str()`` of it is what
+            ``print(pipe)`` shows.
+        """
+        parts = self._split("pipe.describe()")
+        return parts.description.with_shapes(self._sent_shapes)
+
+    def __repr__(self) -> str:
+        sched = self.schedule
+        where = "" if self.context.distributed else ", in one process"
+        head = (
+            f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
+            f"{sched.stages} stages, {self.microbatches} micro-batches{where})"
         )
+        if self._parts is None:
+            return head + "\nnot split yet: the model is captured on the first batch"
+        return head + "\n" + str(self.describe())
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        """This rank's stage modules, in stage order."""
+        parts = self._split("pipe.stages")
+        return [parts.stages[s] for s in sorted(parts.stages)]
+
+    @property
+    def held_stages(self) -> tuple[int, ...]:
+        """The global indices of :attr:`stages` (all stages in a one-process world)."""
+        return held_stages(self.schedule, self.context)
+
+    def tied_copies(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """This rank's copies of weights tied across ranks.
+
+        Returns:
+            ``(parameter, ranks holding a copy)`` per copy, in the same global order on
+            every rank (the k-th copy of a group here and there is the same weight).
+        """
+        return self._split("pipe.tied_copies()").shared.links()
+
+    # ------------------------------------------------------------------ steps
+    def _divide(self, value: Any, what: str, needed: bool) -> list[Any] | None:
+        if value is None:
+            if needed:
+                raise ConfigError(
+                    f"this rank holds a stage that needs {what}, but got {what}=None; pass the "
+                    f"batch on every rank (ranks without the first/last stage may pass None)"
+                )
+            return None
+        parts = microbatch.divide(value, self.microbatches, what)
+        return [microbatch.to_device(p, self.context.device) for p in parts]
+
+    def _begin(self, inputs: Any, targets: Any, predict: bool = False) -> RankParts:
+        """Checks of a step's arguments, and the split on the first batch if needed."""
+        if not predict and self.loss_fn is None and targets is not None:
+            raise ConfigError(
+                "loss_fn=None takes the loss from the model's output, so targets are not used; "
+                "pass the labels inside the inputs (e.g. {'input_ids': ..., 'labels': ...}) and "
+                "targets=None, or give a loss_fn"
+            )
+        if not predict and inputs is not None and targets is not None:
+            n = microbatch.batch_size(inputs, "inputs")
+            t = microbatch.batch_size(targets, "targets")
+            if n != t:
+                raise ConfigError(
+                    f"inputs hold {n} samples but targets hold {t}; pass targets for the same "
+                    f"samples as the inputs (their first dimensions must match)"
+                )
+        if self._parts is None:
+            sample = shared_sample(self.context, self.schedule, self.microbatches, inputs)
+            self._adopt(build(self._model, self.schedule, self.options, self.context, sample))
+        assert self._parts is not None
+        return self._parts
+
+    def _run(
+        self, parts: RankParts, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0
+    ) -> StepRecord:
+        last = self.schedule.stages - 1
+        mb_inputs = self._divide(inputs, "inputs", 0 in parts.stages)
+        mb_targets = None
+        if mode != "predict" and self.loss_fn is not None:
+            mb_targets = self._divide(targets, "targets", last in parts.stages)
+        record = parts.engine.run(mode, mb_inputs, mb_targets, loss_scale)
+        self._sent_shapes = record.sent_shapes
+        if mode == "train":  # traces and measurements show the last training step
+            self._last_train = record
+        return record
+
+    def _shard_size(self, parts: RankParts, inputs: Any, targets: Any) -> int | None:
+        """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
+        replicas = self.context.distributed and self.context.dp_size > 1
+        if not replicas or self.schedule.stages - 1 not in parts.stages:
+            return None
+        if targets is not None:
+            return microbatch.batch_size(targets, "targets")
+        if inputs is None:
+            what = "targets" if self.loss_fn is not None else "inputs"
+            self._divide(None, what, needed=True)  # raises the usual error
+        return microbatch.batch_size(inputs, "inputs")
+
+    def _share_loss(self, loss: torch.Tensor | None, size: int | None) -> torch.Tensor:
+        ctx = self.context
+        if not ctx.distributed:
+            assert loss is not None
+            return loss
+        if ctx.dp_size > 1:
+            return global_loss(loss, size, ctx)
+        buf = (
+            loss.detach().to(torch.float32).reshape(1)
+            if loss is not None
+            else torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        )
+        source = ctx.global_rank(self.schedule.placement[-1])
+        collective(
+            lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
+            ctx.timeout,
+            f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
+            f"rank {source} or another pipeline rank",
+        )
+        return buf.reshape(())
+
+    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of one batch.
+
+        Args:
+            inputs: a tensor, or a tuple (positional) / dict (keyword) of tensors, divided
+                on dim 0 into ``microbatches`` parts; None on ranks without the first stage.
+            targets: the same for ``loss_fn``'s targets; None with ``loss_fn=None`` and on
+                ranks without the last stage.
+
+        Returns:
+            The batch loss (detached), the same on every rank; with data parallelism the
+            global batch's. Gradients are added to each local parameter's ``.grad``, like
+            ``loss.backward()`` (with data parallelism, the shard-size-weighted mean over
+            the replicas of this step's gradient).
+
+        Raises:
+            ConfigError: bad inputs, in one sentence.
+            PipelineError: a stage failed, or another rank died or stalled (named).
+        """
+        parts = self._begin(inputs, targets)
+        dp = parts.data_parallel
+        size = self._shard_size(parts, inputs, targets)
+        # Reductions over ranks act on this step's gradients alone.
+        isolate = dp is not None or bool(parts.shared)
+        if isolate:
+            self._step_grads.put_aside()
+        try:
+            scale = 1.0
+            if dp is not None:
+                dp.begin(size)
+            elif self.options.fsdp and self.context.dp_size > 1:
+                # FSDP averages the replicas' gradients: weigh each replica's loss by its
+                # shard's share of the global batch (times the replicas) for uneven shards.
+                scale = replica_share(size, self.context) * self.context.dp_size
+            loss = self._run(parts, "train", inputs, targets, scale).loss
+            if dp is not None:
+                dp.wait()  # each .grad: this step's gradient, averaged over the replicas
+            if parts.shared:
+                parts.shared.reduce()
+        except BaseException:
+            if dp is not None:
+                dp.abort()
+            if isolate:
+                self._step_grads.give_back()
+            raise
+        if isolate:
+            self._step_grads.add_back()
+        return self._share_loss(loss, size)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """The batch loss without gradients.
+
+        Args:
+            inputs: as for :meth:`train_step`.
+            targets: as for :meth:`train_step`.
+
+        Returns:
+            The loss on every rank (the global batch's with data parallelism).
+        """
+        parts = self._begin(inputs, targets)
+        size = self._shard_size(parts, inputs, targets)
+        loss = self._run(parts, "eval", inputs, targets).loss
+        return self._share_loss(loss, size)
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The model's output for a batch.
+
+        Args:
+            inputs: as for :meth:`train_step`.
+
+        Returns:
+            The whole batch's output on the rank holding the last stage, None elsewhere.
+        """
+        parts = self._begin(inputs, None, predict=True)
+        outputs = self._run(parts, "predict", inputs, None).outputs
+        return microbatch.merge(outputs) if outputs else None
+
+    # ------------------------------------------------------------------ measurement
+    def last_step_timings(self) -> list[Timing]:
+        """This process's actions in the last training step (``eval_step`` and
+        ``predict`` leave it).
+
+        Returns:
+            A :class:`~conveyor.runtime.timing.Timing` per action, seconds from the step
+            start; start is when the action's inputs had arrived, so waits on other ranks
+            are not counted as work.
+        """
+        self._split("pipe.last_step_timings()")
+        return list(self._last_train.timings) if self._last_train is not None else []
+
+    def last_step_waits(self) -> list[Timing]:
+        """This process's waits for another rank's output in the last training step.
+
+        Returns:
+            A :class:`~conveyor.runtime.timing.Timing` per wait (the producer's kind, stage
+            and micro-batch), seconds from the step start.
+        """
+        self._split("pipe.last_step_waits()")
+        return list(self._last_train.waits) if self._last_train is not None else []
+
+    def last_step_memory(self) -> MemoryReport:
+        """This process's activation memory in the last training step.
+
+        Returns:
+            Bytes autograd kept for backward work (and the split backward kept for W) at
+            their peak, beside the peak of the schedule's memory model with the sizes each
+            F really saved.
+
+        Raises:
+            ConfigError: without ``track_memory=True``, or before any training step.
+        """
+        self._split("pipe.last_step_memory()")
+        if not self.options.track_memory:
+            raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
+        record = self._last_train
+        if record is None or record.memory is None:
+            raise ConfigError("no training step has run yet; call train_step first")
+        return record.memory
+
+    def measured_bubble(self) -> float:
+        """The bubble of the last training step over all pipeline ranks (of this replica):
+        1 - busy time / (ranks x (last end - first start)).
+
+        A collective in a distributed world: call it on every rank.
+        """
+        timings = self.last_step_timings()
+        return pipeline_bubble(timings, self.context, self.schedule.ranks)
+
+    def save_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the last training step as one Chrome trace JSON (open it in Perfetto or
+        chrome://tracing): a track per rank, an event per action and per transfer wait.
+
+        The file also records the schedule's order and the measured and simulated bubble;
+        ``conveyor trace FILE --png PICTURE`` draws it. A collective in a distributed
+        world: call it on every rank; rank 0 writes (with data parallelism, replica 0's).
+
+        Args:
+            path: the file to write.
+        """
+        timings, waits = self.last_step_timings(), self.last_step_waits()
+        write_trace(path, timings, waits, self.schedule, self.context)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole model's gradients like :func:`torch.nn.utils.clip_grad_norm_`.
+
+        The total norm covers every stage on every rank, each parameter once (a tied
+        weight with copies on several ranks; data-parallel replicas; FSDP and
+        tensor-parallel shards). Every local gradient is scaled by
+        ``min(1, max_norm / (total + 1e-6))``. A collective in a distributed world: call it
+        on every rank.
+
+        Args:
+            max_norm: the largest norm left.
+            norm_type: any p > 0, or ``inf``.
+
+        Returns:
+            The total norm before clipping (float32), the same on every rank.
+
+        Raises:
+            ConfigError: ``norm_type`` is not > 0.
+        """
+        parts = self._split("pipe.clip_grad_norm_()")
+        copies = parts.shared.copies()  # tied copies counted on another rank
+        return clip_grad_norm(self.parameters(), copies, self.context, max_norm, norm_type)
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, with their names in the original model; a weight tied
+        across this rank's stages comes once (before a split made on the first batch: the
+        whole model's)."""
+        if self._parts is None:
+            yield from self._model.named_parameters()
+            return
+        seen: set[int] = set()
+        for stage in self.stages:
+            for name, p in stage.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (pass them to the optimizer)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model's state dict, keyed by the original names (the
+        whole model's before a split made on the first batch)."""
+        if self._parts is None:
+            return dict(self._model.state_dict())
+        out: dict[str, Any] = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Load this rank's entries from a full or partial model state dict.
+
+        Args:
+            state: name -> tensor, names as in the original model; keys of stages on other
+                ranks are ignored.
+            strict: raise when a key of a local stage is missing.
+
+        Raises:
+            ConfigError: ``strict`` and keys this rank needs are missing.
+        """
+        if self._parts is None:
+            self._model.load_state_dict(state, strict=strict)
+            return
+        missing: list[str] = []
+        for stage in self.stages:
+            own = stage.state_dict()
+            part = {k: state[k] for k in own if k in state}
+            missing += [k for k in own if k not in state]
+            stage.load_state_dict(part, strict=False)
+        if strict and missing:
+            raise ConfigError(
+                f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
+                f"pass the model's full state dict or strict=False"
+            )
+
+
+def _auto_plan(
+    model: nn.Module,
+    ctx: Context,
+    loss_fn: LossFn | None,
+    microbatches: int,
+    chunks: int,
+    balance: list[int] | None,
+    fsdp: bool | str,
+    tp_plan: Mapping[str, Any] | None,
+    sample: tuple[Any, Any] | None,
+    memory_limit: float | None,
+) -> Plan:
+    """``schedule="auto"``: the planner's pick, keeping the user's micro-batch count."""
+    if sample is None:
+        raise ConfigError(
+            "schedule='auto' profiles the model on a batch: pass sample=(inputs, targets), "
+            "e.g. your first batch"
+        )
+    if loss_fn is None:
+        raise ConfigError(
+            "schedule='auto' needs a loss_fn to profile the last layers with; pass one, or "
+            "name a schedule"
+        )
+    return plan(
+        model,
+        sample[0],
+        sample[1],
+        loss_fn,
+        pipeline_ranks(ctx, model, "auto", chunks, balance),
+        memory_limit,
+        microbatch_counts=[microbatches],
+        param_shards=(ctx.dp_size if fsdp else 1) * (ctx.tp_size if tp_plan else 1),
+    )
+

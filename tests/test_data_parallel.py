@@ -15,24 +15,16 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import conveyor
 from tests import distributed
-from tests.models import assert_close, mlp
+from tests.helpers import assert_close, grads_of, lm_loss, merge_tied, mse, params_of, tied_names
+from tests.models import mlp
 from tests.zoo import TinyGPT
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 # Per step: (loss, clip norm or None, grads, params after the optimizer step).
 Trace = list[tuple[float, float | None, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
-
-
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, y)
-
-
-def _lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
 def build(kind: str, stages: int) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
@@ -41,8 +33,8 @@ def build(kind: str, stages: int) -> tuple[nn.Module, Callable[..., torch.Tensor
         gpt = TinyGPT(layers=4)
         for s in range(1, stages):
             gpt.blocks[s * 4 // stages].pipeline_stage = s  # type: ignore[assignment]
-        return gpt, _lm
-    return mlp(layers=4, width=12), _mse
+        return gpt, lm_loss
+    return mlp(layers=4, width=12), mse
 
 
 def batches(kind: str, sizes: list[int]) -> list[Batch]:
@@ -86,11 +78,11 @@ def train(
     for x, y in data:
         loss = float(step(x, y))
         norm = None if clipping is None else float(clip(*clipping))
-        grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        grads = grads_of(named)
         opt.step()
         if zero:
             opt.zero_grad()
-        out.append((loss, norm, grads, {n: p.detach().clone() for n, p in named}))
+        out.append((loss, norm, grads, params_of(named)))
     return out
 
 
@@ -138,30 +130,14 @@ def pipelined(ctx: conveyor.Context, config: Config) -> tuple[Trace, float, floa
         list(pipe.named_parameters()), pipe.train_step, pipe.clip_grad_norm_, data, config
     )
     # buckets started as their stage finished (not at the end), per step and bucket
-    early = pipe._dp.launched_early / len(pipe._dp._buckets) if pipe._dp is not None else 0.0
+    dp = pipe._parts.data_parallel if pipe._parts is not None else None
+    early = dp.launched_early / len(dp._buckets) if dp is not None else 0.0
     return trace, float(pipe.eval_step(*data[-1])), early
 
 
 def _aliases(kind: str, stages: int) -> dict[str, str]:
     """Every name of a parameter -> its first name (a tied weight has two)."""
-    model, _ = build(kind, stages)
-    first: dict[int, str] = {}
-    return {
-        name: first.setdefault(id(p), name)
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
-
-
-def _merge(parts: list[dict[str, torch.Tensor]], alias: dict[str, str]) -> dict[str, torch.Tensor]:
-    """One dict from several ranks'; the copies of a tied weight must be equal."""
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, value in part.items():
-            name = alias[name]
-            if name in out:
-                assert torch.equal(out[name], value), f"copies of {name} differ"
-            out[name] = value
-    return out
+    return tied_names(build(kind, stages)[0])
 
 
 def check(name: str, config: Config, pp: int, traces: list[tuple[Trace, float]]) -> None:
@@ -177,9 +153,9 @@ def check(name: str, config: Config, pp: int, traces: list[tuple[Trace, float]])
             if norm is not None:
                 assert trace[i][1] == pytest.approx(norm, rel=1e-5), what + " clip norm"
         for r, replica in enumerate(replicas):
-            got_grads = _merge([t[i][2] for t, _ in replica], alias)
+            got_grads = merge_tied([t[i][2] for t, _ in replica], alias, f"{what} replica {r}")
             assert_close(got_grads, grads, f"{what} replica {r} grads")
-            got_params = _merge([t[i][3] for t, _ in replica], alias)
+            got_params = merge_tied([t[i][3] for t, _ in replica], alias, f"{what} replica {r}")
             assert_close(got_params, params, f"{what} replica {r} params")
     for _, got_eval in traces:
         assert got_eval == pytest.approx(want_eval, rel=1e-5), name + " eval loss"
@@ -195,7 +171,7 @@ def _pp2_dp2(rank: int, trace: str) -> dict[str, Any]:
     layout = (ctx.rank, ctx.pp_rank, ctx.dp_rank, ctx.global_rank(0), ctx.global_rank(1))
     out = {name: pipelined(ctx, config) for name, config in DP_CONFIGS.items()}
     # Measurement collectives run within each replica; rank 0 writes replica 0's trace.
-    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, context=ctx)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, context=ctx)
     pipe.train_step(*batches("mlp", [8])[0])
     pipe.save_trace(trace)
     return {"layout": layout, "bubble": pipe.measured_bubble(), **out}
@@ -256,6 +232,6 @@ def test_dp_needs_processes_in_the_one_process_world() -> None:
 
 
 def test_clip_grad_norm_rejects_a_bad_norm_type() -> None:
-    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, context=conveyor.init(pp=2))
     with pytest.raises(conveyor.ConfigError, match="norm_type must be > 0 or inf"):
         pipe.clip_grad_norm_(1.0, norm_type=0.0)

@@ -13,7 +13,8 @@ from conveyor.cli.plan import main as plan_main
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance_within
 from conveyor.planning.planner import TIE, plan
-from conveyor.planning.profiler import LayerProfile, Profile, profile
+from conveyor.planning.profile_data import LayerProfile, Profile
+from conveyor.planning.profiler import profile
 
 
 def _model() -> nn.Sequential:

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import conveyor
 from conveyor.runtime.recompute import TensorMemory
 from tests import distributed
-from tests.models import assert_close, batch, merge, mlp, pipelined, reference, rel_err
+from tests.helpers import assert_close, grads_of, merge, mse, pipelined, reference, rel_err
+from tests.models import batch, mlp
 
 # (schedule, chunks, micro-batches, recompute): whole and split backward, every stage or some.
 RECOMPUTE = [
@@ -49,10 +49,6 @@ AUTOCAST_TOL = 6e-3
 BF16_FLOOR = 1e-3
 
 
-def _mse(out: Any, target: Any) -> Any:
-    return F.mse_loss(out, target)
-
-
 def _steps() -> list[Any]:
     return [batch(n, seed=i) for i, n in enumerate(SIZES)]
 
@@ -76,10 +72,6 @@ def _wide_mlp() -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-def _grads(pipe: conveyor.Pipeline) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
-
-
 def _record_dtype(seen: set[str]) -> Callable[[nn.Module, Any, torch.Tensor], None]:
     """A forward hook adding the dtype of a module's output to ``seen``."""
 
@@ -96,7 +88,7 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
     for name, chunks, m, rc in RECOMPUTE:
         pipe = conveyor.Pipeline(
             mlp(),
-            loss_fn=_mse,
+            loss_fn=mse,
             microbatches=m,
             schedule=name,
             chunks=chunks,
@@ -108,7 +100,7 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
         for rc in (False, True):
             pipe = conveyor.Pipeline(
                 _dropout_mlp(),
-                loss_fn=_mse,
+                loss_fn=mse,
                 microbatches=4,
                 schedule=name,
                 context=ctx,
@@ -120,7 +112,7 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
     for name, chunks, rc in AUTOCAST:
         pipe = conveyor.Pipeline(
             mlp(),
-            loss_fn=_mse,
+            loss_fn=mse,
             microbatches=4,
             schedule=name,
             chunks=chunks,
@@ -132,15 +124,16 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
         for stage in pipe.stages:
             stage.register_forward_hook(_record_dtype(made))
         loss = pipe.train_step(x, y).item()
-        metas = pipe._engine.channel.sent_metas
+        metas = pipe._parts.engine.channel.sent_metas
         wire = sorted({str(t.dtype) for meta in metas for t in meta.tensors})
         dtypes = {str(p.grad.dtype) for p in pipe.parameters() if p.grad is not None}
-        out[("autocast", name, chunks, rc)] = (loss, _grads(pipe), wire, dtypes, made)
+        grads = grads_of(pipe.named_parameters())
+        out[("autocast", name, chunks, rc)] = (loss, grads, wire, dtypes, made)
         out[("autocast-eval", name, chunks, rc)] = pipe.eval_step(x, y).item()
     xw, yw = torch.randn(256, 8), torch.randn(256, 4)
     for rc in (False, True):  # gpipe: every rank holds every micro-batch's activations
         pipe = conveyor.Pipeline(
-            _wide_mlp(), loss_fn=_mse, microbatches=4, schedule="gpipe", context=ctx, recompute=rc
+            _wide_mlp(), loss_fn=mse, microbatches=4, schedule="gpipe", context=ctx, recompute=rc
         )
         pipe.train_step(xw, yw)  # gradients exist before the measured step
         with TensorMemory() as mem:
@@ -152,14 +145,14 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
 def _autocast_reference(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, Any]]:
     model = mlp()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _mse(model(x), y)
+        loss = mse(model(x), y)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _fp32_reference(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, Any]]:
     model = mlp()
-    loss = _mse(model(x), y)
+    loss = mse(model(x), y)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -216,8 +209,8 @@ def test_two_processes() -> None:
 def test_bad_options_say_what_is_valid() -> None:
     ctx = conveyor.init(pp=2)
     with pytest.raises(conveyor.ConfigError, match=r"stages are 0\.\.1"):
-        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, context=ctx, recompute=[2])
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, context=ctx, recompute=[2])
     with pytest.raises(conveyor.ConfigError, match="stage indices"):
-        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, context=ctx, recompute=3)  # type: ignore[arg-type]
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, context=ctx, recompute=3)  # type: ignore[arg-type]
     with pytest.raises(conveyor.ConfigError, match=r"torch\.bfloat16 or torch\.float16"):
-        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, context=ctx, autocast=torch.int8)
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, context=ctx, autocast=torch.int8)

@@ -39,9 +39,9 @@ class _View:
 
 
 def _is_pipeline(target: Any) -> bool:
-    from conveyor.pipeline_base import PipelineBase
+    from conveyor.pipeline import Pipeline
 
-    return isinstance(target, PipelineBase)
+    return isinstance(target, Pipeline)
 
 
 def _view(target: Pipeline | nn.Module) -> _View:
@@ -52,12 +52,7 @@ def _view(target: Pipeline | nn.Module) -> _View:
         links: dict[int, tuple[int, ...]] = {}
     elif _is_pipeline(target):
         ctx = target.context
-        held = (
-            target.schedule.stages_of(ctx.pp_rank)
-            if ctx.distributed
-            else tuple(range(target.schedule.stages))
-        )
-        stages = list(zip(sorted(held), target.stages, strict=True))
+        stages = list(zip(target.held_stages, target.stages, strict=True))
         view = _View(
             [],
             ctx.rank,
@@ -95,14 +90,13 @@ def _view(target: Pipeline | nn.Module) -> _View:
 def _tied_links(pipe: Pipeline) -> dict[int, tuple[int, ...]]:
     """``id(param) -> key`` for weights tied across ranks; copies share the key.
 
-    The pipeline's ``SharedParameters`` lists, on every rank, its copies in the same
-    global order with the group of ranks holding them, so the k-th copy of a group on one
-    rank and the k-th on another are the same weight: the key is (group ranks..., k).
+    ``pipe.tied_copies()`` lists, on every rank, its copies in the same global order with
+    the group of ranks holding them, so the k-th copy of a group on one rank and the k-th
+    on another are the same weight: the key is (group ranks..., k).
     """
-    shared = getattr(pipe, "_shared", None)
     counts: dict[tuple[int, ...], int] = {}
     out: dict[int, tuple[int, ...]] = {}
-    for param, ranks in shared.links() if shared is not None else []:
+    for param, ranks in pipe.tied_copies():
         k = counts.get(ranks, 0)
         counts[ranks] = k + 1
         out[id(param)] = (*ranks, k)

@@ -13,10 +13,17 @@ from conveyor.runtime.timing import Timing
 
 
 def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, float, float]]:
-    """Per stage, the mean duration of its F, B and W actions in ``timings`` (0 if none).
+    """Per stage, the mean duration of its F, B and W actions in ``timings``.
 
-    The result is the per-stage cost list :func:`conveyor.simulate.simulate` takes, so a
-    real run can be replayed in simulated time.
+    Args:
+        timings: Action records of a real run (no waits).
+        stages: Total number of stages.
+
+    Returns:
+        One (F, B, W) per stage, in the unit of ``timings`` (seconds for a pipeline's
+        records), 0 for a kind with no record: the per-stage cost list
+        :func:`conveyor.simulate.simulate` takes, so a real run can be replayed in
+        simulated time.
     """
     sums = [[0.0, 0.0, 0.0] for _ in range(stages)]
     counts = [[0, 0, 0] for _ in range(stages)]
@@ -30,46 +37,93 @@ def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, 
     ]
 
 
+def bubble(busy: float, first: float, last: float, ranks: int) -> float:
+    """The bubble of a step: the share of ``ranks`` x (last end - first start) not busy.
+
+    The one definition conveyor measures by (``pipe.measured_bubble()``, saved traces,
+    progress lines); the simulator's is the same over simulated time.
+
+    Args:
+        busy: seconds of work summed over every action of every rank.
+        first: the first action's start.
+        last: the last action's end.
+        ranks: pipeline ranks.
+
+    Returns:
+        ``1 - busy / (ranks * (last - first))``, 0 for an empty step.
+    """
+    span = last - first
+    return 1.0 - busy / (ranks * span) if span > 0 else 0.0
+
+
 def measured_bubble(timings: Iterable[Timing], ranks: int) -> float:
-    """1 - busy time / (ranks x the span from the first start to the last end)."""
+    """The :func:`bubble` of the actions in ``timings``.
+
+    Args:
+        timings: Action records of a real run (no waits), of every rank.
+        ranks: Pipeline ranks.
+
+    Returns:
+        The bubble; 0 if there are no records.
+    """
     rows = list(timings)
     if not rows:
         return 0.0
-    busy = sum(end - start for *_, start, end in rows)
-    wall = max(r[5] for r in rows) - min(r[4] for r in rows)
-    return 1.0 - busy / (ranks * wall) if wall > 0 else 0.0
+    busy = sum(t.end - t.start for t in rows)
+    return bubble(busy, min(t.start for t in rows), max(t.end for t in rows), ranks)
 
 
 def chrome_trace(
     timings: Iterable[Timing], waits: Iterable[Timing], info: dict[str, object]
 ) -> dict[str, object]:
-    """A Chrome trace (``chrome://tracing``, Perfetto): a track per rank, an event per
-    action and per wait for a transfer; ``info`` goes to ``otherData``."""
-    events: list[dict[str, object]] = []
+    """A Chrome trace (``chrome://tracing``, Perfetto) of a real run.
+
+    Args:
+        timings: The action records.
+        waits: The records of waits for a transfer (kind: what was waited for).
+        info: Anything to keep with the trace (schedule, sizes, bubbles); goes to
+            ``otherData``.
+
+    Returns:
+        The trace as a JSON-ready dict: a track per rank, an event per action and per
+        wait, times in microseconds.
+    """
+    trace_events: list[dict[str, object]] = []
     ranks: set[int] = set()
     for rank, kind, stage, mb, start, end in timings:
         ranks.add(rank)
-        events.append({
+        trace_events.append({
             "name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
             "ts": start * 1e6, "dur": (end - start) * 1e6,
             "args": {"kind": kind, "stage": stage, "microbatch": mb},
         })
     for rank, kind, stage, mb, start, end in waits:
         what = "activations" if kind == "F" else "gradients"
-        events.append({
+        trace_events.append({
             "name": f"wait {what} {kind}{stage},{mb}", "cat": "wait", "ph": "X", "pid": 0,
             "tid": rank, "ts": start * 1e6, "dur": (end - start) * 1e6,
             "args": {"waits_for": kind, "stage": stage, "microbatch": mb},
         })
-    events += [
+    trace_events += [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
         for r in sorted(ranks)
     ]
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": info}
+    return {"traceEvents": trace_events, "displayTimeUnit": "ms", "otherData": info}
 
 
 def actions_of(trace: dict[str, Any]) -> list[Timing]:
-    """The action events of a trace made by :func:`chrome_trace`, in start order."""
+    """The action events of a trace made by :func:`chrome_trace`, back as records.
+
+    Args:
+        trace: The trace dict.
+
+    Returns:
+        One record per action (waits left out), times in seconds, by start time then
+        rank.
+
+    Raises:
+        KeyError: If an action event lacks what :func:`chrome_trace` writes.
+    """
     rows = [
         Timing(e["tid"], e["args"]["kind"], e["args"]["stage"], e["args"]["microbatch"],
                e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
@@ -82,13 +136,13 @@ def read_trace(path: str) -> dict[str, Any]:
     """The trace in ``path``, checked.
 
     Args:
-        path: a file written by ``pipe.save_trace(path)``.
+        path: A file written by ``pipe.save_trace(path)``.
 
     Returns:
         The trace as a dict (Chrome trace JSON).
 
     Raises:
-        ConfigError: in one sentence, when the file is missing or is not such a trace.
+        ConfigError: In one sentence, when the file is missing or is not such a trace.
     """
     from conveyor.errors import ConfigError
 

@@ -9,14 +9,17 @@ from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
     from conveyor.partition.annotations import set_stage, stage_of
+    from conveyor.partition.capture import NeedsSample
     from conveyor.partition.execution import ExecutionSequence, sequence
-    from conveyor.partition.graph import split_graph
+    from conveyor.partition.graph import layer_count, split_graph
     from conveyor.partition.sequential import layers_of, parameter_costs, split_sequential
     from conveyor.partition.split import shared_parameters, split_model
 
 __all__ = [
     "ExecutionSequence",
+    "NeedsSample",
     "balance",
+    "layer_count",
     "layers_of",
     "parameter_costs",
     "sequence",
@@ -35,6 +38,8 @@ _LAZY = {
     "set_stage": "annotations",
     "stage_of": "annotations",
     "split_graph": "graph",
+    "layer_count": "graph",
+    "NeedsSample": "capture",
     "ExecutionSequence": "execution",
     "sequence": "execution",
     "shared_parameters": "split",
@@ -43,6 +48,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    """Import a splitter's module on first use of one of its names."""
     if name in _LAZY:
         import importlib
 

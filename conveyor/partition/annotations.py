@@ -25,19 +25,51 @@ M = TypeVar("M", bound="nn.Module")
 
 
 def set_stage(module: M, stage: int) -> M:
-    """Run ``module`` (and everything inside it) on pipeline stage ``stage``; returns it."""
+    """Run ``module`` (and everything inside it) on pipeline stage ``stage``.
+
+    Args:
+        module: The module to annotate.
+        stage: Its stage, an int >= 0.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        ConfigError: ``stage`` is not an int >= 0.
+    """
     setattr(module, ATTRIBUTE, _checked(stage, type(module).__name__))
     return module
 
 
 def stage_of(module: nn.Module, name: str = "") -> int | None:
-    """The stage ``module`` is annotated with, or None."""
+    """The stage ``module`` is annotated with.
+
+    Args:
+        module: Any module.
+        name: How error messages name it (default: its type).
+
+    Returns:
+        Its ``pipeline_stage``, or None without one.
+
+    Raises:
+        ConfigError: The annotation is not an int >= 0.
+    """
     stage = getattr(module, ATTRIBUTE, None)
     return None if stage is None else _checked(stage, name or type(module).__name__)
 
 
 def stage_marks(model: nn.Module) -> dict[str, int]:
-    """Qualified name -> stage of every annotated submodule (the model itself excluded)."""
+    """The annotated submodules of ``model`` (the model itself excluded).
+
+    Args:
+        model: Any module.
+
+    Returns:
+        Qualified name -> stage.
+
+    Raises:
+        ConfigError: An annotation is not an int >= 0.
+    """
     out: dict[str, int] = {}
     for name, module in model.named_modules():
         stage = stage_of(module, name) if name else None
@@ -47,8 +79,14 @@ def stage_marks(model: nn.Module) -> dict[str, int]:
 
 
 def annotated_stages(model: object) -> int | None:
-    """How many stages the ``pipeline_stage`` annotations of ``model`` (a module, a layer
-    list or an execution sequence) make, or None without annotations."""
+    """How many stages the ``pipeline_stage`` annotations of ``model`` make.
+
+    Args:
+        model: A module, a layer list or an execution sequence.
+
+    Returns:
+        The highest annotated stage + 1, or None without annotations.
+    """
     source = getattr(model, "__dict__", {}).get("source", model)  # an execution sequence
     roots = list(source) if isinstance(source, (list, tuple)) else [source]
     stages = [s for root in roots for s in stage_marks(root).values()]
@@ -57,7 +95,15 @@ def annotated_stages(model: object) -> int | None:
 
 
 def owner(path: str, marks: dict[str, int]) -> str | None:
-    """The innermost annotated module among ``path`` and its ancestors, or None."""
+    """The innermost annotated module among ``path`` and its ancestors.
+
+    Args:
+        path: A module's qualified name ('' for the model).
+        marks: The model's annotations (:func:`stage_marks`).
+
+    Returns:
+        That module's qualified name, or None when none is annotated.
+    """
     parts = path.split(".") if path else []
     for end in range(len(parts), 0, -1):
         prefix = ".".join(parts[:end])
@@ -67,6 +113,7 @@ def owner(path: str, marks: dict[str, int]) -> str | None:
 
 
 def _checked(stage: object, name: str) -> int:
+    """``stage`` when it is an int >= 0 (not a bool)."""
     if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
         raise ConfigError(f"{name}: {ATTRIBUTE} must be an int >= 0, got {stage!r}")
     return stage
@@ -76,9 +123,12 @@ def _checked(stage: object, name: str) -> int:
 class Item:
     """One unit of work in execution order, for :func:`assign_stages`.
 
-    ``inputs`` are indices of earlier items whose values it consumes; ``stage`` is its
-    annotation (``owner`` names the annotated module) or None to follow its data. Items with
-    ``counts=False`` (the model's inputs) do not make a stage non-empty.
+    Attributes:
+        name: How error messages name it.
+        inputs: Indices of earlier items whose values it consumes.
+        stage: Its annotation, or None to follow its data.
+        owner: The annotated module ``stage`` comes from.
+        counts: False for items (the model's inputs) that do not make a stage non-empty.
     """
 
     name: str
@@ -92,9 +142,18 @@ def assign_stages(items: Sequence[Item], stages: int) -> list[int]:
     """The stage of every item: its annotation, else the latest stage among its inputs.
 
     Items with neither (constants built from nothing) take the earliest stage that consumes
-    them. Raises :class:`ConfigError` when an annotation goes backwards along the data flow,
-    when the annotations make a different number of stages than ``stages``, or when a stage
-    is left empty.
+    them.
+
+    Args:
+        items: The work, in execution order.
+        stages: How many stages the pipeline has.
+
+    Returns:
+        The stage of each item.
+
+    Raises:
+        ConfigError: An annotation goes backwards along the data flow, the annotations
+            make another number of stages than ``stages``, or a stage is left empty.
     """
     marked = [it.stage for it in items if it.stage is not None and it.counts]
     made = max(marked) + 1 if marked else 1
@@ -143,11 +202,21 @@ def assign_stages(items: Sequence[Item], stages: int) -> list[int]:
 def whole_stage(
     module: nn.Module, name: str, outer: tuple[int, str] | None = None
 ) -> tuple[int, str] | None:
-    """(stage, annotated module) of a module run as one step, or None if unannotated.
+    """The stage of a module run as one step.
 
-    Its own annotation wins over ``outer`` (an annotated ancestor's); without either, the
-    annotations inside it decide. Annotations inside that disagree raise: a step cannot be
-    cut.
+    Its own annotation wins over ``outer``; without either, the annotations inside it
+    decide.
+
+    Args:
+        module: The step's module.
+        name: How error messages name it.
+        outer: An annotated ancestor's (stage, module name), or None.
+
+    Returns:
+        (stage, annotated module), or None if nothing annotates it.
+
+    Raises:
+        ConfigError: Annotations inside it disagree (a step cannot be cut).
     """
     own = stage_of(module, name)
     found = (own, name) if own is not None else outer
@@ -167,8 +236,20 @@ def whole_stage(
 
 
 def chain_sizes(steps: Sequence[tuple[str, tuple[int, str] | None]], stages: int) -> list[int]:
-    """Steps per stage for a chain (each step consumes the previous one's output), from
-    each step's (stage, annotated module) or None to follow the previous step."""
+    """Steps per stage for a chain, each step consuming the previous one's output.
+
+    Args:
+        steps: Per step, its name and (stage, annotated module), or None to follow the
+            previous step.
+        stages: How many stages the pipeline has.
+
+    Returns:
+        Steps per stage.
+
+    Raises:
+        ConfigError: The annotations go backwards, make another number of stages, or
+            leave one empty.
+    """
     items = [Item("the model inputs", stage=0, counts=False)]
     for i, (name, mark) in enumerate(steps):
         stage, by = mark if mark is not None else (None, "")

@@ -21,6 +21,17 @@ def balance(
     stage), at least one stage of every rank, so that no rank is left with nothing to
     train. Among optimal splits the one with the most even layer counts comes first in the
     search, so zero-cost layers (ReLU, Flatten) spread rather than pile onto one stage.
+
+    Args:
+        costs: The cost of each layer, >= 0.
+        stages: How many stages to make, >= 1.
+        placement: The rank of each stage, or None.
+
+    Returns:
+        Layers per stage.
+
+    Raises:
+        ConfigError: ``stages`` < 1, fewer layers than stages, or a negative cost.
     """
     n = len(costs)
     if stages < 1:
@@ -47,9 +58,17 @@ def balance(
 def costly_stages(
     costs: Sequence[float], stages: int, placement: Sequence[int] | None
 ) -> list[frozenset[int]]:
-    """Sets of stages that should each hold a layer costing something, best first: all
-    of them if enough layers cost something, else, per ``placement``, one stage of every
-    rank (each choice of which, up to 256 of them)."""
+    """Sets of stages that should each hold a layer costing something, best first.
+
+    Args:
+        costs: The cost of each layer.
+        stages: How many stages to make.
+        placement: The rank of each stage, or None.
+
+    Returns:
+        All stages if enough layers cost something; else, given ``placement``, one stage
+        of every rank (each choice of which, up to 256 of them); else none.
+    """
     costly = sum(1 for c in costs if c > 0)
     if costly >= stages:
         return [frozenset(range(stages))]
@@ -63,6 +82,7 @@ def costly_stages(
 
 
 def _loads(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    """The cost of each stage of a split."""
     out, start = [], 0
     for size in sizes:
         out.append(float(sum(costs[start : start + size])))
@@ -104,11 +124,22 @@ def balance_within(
 ) -> list[int]:
     """Like :func:`balance`, but every stage's memory must stay within ``limit``.
 
-    ``memory``: bytes each layer needs, or one such list per stage (``memory[s][i]``: what
-    layer i needs when it sits on stage s, e.g. activations times the micro-batches stage
-    s holds at once). A stage needs the sum over its layers. Exact min-max over the splits
-    that fit; raises :class:`ConfigError` when none does, naming the smallest limit that
-    would.
+    A stage needs the sum over its layers' memory. Exact min-max over the splits that fit.
+
+    Args:
+        costs: The cost of each layer, >= 0.
+        stages: How many stages to make, >= 1.
+        memory: Bytes each layer needs, or one such list per stage (``memory[s][i]``: what
+            layer i needs when it sits on stage s, e.g. activations times the
+            micro-batches stage s holds at once).
+        limit: The most bytes a stage may need.
+
+    Returns:
+        Layers per stage.
+
+    Raises:
+        ConfigError: The arguments are invalid (as for :func:`balance`, or ``memory`` of
+            the wrong length), or no split fits (naming the smallest limit that would).
     """
     n = len(costs)
     balance(costs, stages)  # same argument checks and messages
@@ -190,13 +221,27 @@ def balance_cuts(
 ) -> list[int]:
     """Layers per stage that cut where cutting is cheap, at a bounded cost in balance.
 
-    ``penalty[k]`` and ``crossing[k]`` describe a cut after layer k (``n - 1`` entries):
-    how many modules it cuts through, and the bytes (or values) that would cross it.
+    ``penalty[k]`` and ``crossing[k]`` describe a cut after layer k (``n - 1`` entries).
     Among the splits whose largest stage cost is within ``1 + tolerance`` of the best
     possible (:func:`balance`), this returns the one with the smallest total penalty, then
     the fewest bytes crossing, then the smallest largest stage, then the most even layer
-    counts; like :func:`balance`, stages get layers that cost something where possible
-    (``placement``: the rank of each stage). Exact dynamic programme, like :func:`balance`.
+    counts; like :func:`balance`, stages get layers that cost something where possible.
+    Exact dynamic programme, like :func:`balance`.
+
+    Args:
+        costs: The cost of each layer, >= 0.
+        stages: How many stages to make, >= 1.
+        penalty: Per cut point, the modules a cut there goes through.
+        crossing: Per cut point, the bytes (or values) a cut there sends.
+        tolerance: How much worse than the best largest stage cost a split may be.
+        placement: The rank of each stage, or None.
+
+    Returns:
+        Layers per stage.
+
+    Raises:
+        ConfigError: ``penalty`` or ``crossing`` is not one entry per cut point, or the
+            arguments are invalid for :func:`balance`.
     """
     n = len(costs)
     if len(penalty) != max(n - 1, 0) or len(crossing) != max(n - 1, 0):

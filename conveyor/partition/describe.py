@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from conveyor.partition.capture import module_path
+from conveyor.partition.captured import module_path
 from conveyor.partition.execution import ExecutionSequence
 
 SENDS = "conveyor_sends"  # GraphModule.meta key: (label, value) per value a stage sends
@@ -28,19 +28,35 @@ COPIED = "conveyor_copied"  # node.meta key: a value each stage that needs it ma
 
 @dataclass(frozen=True)
 class StageInfo:
-    """One stage: where it runs, its modules, parameter count, tied weights, what it sends."""
+    """One stage: where it runs, its modules, parameter count, tied weights, what it sends.
+
+    Attributes:
+        stage: Its index.
+        rank: The pipeline rank it runs on.
+        modules: Its modules, largest whole ones first, then ``part of ...``.
+        parameters: How many parameters it holds.
+        tied: Its parameters an earlier stage holds too, as ``name = name (stage s)``.
+        sends: Per value it sends, (value, 'dtype[shape]' or '' where unknown).
+    """
 
     stage: int
     rank: int
     modules: tuple[str, ...]
     parameters: int
     tied: tuple[str, ...]
-    sends: tuple[tuple[str, str], ...]  # (value, 'dtype[shape]' or '' where unknown)
+    sends: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
 class SplitInfo:
-    """The whole split, printable (``print(pipe)``)."""
+    """The whole split, printable (``print(pipe)``).
+
+    Attributes:
+        model: The model's type name.
+        how: How it was cut, in words.
+        stages: Each stage's description.
+        recomputed: Modules whose values each stage that needs them makes again.
+    """
 
     model: str
     how: str
@@ -48,6 +64,7 @@ class SplitInfo:
     recomputed: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        """A line per stage (and its tied weights and sends), after a title line."""
         lines = [f"{self.model} in {len(self.stages)} stages ({self.how})"]
         if self.recomputed:
             lines.append(
@@ -67,9 +84,17 @@ class SplitInfo:
         return "\n".join(lines)
 
     def with_shapes(self, measured: dict[int, list[str]]) -> SplitInfo:
-        """This description with the shapes a run measured (per stage, one per value it
-        sends): they replace the capture's, which are its sample's (a cached capture's
-        sample may have had another micro-batch size)."""
+        """This description with the shapes a run measured.
+
+        They replace the capture's, which are its sample's (a cached capture's sample may
+        have had another micro-batch size).
+
+        Args:
+            measured: Per stage, one 'dtype[shape]' (or '') per value it sends.
+
+        Returns:
+            A new description; a stage whose count of shapes does not match keeps none.
+        """
         stages = []
         for info in self.stages:
             # the stage also passes on values that are not tensors (no shape): skip those
@@ -86,7 +111,16 @@ class SplitInfo:
 def describe_split(
     model: nn.Module | Sequence[nn.Module], stages: Sequence[nn.Module], placement: Sequence[int]
 ) -> SplitInfo:
-    """The description of ``stages`` cut from ``model``, stage s on rank ``placement[s]``."""
+    """The description of ``stages`` cut from ``model``.
+
+    Args:
+        model: The unsplit model (a module, layer list or execution sequence).
+        stages: Its stage modules.
+        placement: The rank of each stage.
+
+    Returns:
+        The printable description.
+    """
     touched = [_touched(stage) for stage in stages]
     recomputed = sorted(set().union(*(_copied(stage) for stage in stages)) - set().union(*touched))
     blocks = _blocks(model)
@@ -116,12 +150,14 @@ def describe_split(
 
 
 def _model_name(model: Any) -> str:
+    """The type name of the model (of its source for an execution sequence)."""
     if isinstance(model, ExecutionSequence):
         return type(model.__dict__["source"]).__name__
     return type(model).__name__
 
 
 def _how(model: Any, stages: Sequence[nn.Module]) -> str:
+    """How the model was cut, in words."""
     if isinstance(model, ExecutionSequence):
         return "an execution sequence, cut between its steps"
     if stages and isinstance(stages[0], fx.GraphModule):
@@ -194,6 +230,7 @@ def _modules(touched: list[set[str]], s: int, blocks: set[str]) -> list[str]:
 
 
 def _natural(path: str) -> list[Any]:
+    """A sort key that orders numbered parts by number (``h.2`` before ``h.10``)."""
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in path.split(".")]
 
 
@@ -222,18 +259,27 @@ def _fold(paths: list[str]) -> list[str]:
 
 
 def _run_name(run: tuple[str, int, int]) -> str:
+    """``parent.first-last``, or ``parent.first`` for a run of one."""
     parent, first, last = run
     return f"{parent}{first}" if first == last else f"{parent}{first}-{last}"
 
 
 def _sends(stage: nn.Module) -> list[tuple[str, str]]:
+    """What a stage sends: its recorded values, else its output as a whole."""
     if isinstance(stage, fx.GraphModule) and SENDS in stage.meta:
         return list(stage.meta[SENDS])
     return [("its output", "")]
 
 
 def value_label(node: fx.Node) -> tuple[str, str]:
-    """(name, 'dtype[shape]' or '') of a value a graph stage sends."""
+    """How a split's description names a value a graph stage sends.
+
+    Args:
+        node: The node that made the value.
+
+    Returns:
+        (name with its module or 'input', 'dtype[shape]' or '').
+    """
     path = module_path(node)
     where = "input" if node.op == "placeholder" else path
     name = f"{node.name} ({where})" if where else node.name
@@ -241,8 +287,15 @@ def value_label(node: fx.Node) -> tuple[str, str]:
 
 
 def shape_of(value: Any) -> str:
-    """'dtype[shape]' of a value holding one tensor (sizes a capture left symbolic shown
-    as the sample's), else ''."""
+    """The dtype and shape of a value holding one tensor.
+
+    Args:
+        value: A tensor or a pytree of them (sizes a capture left symbolic are shown as
+            the sample's).
+
+    Returns:
+        'dtype[shape]', or '' unless ``value`` holds exactly one tensor.
+    """
     leaves = [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
     if len(leaves) != 1:
         return ""
@@ -252,11 +305,13 @@ def shape_of(value: Any) -> str:
 
 
 def _hint(size: Any) -> int | str:
+    """The sample's value of a symbolic size, '?' where unknown."""
     hint = getattr(getattr(size, "node", None), "hint", None)
     return int(hint) if hint is not None else "?"
 
 
 def _count(n: int) -> str:
+    """A parameter count for people: 12.3 M, 45 k, 678."""
     if n >= 1_000_000:
         return f"{n / 1e6:.1f} M"
     if n >= 10_000:

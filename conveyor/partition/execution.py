@@ -28,6 +28,10 @@ class ExecutionSequence(nn.Module):
     The step modules sit at their original attribute paths (``layer1.0`` under an empty
     ``layer1`` container), so parameter and state_dict names are the original model's and
     the parameters are the model's own objects.
+
+    Args:
+        source: The model the steps come from (kept for its annotations).
+        steps: Submodule names of ``source`` and callables, in execution order.
     """
 
     def __init__(self, source: nn.Module, steps: Sequence[Step]) -> None:
@@ -40,7 +44,15 @@ class ExecutionSequence(nn.Module):
                 install(self, step, source.get_submodule(step))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The first step takes the call's arguments; each later one the previous output."""
+        """Run the steps.
+
+        Args:
+            *args: The first step's positional arguments.
+            **kwargs: The first step's keyword arguments.
+
+        Returns:
+            The last step's output; each later step takes the previous one's output.
+        """
         value: Any = None
         for i, step in enumerate(self.steps):
             fn = self.get_submodule(step) if isinstance(step, str) else step
@@ -48,21 +60,35 @@ class ExecutionSequence(nn.Module):
         return value
 
     def names(self) -> list[str]:
-        """A printable name per step: the submodule path or the function's (partial's) name."""
+        """A printable name per step.
+
+        Returns:
+            The submodule path, or the function's (a partial's function's) name.
+        """
         return [
             s if isinstance(s, str) else getattr(getattr(s, "func", s), "__name__", repr(s))
             for s in self.steps
         ]
 
     def extra_repr(self) -> str:
+        """The step names, for ``repr``."""
         return "steps=[" + ", ".join(self.names()) + "]"
 
 
 def sequence(model: nn.Module, steps: Iterable[Step | nn.Module]) -> ExecutionSequence:
-    """The execution sequence of ``model``: submodule names (or the submodules themselves)
-    and functions between them, e.g. ``functools.partial(torch.flatten, start_dim=1)``.
+    """The execution sequence of ``model``.
 
-    Every parameter of the model must belong to some step, so none is silently left out.
+    Args:
+        model: The model.
+        steps: Submodule names (or the submodules themselves) and functions between them,
+            e.g. ``functools.partial(torch.flatten, start_dim=1)``, in execution order.
+
+    Returns:
+        A module that runs the steps, each consuming the previous one's output.
+
+    Raises:
+        ConfigError: A step is not a submodule, its name or a callable; there is no step;
+            or a parameter of the model belongs to no step.
     """
     path = {id(m): name for name, m in model.named_modules() if name}
     resolved: list[Step] = []
@@ -107,8 +133,22 @@ def split_sequence(
     balance: Sequence[int] | None = None,
     placement: Sequence[int] | None = None,
 ) -> list[nn.Module]:
-    """Contiguous runs of steps: by ``balance`` (steps per stage), by ``pipeline_stage``
-    annotations on the step modules or their ancestors, or else by parameter counts."""
+    """Cut an execution sequence into contiguous runs of steps.
+
+    Args:
+        seq: The execution sequence.
+        stages: How many stages to make.
+        balance: Steps per stage; None to cut by the ``pipeline_stage`` annotations on the
+            step modules or their ancestors, or else by parameter counts.
+        placement: The rank of each stage, for a cut by parameter counts.
+
+    Returns:
+        One execution sequence per stage.
+
+    Raises:
+        ConfigError: Annotations and ``balance`` were both given, ``balance`` does not fit,
+            or the annotations do not make ``stages`` stages in data-flow order.
+    """
     steps, names = seq.steps, seq.names()
     source: nn.Module = seq.__dict__["source"]
     marks = stage_marks(source)

@@ -16,6 +16,15 @@ class SequentialStage(nn.Sequential):
     """A run of layers; the first takes all the stage's arguments (tuple/dict inputs)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the layers.
+
+        Args:
+            *args: The first layer's positional arguments.
+            **kwargs: The first layer's keyword arguments.
+
+        Returns:
+            The last layer's output; each later layer takes the previous one's output.
+        """
         layers = iter(self)
         value = next(layers)(*args, **kwargs)
         for layer in layers:
@@ -24,7 +33,17 @@ class SequentialStage(nn.Sequential):
 
 
 def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """The named layers of a layer-list model, names as in the original model."""
+    """The named layers of a layer-list model.
+
+    Args:
+        model: An ``nn.Sequential``, ``nn.ModuleList`` or list of modules.
+
+    Returns:
+        (name as in the original model, layer) per layer.
+
+    Raises:
+        ConfigError: ``model`` is not a layer list.
+    """
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return list(model.named_children())
     if isinstance(model, Sequence) and all(isinstance(m, nn.Module) for m in model):
@@ -36,7 +55,14 @@ def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Modu
 
 
 def parameter_costs(layers: Sequence[tuple[str, nn.Module]]) -> list[float]:
-    """Cost of each layer as its parameter count (the default balance)."""
+    """The cost of each layer as its parameter count (the default balance).
+
+    Args:
+        layers: Named layers (:func:`layers_of`).
+
+    Returns:
+        The parameter count of each layer.
+    """
     return [float(sum(p.numel() for p in m.parameters())) for _, m in layers]
 
 
@@ -50,6 +76,19 @@ def split_sequential(
 
     Keeping names means ``stage.named_parameters()`` and ``stage.state_dict()`` use the
     original model's keys, so checkpoints and optimizers need no renaming.
+
+    Args:
+        model: An ``nn.Sequential``, ``nn.ModuleList`` or list of modules.
+        stages: How many stages to make.
+        balance: Layers per stage; None to balance parameter counts.
+        placement: The rank of each stage, for a cut by parameter counts.
+
+    Returns:
+        One ``nn.Sequential`` per stage.
+
+    Raises:
+        ConfigError: ``model`` is not a layer list, has fewer layers than stages, or
+            ``balance`` does not fit it.
     """
     layers = layers_of(model)
     if len(layers) < stages:

@@ -35,12 +35,27 @@ def split_model(
       annotations, or by ``balance`` counting leaf-module calls and operations that read a
       parameter, or by parameter counts preferring cuts between blocks.
 
-    ``placement`` (the rank of each stage) lets an automatic split give every rank
-    parameters when the model has too few layers with parameters for every stage.
+    An automatic split uses ``placement`` to give every rank parameters when the model
+    has too few layers with parameters for every stage.
 
     Stage 0 takes the model's arguments; stage s > 0 takes stage s - 1's output; the last
     returns the model's output. Parameters and buffers are the model's own objects under
     their original names.
+
+    Args:
+        model: A module, a layer list or an execution sequence.
+        stages: How many stages to make.
+        balance: Layers (or steps) per stage; None to cut by annotations or balance.
+        sample: One micro-batch of the model's input, for a model fx cannot trace.
+        placement: The rank of each stage.
+
+    Returns:
+        The stage modules, in order.
+
+    Raises:
+        NeedsSample: fx cannot trace the model and no sample was given.
+        ConfigError: The model cannot be captured, or the annotations or ``balance`` do
+            not fit ``stages``.
     """
     if isinstance(model, ExecutionSequence):
         return split_sequence(model, stages, balance, placement)
@@ -64,11 +79,17 @@ def split_model(
 
 
 def shared_parameters(stages: Sequence[nn.Module]) -> list[tuple[str, list[int]]]:
-    """(name, stage indices) of every ``Parameter`` object that more than one stage holds.
+    """The ``Parameter`` objects that more than one stage holds.
 
-    The name is the one the first holding stage uses (an original model name). Their
-    gradients must be summed over those stages. Ordered by first stage, then by position
-    in that stage's ``named_parameters()``.
+    Their gradients must be summed over those stages.
+
+    Args:
+        stages: The stage modules.
+
+    Returns:
+        (name, stage indices) of each, named as the first holding stage names it (an
+        original model name); ordered by first stage, then by position in that stage's
+        ``named_parameters()``.
     """
     where: dict[int, tuple[str, list[int]]] = {}
     for s, stage in enumerate(stages):

@@ -9,7 +9,16 @@ from torch import nn
 
 
 def install(root: nn.Module, target: str, value: Any) -> None:
-    """Put ``value`` at ``target`` under ``root``, creating empty containers on the way."""
+    """Put ``value`` at ``target`` under ``root``, creating empty containers on the way.
+
+    Modules are registered as submodules, parameters as parameters, other tensors as
+    buffers, anything else as a plain attribute.
+
+    Args:
+        root: The module tree.
+        target: The dotted path.
+        value: What to put there.
+    """
     *prefix, field = target.split(".")
     holder = root
     for part in prefix:

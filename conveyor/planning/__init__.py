@@ -1,3 +1,10 @@
-"""Choosing how to run a model: per-layer profiles (:mod:`~conveyor.planning.profiler`,
-``conveyor.profile``) and the planner that picks split, schedule and chunks from them
-(:mod:`~conveyor.planning.planner`, ``conveyor.plan``)."""
+"""Choosing how to run a model (``conveyor.profile``, ``conveyor.plan``).
+
+- :mod:`~conveyor.planning.profile_data`: what a profile is, and its per-stage sums;
+- :mod:`~conveyor.planning.measure`: timing and sizing one unit on one micro-batch;
+- :mod:`~conveyor.planning.link`: latency and bandwidth between ranks;
+- :mod:`~conveyor.planning.profiler`: the model cut into units, each measured;
+- :mod:`~conveyor.planning.cost_model`: a candidate's balance, step time and memory;
+- :mod:`~conveyor.planning.calibration`: a profile scaled to a few real steps;
+- :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches.
+"""

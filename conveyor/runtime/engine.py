@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
+from conveyor.runtime import microbatch
 from conveyor.runtime.channel import Mailbox, Remote
 from conveyor.runtime.compute import LossFn, Mode, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
@@ -47,7 +48,8 @@ class StepRecord:
     outputs (``predict``); ``timings``: (rank, kind, stage, micro-batch, start, end) per
     action, seconds from the step start, start once its inputs had arrived; ``waits``: the
     same for each wait on another rank (the producer's kind, stage and micro-batch);
-    ``memory``: activation memory (``track_memory``), else None.
+    ``memory``: activation memory (``track_memory``), else None; ``sent_shapes``: per stage
+    held here, ``dtype[shape]`` of each value its first forward passed on.
     """
 
     mode: Mode
@@ -56,12 +58,7 @@ class StepRecord:
     timings: list[Timing]
     waits: list[Timing]
     memory: MemoryReport | None
-
-
-def batch_size(value: Any) -> int:
-    """The first dimension of the first tensor of ``value`` with one (1 if none has)."""
-    leaves = [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.dim()]
-    return int(leaves[0].shape[0]) if leaves else 1
+    sent_shapes: dict[int, list[str]]
 
 
 class Engine:
@@ -116,11 +113,6 @@ class Engine:
             else Mailbox(schedule, stages)
         )
         self._programs: dict[bool, RankProgram] = {}
-
-    @property
-    def sent_shapes(self) -> dict[int, list[str]]:
-        """Per stage held here: ``dtype[shape]`` of each value its first forward passed on."""
-        return self.compute.sent_shapes
 
     def program(self, train: bool) -> RankProgram:
         """This process's program for a training (``train``) or forward-only step."""
@@ -210,7 +202,9 @@ class Engine:
                 f"rank {self.ctx.pp_rank}: activations never consumed by a backward: {names}"
             )
         outputs = [compute.outputs[k] for k in sorted(compute.outputs)]
-        return StepRecord(mode, compute.loss, outputs, timings, channel.waits, memory)
+        return StepRecord(
+            mode, compute.loss, outputs, timings, channel.waits, memory, dict(compute.sent_shapes)
+        )
 
     def _step(self, step: Step, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
@@ -320,7 +314,7 @@ class Engine:
                 for x in pytree.tree_leaves(mb)
             ]
             signature = zlib.crc32(repr(shapes).encode())
-            size = sum(batch_size(mb) for mb in inputs)
+            size = sum(microbatch.batch_size(mb, "inputs") for mb in inputs)
         return self.channel.agree(signature, size, inputs is not None)
 
 

@@ -1,4 +1,7 @@
-"""Split a batch (tensor, tuple or dict of tensors) into micro-batches and merge back."""
+"""Divide a batch (tensor, tuple or dict of tensors) into micro-batches and merge back.
+
+("Divide" is for batches; "split" means cutting a model into stages.)
+"""
 
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ def batch_size(batch: Any, what: str) -> int:
     return sizes.pop()
 
 
-def split(batch: Any, parts: int, what: str) -> list[Any]:
-    """``batch`` cut on dim 0 into ``parts`` micro-batches (sizes differ by at most one)."""
+def divide(batch: Any, parts: int, what: str) -> list[Any]:
+    """``batch`` divided on dim 0 into ``parts`` micro-batches (sizes differ by at most one)."""
     n = batch_size(batch, what)
     if n < parts:
         raise ConfigError(
@@ -66,3 +69,6 @@ def to_device(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value
     )
+
+
+split = divide  # TODO(issue 21): remove once every caller says divide

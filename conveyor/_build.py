@@ -1,0 +1,213 @@
+"""Building what one process runs: its stages of the split model, tied weights, replicas,
+tensor and FSDP sharding, and the engine that runs them.
+
+:func:`build` returns a :class:`RankParts`; :class:`conveyor.Pipeline` keeps one, and the
+planner builds its own to time real steps. A model only ``torch.export`` can capture is
+split on a sample: :func:`first_microbatch` makes it, :func:`shared_sample` hands the
+first stage's to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor._options import Options
+from conveyor.context import Context
+from conveyor.errors import ConfigError
+from conveyor.partition import shared_parameters, split_model
+from conveyor.partition.annotations import annotated_stages
+from conveyor.partition.describe import SplitInfo, describe_split
+from conveyor.runtime import microbatch
+from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
+from conveyor.runtime.engine import Engine
+from conveyor.runtime.sharding import Sharded, apply_tp
+from conveyor.runtime.shared import SharedParameters
+from conveyor.runtime.transport import guarded
+from conveyor.schedules import Schedule
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What this process runs of a pipeline.
+
+    Attributes:
+        stages: global stage index -> module, for the stages this process holds.
+        description: the whole split, as ``print(pipe)`` shows it.
+        shared: weights tied across stages, with the groups that sum their gradients.
+        data_parallel: gradient averaging over replicas (None without replicas, or with
+            FSDP, which averages itself).
+        engine: runs steps of the schedule over ``stages``.
+    """
+
+    stages: dict[int, nn.Module]
+    description: SplitInfo
+    shared: SharedParameters
+    data_parallel: DataParallel | None
+    engine: Engine
+
+
+def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
+    """The global indices of the stages this process runs: its rank's, or every stage in
+    a one-process world."""
+    if ctx.distributed:
+        return tuple(sorted(schedule.stages_of(ctx.pp_rank)))
+    return tuple(range(schedule.stages))
+
+
+def first_microbatch(inputs: Any, microbatches: int) -> Any:
+    """The first micro-batch of ``inputs``: the sample a graph capture traces."""
+    size = microbatch.batch_size(inputs, "inputs")
+    return microbatch.divide(inputs, min(microbatches, size), "inputs")[0]
+
+
+def build(
+    model: nn.Module, schedule: Schedule, options: Options, ctx: Context, sample: Any
+) -> RankParts:
+    """Split ``model`` and set up this process's share of the pipeline.
+
+    Args:
+        model: the whole model, built the same on every rank.
+        schedule: the schedule (its placement says which rank holds which stage).
+        options: the pipeline's checked options.
+        ctx: the process's context.
+        sample: a first micro-batch of inputs for a graph capture, or None.
+
+    Returns:
+        This process's :class:`RankParts`.
+
+    Raises:
+        NeedsSample: the model needs ``torch.export`` and ``sample`` is None.
+        ConfigError: a split or sharding that cannot work, in one sentence.
+    """
+    all_stages = split_model(model, schedule.stages, options.balance, sample, schedule.placement)
+    if options.balance is None and annotated_stages(model) is None:
+        _check_every_rank_trains(schedule, all_stages)
+    held = held_stages(schedule, ctx)
+    stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
+    description = describe_split(model, all_stages, schedule.placement)
+    # Tied weights on several ranks: copies start equal and their gradients are summed.
+    ties = [
+        ({s: _name_of(all_stages[s], all_stages[group[0]], name) for s in group}, group)
+        for name, group in shared_parameters(all_stages)
+    ]
+    shared = SharedParameters(ties, schedule.placement, stages, ctx)
+    shared.make_equal()
+    # Data-parallel replicas start from replica 0's parameters (before any sharding).
+    replicas = ctx.distributed and ctx.dp_size > 1
+    if replicas:
+        make_replicas_equal(stages, ctx)
+    sharded = None
+    if options.tp_plan is not None:
+        assert ctx.mesh is not None
+        if "torch.export" in description.how:
+            raise ConfigError(
+                f"tp_plan shards modules that run as modules, but {description.model} was "
+                f"captured with torch.export, whose stages read the weights by name; tensor "
+                f"parallelism is not supported for such models yet: use fsdp=True / dp to "
+                f"shard them, or a model torch.fx can trace"
+            )
+        names = (
+            [n for n, _ in model.named_modules()] if isinstance(model, nn.Module) else []
+        )
+        apply_tp(stages, options.tp_plan, names, ctx.mesh["tp"], every=all_stages)
+    if options.fsdp:
+        assert ctx.mesh is not None
+        _check_ties_for_fsdp(ties, schedule.placement)
+        sharded = Sharded(stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard")
+    if options.tp_plan is not None or options.fsdp:
+        shared.rebind(stages)
+    # Without FSDP, replicas average their gradients while the pipeline drains.
+    dp = DataParallel(schedule, stages, ctx) if replicas and not options.fsdp else None
+    engine = Engine(
+        schedule,
+        stages,
+        options.loss_fn,
+        ctx,
+        recompute=options.recompute_stages(schedule.stages),
+        autocast=options.autocast_dtype(),
+        track_memory=options.track_memory,
+        sharded=sharded,
+        on_action=dp.after_action if dp is not None else None,
+        modules={s: ", ".join(description.stages[s].modules) for s in held},
+    )
+    return RankParts(stages, description, shared, dp, engine)
+
+
+def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:
+    """The sample every rank captures the model on: the first micro-batch of the inputs
+    the rank holding stage 0 was given (other ranks may pass ``inputs=None``).
+
+    Raises:
+        ConfigError: that rank got no inputs, or a bad batch (raised on every rank).
+    """
+    if not ctx.distributed:
+        sample = None if inputs is None else first_microbatch(inputs, microbatches)
+    else:
+        holder = ctx.global_rank(schedule.placement[0])
+        box: list[Any] = [None]
+        if ctx.rank == holder and inputs is not None:
+            try:  # a bad batch is sent as its error, so that every rank raises it
+                first = first_microbatch(inputs, microbatches)
+                box = [microbatch.to_device(first, torch.device("cpu"))]
+            except ConfigError as error:
+                box = [error]
+        guarded(
+            lambda: dist.broadcast_object_list(box, src=holder, group=ctx.pp_group),
+            f"rank {ctx.rank}: receiving the first batch from rank {holder} (the model is "
+            f"captured on it)",
+            f"rank {holder}",
+        )
+        sample = box[0]
+        if isinstance(sample, ConfigError):
+            raise sample
+    if sample is None:
+        raise ConfigError(
+            "this model is captured with torch.export on its first batch, but the first "
+            "step got inputs=None; pass the batch, or Pipeline(..., sample=(inputs, targets))"
+        )
+    return sample
+
+
+def _check_every_rank_trains(schedule: Schedule, all_stages: list[nn.Module]) -> None:
+    """An automatic split must give every rank parameters (an optimizer over none fails);
+    the balance does so whenever the model has enough layers with parameters."""
+    if not any(p.requires_grad for stage in all_stages for p in stage.parameters()):
+        return
+    for rank in range(schedule.ranks):
+        held = schedule.stages_of(rank)
+        if not any(p.requires_grad for s in held for p in all_stages[s].parameters()):
+            raise ConfigError(
+                f"the automatic split leaves pipeline rank {rank} (stages "
+                f"{', '.join(map(str, held))}) without parameters: the model has too few "
+                f"layers with parameters for {schedule.stages} stages; use fewer ranks or "
+                f"chunks, or say where to cut with balance= or pipeline_stage annotations"
+            )
+
+
+def _name_of(stage: nn.Module, first: nn.Module, name: str) -> str:
+    """The name ``stage`` uses for the parameter ``first`` holds as ``name``."""
+    param = dict(first.named_parameters())[name]
+    return next(n for n, p in stage.named_parameters() if p is param)
+
+
+def _check_ties_for_fsdp(
+    ties: list[tuple[dict[int, str], list[int]]], placement: tuple[int, ...]
+) -> None:
+    """FSDP shards each stage on its own: a weight two stages of one rank share would
+    become two. Checked over every rank's stages (every rank knows the whole placement),
+    so every rank raises the same error instead of only those holding the weight."""
+    for names, holders in ties:
+        for rank in sorted({placement[s] for s in holders}):
+            local = [s for s in holders if placement[s] == rank]
+            if len(local) > 1:
+                raise ConfigError(
+                    f"fsdp cannot shard the weight {names[local[0]]!r}, which stages "
+                    f"{local[0]} and {local[1]} of pipeline rank {rank} share (a V schedule "
+                    f"with tied weights); use a schedule that places stages in a loop "
+                    f"(1f1b, zb-h1, interleaved-1f1b) or untie the weight"
+                )

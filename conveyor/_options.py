@@ -1,0 +1,211 @@
+"""The keywords of :class:`conveyor.Pipeline`, checked in one place.
+
+:class:`Options` holds them (frozen); its checks run in the order a user meets them: the
+values alone at construction, then against the context (:meth:`Options.check_context`)
+and the schedule (:func:`make_schedule`, :meth:`Options.check_schedule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conveyor.context import Context
+from conveyor.errors import ConfigError
+from conveyor.partition.annotations import annotated_stages
+from conveyor.runtime.compute import LossFn
+from conveyor.runtime.recompute import autocast_dtype, recompute_stages
+from conveyor.schedules import Schedule, validate
+from conveyor.schedules.registry import default_chunks, get_schedule
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a pipeline was asked for, besides the model, schedule and context.
+
+    Attributes mirror :class:`conveyor.Pipeline`'s keywords of the same names.
+    """
+
+    loss_fn: LossFn | None
+    microbatches: int
+    chunks: int = 1
+    balance: list[int] | None = None
+    fsdp: bool | str = False
+    tp_plan: Mapping[str, Any] | None = None
+    sample: tuple[Any, Any] | None = None
+    recompute: bool | Iterable[int] = False
+    autocast: torch.dtype | None = None
+    track_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ConfigError(f"chunks must be an int >= 1, got {self.chunks!r}")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ConfigError(
+                f"loss_fn must be a function (output, target) -> scalar tensor, or None when "
+                f"the model computes its own loss; got {type(self.loss_fn).__name__}"
+            )
+        sample = self.sample
+        if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
+            raise ConfigError(
+                "sample must be a pair (inputs, targets), as train_step takes them (targets "
+                "may be None with loss_fn=None)"
+            )
+
+    def check_context(self, ctx: Context) -> None:
+        """Check ``fsdp`` and ``tp_plan`` against the processes ``ctx`` describes.
+
+        Raises:
+            ConfigError: a bad value, or sharding over a mesh dimension of size 1.
+        """
+        if self.fsdp not in (False, True, "reshard"):
+            raise ConfigError(
+                f"fsdp must be False, True (gather each stage once per step) or 'reshard' "
+                f"(gather each block per use), got {self.fsdp!r}"
+            )
+        if self.fsdp and (not ctx.distributed or ctx.dp_size < 2):
+            raise ConfigError(
+                "fsdp=True shards over the data-parallel replicas; start them with "
+                "conveyor.init(pp=P, dp=D) on P x D processes, D >= 2"
+            )
+        if self.tp_plan is not None and (not ctx.distributed or ctx.tp_size < 2):
+            raise ConfigError(
+                "tp_plan shards layers over tensor-parallel ranks; start them with "
+                "conveyor.init(pp=P, tp=T) on P x T processes, T >= 2"
+            )
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise ConfigError(
+                "tp_plan must map module-name patterns to torch ParallelStyles, e.g. "
+                "{'blocks.*.mlp.fc1': ColwiseParallel(), 'blocks.*.mlp.fc2': RowwiseParallel()}"
+            )
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Check the options that depend on the schedule.
+
+        Raises:
+            ConfigError: ``fsdp='reshard'`` with a split backward, or bad ``recompute`` /
+                ``autocast`` values.
+        """
+        if self.fsdp == "reshard" and schedule.split_backward:
+            raise ConfigError(
+                f"fsdp='reshard' frees each block's gathered weights after every use, but "
+                f"{schedule.name!r} splits the backward and needs them from B until W; use "
+                f"fsdp=True with it, or a schedule without a split backward (1f1b, gpipe, "
+                f"interleaved-1f1b)"
+            )
+        self.recompute_stages(schedule.stages)
+        self.autocast_dtype()
+
+    def recompute_stages(self, stages: int) -> frozenset[int]:
+        """The global indices of the stages whose forward is re-run at B."""
+        return recompute_stages(self.recompute, stages)
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype stage forwards run under ``torch.autocast`` (None: as the model is)."""
+        return autocast_dtype(self.autocast)
+
+
+def make_schedule(
+    schedule: str | Schedule, ranks: int, microbatches: int, chunks: int
+) -> Schedule:
+    """The schedule a pipeline runs: generated from a name, or a given one validated.
+
+    Args:
+        schedule: a registered name, or a :class:`~conveyor.schedules.Schedule`.
+        ranks: pipeline ranks.
+        microbatches: micro-batches per step.
+        chunks: stages per rank.
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ConfigError: an interleaved name with one chunk, a wrong type, or a schedule built
+            for other sizes.
+    """
+    if isinstance(schedule, str):
+        one = {"interleaved-1f1b": "1f1b", "looped-bfs": "gpipe"}.get(schedule)
+        if chunks == 1 and one is not None:
+            # chunks=1 is the default, and interleaving one chunk per rank would silently
+            # be plain 1F1B / GPipe: ask for the count, as the V schedules do.
+            raise ConfigError(
+                f"schedule {schedule!r} interleaves several chunks per rank; pass "
+                f"chunks={default_chunks(schedule)} (or more), or use {one!r} for one"
+            )
+        return get_schedule(schedule, ranks, microbatches, chunks)
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(
+            f"schedule must be a name or a conveyor.schedules.Schedule, got "
+            f"{type(schedule).__name__}"
+        )
+    if schedule.ranks != ranks or schedule.microbatches != microbatches:
+        raise ConfigError(
+            f"schedule {schedule.name!r} is for {schedule.ranks} ranks and "
+            f"{schedule.microbatches} micro-batches, but the pipeline has {ranks} ranks and "
+            f"microbatches={microbatches}; build the schedule for the same numbers"
+        )
+    return validate(schedule)
+
+
+def pipeline_ranks(
+    ctx: Context, model: Any, schedule: str | Schedule, chunks: int, balance: list[int] | None
+) -> int:
+    """How many pipeline ranks the schedule is built for.
+
+    Args:
+        ctx: the context; its ``pp_size`` wins when launched or given ``pp``.
+        model: the model (its ``pipeline_stage`` annotations count stages).
+        schedule: the schedule's name or the schedule.
+        chunks: stages per rank.
+        balance: layers per stage, if given.
+
+    Returns:
+        The context's pipeline ranks, or in a one-process world where ``init()`` was not
+        given ``pp``, as many as the schedule, balance or annotations describe.
+
+    Raises:
+        ConfigError: a stage count ``chunks`` cannot share out, or a balance that does not
+            fit a launched run.
+    """
+    if ctx.distributed or ctx.pp_explicit:
+        if ctx.distributed and balance is not None and not isinstance(schedule, Schedule):
+            _check_balance_fits(ctx, balance, chunks)
+        return ctx.pp_size
+    if isinstance(schedule, Schedule):
+        return schedule.ranks
+    stages = len(balance) if balance is not None else annotated_stages(model)
+    if stages is None:
+        return ctx.pp_size
+    if stages % chunks:
+        where = "balance" if balance is not None else "the pipeline_stage annotations"
+        raise ConfigError(
+            f"{where} describe {stages} stages, which {chunks} chunks per rank cannot "
+            f"share out; give a multiple of {chunks} stages"
+        )
+    return stages // chunks
+
+
+def _check_balance_fits(ctx: Context, balance: list[int], chunks: int) -> None:
+    """A balance for another stage count than pp x chunks of a launched run, in words
+    that say how many processes it needs (one process runs as many ranks as it says)."""
+    if not isinstance(balance, (list, tuple)) or len(balance) == ctx.pp_size * chunks:
+        return
+    stages, have = len(balance), ctx.pp_size * chunks
+    head = (
+        f"balance {list(balance)} describes {stages} stages, but this run has {ctx.pp_size} "
+        f"pipeline ranks x {chunks} chunk(s) = {have} stages"
+    )
+    if stages % chunks:
+        raise ConfigError(f"{head}; give balance {have} entries, one layer count per stage")
+    ranks = stages // chunks
+    need = ranks * ctx.dp_size * ctx.tp_size
+    mesh = f" x dp {ctx.dp_size} x tp {ctx.tp_size}" if need != ranks else ""
+    raise ConfigError(
+        f"{head}; launch {need} processes for {ranks} pipeline ranks{mesh} (conveyor launch "
+        f"--nproc-per-node {need} script.py), or give balance {have} entries"
+    )

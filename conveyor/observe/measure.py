@@ -1,0 +1,100 @@
+"""Measurements of a step over every pipeline rank: the bubble, and the trace file.
+
+Both are collectives over the pipeline group: every rank of a replica calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conveyor.context import Context
+from conveyor.observe.trace import bubble, chrome_trace, measured_bubble, measured_costs
+from conveyor.runtime.timing import Timing
+from conveyor.runtime.transport import collective, guarded
+from conveyor.schedules import Schedule
+from conveyor.simulate import simulate
+
+
+def pipeline_bubble(timings: list[Timing], ctx: Context, ranks: int) -> float:
+    """The :func:`~conveyor.observe.trace.bubble` of a step over all pipeline ranks.
+
+    Args:
+        timings: this process's actions of the step.
+        ctx: the context (in a distributed world, its pipeline group is reduced over).
+        ranks: pipeline ranks.
+
+    Returns:
+        The bubble, the same on every pipeline rank of the replica.
+    """
+    if not ctx.distributed:
+        return measured_bubble(timings, ranks)
+    busy = sum(t.end - t.start for t in timings)
+    first = min((t.start for t in timings), default=float("inf"))
+    last = max((t.end for t in timings), default=float("-inf"))
+    # On the context's device: NCCL reduces device tensors only. The first start is
+    # reduced as a maximum of its negative, with the last end, in one collective.
+    device = ctx.device
+    busies = torch.tensor([busy], dtype=torch.float64, device=device)
+    ends = torch.tensor([-first, last], dtype=torch.float64, device=device)
+    group = ctx.pp_group
+    doing = f"rank {ctx.rank}: measuring the bubble"
+    collective(
+        lambda: dist.all_reduce(busies, group=group, async_op=True),
+        ctx.timeout, doing, "another pipeline rank",
+    )
+    collective(
+        lambda: dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=group, async_op=True),
+        ctx.timeout, doing, "another pipeline rank",
+    )
+    first, last = -float(ends[0]), float(ends[1])
+    if not first < last:  # no rank ran an action
+        return 0.0
+    return bubble(float(busies[0]), first, last, ranks)
+
+
+def write_trace(
+    path: str | os.PathLike[str],
+    timings: list[Timing],
+    waits: list[Timing],
+    schedule: Schedule,
+    ctx: Context,
+) -> None:
+    """Gather a step's actions and waits from every pipeline rank; rank 0 writes them.
+
+    Args:
+        path: the Chrome trace JSON to write.
+        timings: this process's actions of the step.
+        waits: this process's waits for other ranks.
+        schedule: the schedule the step ran (recorded with the simulated bubble).
+        ctx: the context.
+    """
+    parts = [(timings, waits)]
+    if ctx.distributed:
+        gathered: list[Any] = [None] * ctx.pp_size
+        guarded(
+            lambda: dist.all_gather_object(gathered, parts[0], group=ctx.pp_group),
+            f"rank {ctx.rank}: gathering the trace (pipe.save_trace)",
+            "another pipeline rank",
+        )
+        parts = gathered
+    if ctx.rank != 0:
+        return
+    every = [Timing(*t) for part, _ in parts for t in part]
+    every_wait = [Timing(*w) for _, part in parts for w in part]
+    simulated = simulate(schedule, cost=measured_costs(every, schedule.stages)).bubble
+    info: dict[str, object] = {
+        "schedule": schedule.name,
+        "ranks": schedule.ranks,
+        "chunks": schedule.chunks,
+        "microbatches": schedule.microbatches,
+        "measured_bubble": measured_bubble(every, schedule.ranks),
+        "simulated_bubble": simulated,
+        "order": [[str(a) for a in program] for program in schedule.actions],
+    }
+    with open(path, "w") as f:
+        json.dump(chrome_trace(every, every_wait, info), f)

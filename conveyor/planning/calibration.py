@@ -1,0 +1,247 @@
+"""Calibrate a profile against a few real steps, per schedule family.
+
+An isolated profile underestimates a real step: ranks computing at once slow each other
+(shared cores, caches, memory bandwidth) and transfers wait. So in a distributed world the
+planner calibrates (:func:`calibrate_family`): at each micro-batch count it runs a few
+real steps of one reference per schedule family (:data:`REFERENCES`: ``1f1b``, ``zb-h1``,
+``interleaved-1f1b``, ``zbv``; time-balanced), scales F, B and W by measured / profiled
+action time, and fits the per-transfer latency that makes the simulated reference step
+equal the measured one. Every candidate is then predicted from those few numbers, not
+measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor._build import build, first_microbatch
+from conveyor._options import Options
+from conveyor.context import current
+from conveyor.errors import ConfigError
+from conveyor.observe.trace import measured_costs
+from conveyor.planning.cost_model import balanced, predict_step
+from conveyor.planning.measure import LossFn
+from conveyor.planning.profile_data import Profile
+from conveyor.runtime import microbatch
+from conveyor.runtime.timing import Timing
+from conveyor.schedules import Schedule
+from conveyor.schedules.registry import get_schedule
+
+# The reference run per schedule family (split backward?, several chunks per rank?) that
+# calibration measures: chunked schedules send twice as often, which one latency fitted
+# on a one-chunk run underestimates.
+Family = tuple[bool, bool]
+REFERENCES: dict[Family, tuple[str, int]] = {
+    (False, False): ("1f1b", 1),
+    (True, False): ("zb-h1", 1),
+    (False, True): ("interleaved-1f1b", 2),
+    (True, True): ("zbv", 2),
+}
+CALIBRATION_WARMUP = 2
+CALIBRATION_STEPS = 6
+
+
+def family(schedule: Schedule) -> Family:
+    """The calibration family of ``schedule``.
+
+    Args:
+        schedule: Any built schedule.
+
+    Returns:
+        (splits the backward, chunks > 1): a key of :data:`REFERENCES`.
+    """
+    return schedule.split_backward, schedule.chunks > 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a short real run of one schedule family's reference taught.
+
+    Attributes:
+        schedule: The reference schedule's name.
+        chunks: Its stages per rank.
+        split: Whether the family splits the backward.
+        microbatches: Micro-batches per step of the run.
+        balance: Units per stage of the run.
+        scale: Measured / profiled seconds of F, B and W (B: the whole backward when the
+            family does not split it).
+        latency: Seconds per transfer that make the simulated step of the reference
+            equal ``measured``.
+        overhead: Seconds per step left over (negative when even zero latency simulates a
+            longer step).
+        measured: The run's median step, seconds.
+    """
+
+    schedule: str
+    chunks: int
+    split: bool
+    microbatches: int
+    balance: tuple[int, ...]
+    scale: tuple[float, float, float]
+    latency: float
+    overhead: float
+    measured: float
+
+    def apply(self, prof: Profile) -> Profile:
+        """``prof`` with this family's scaled times and fitted latency.
+
+        Args:
+            prof: A profile at the same micro-batch count.
+
+        Returns:
+            A new, calibrated profile.
+        """
+        return prof.calibrated(*self.scale, split=self.split, latency=self.latency)
+
+
+def calibrate_family(
+    model: nn.Module | Sequence[nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    prof: Profile,
+    ranks: int,
+    kind: Family,
+    memory_limit: float | None = None,
+) -> Calibration | None:
+    """Calibrate ``prof`` for one schedule family; a collective.
+
+    Runs a few real steps of the family's reference schedule (:data:`REFERENCES`),
+    time-balanced within ``memory_limit``.
+
+    Args:
+        model: The model being planned.
+        inputs: One sample batch, as for ``train_step``.
+        targets: Its targets.
+        loss_fn: ``loss_fn(output, targets)``.
+        prof: The profile at the micro-batch count to calibrate.
+        ranks: Pipeline ranks (the world size).
+        kind: The family, as :func:`family` gives it.
+        memory_limit: Bytes per rank for the reference's balance, or None.
+
+    Returns:
+        The calibration, or None when the reference cannot run here (too few
+        micro-batches or units).
+    """
+    split = kind[0]
+    name, chunks = REFERENCES[kind]
+    try:
+        if ranks * chunks > len(prof.layers):
+            return None
+        ref = get_schedule(name, ranks, prof.microbatches, chunks)
+        bal = balanced(ref, prof, memory_limit)
+    except ConfigError:
+        return None
+    step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal)
+    predicted = prof.costs(bal, split)
+    scale = tuple(
+        sum(r[k] for r in real) / p if (p := sum(c[k] for c in predicted)) > 0 else 1.0
+        for k in range(3)
+    )
+    f, b, w = scale
+    scaled = prof.calibrated(f, b, w, split=split, latency=prof.latency)
+    latency = _fit_latency(ref, scaled, bal, step)
+    scaled = dataclasses.replace(scaled, latency=latency)
+    return Calibration(
+        schedule=ref.name,
+        chunks=chunks,
+        split=split,
+        microbatches=prof.microbatches,
+        balance=tuple(bal),
+        scale=(f, b, w),
+        latency=latency,
+        overhead=step - predict_step(ref, scaled, bal),
+        measured=step,
+    )
+
+
+def _run_reference(
+    model: nn.Module | Sequence[nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: LossFn,
+    schedule: Schedule,
+    balance: Sequence[int],
+) -> tuple[float, list[tuple[float, float, float]]]:
+    """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
+    of ``schedule``; a collective. Gradients already in ``.grad`` are left as they were."""
+    module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
+    params = list(module.parameters())
+    keep = [p.grad for p in params]
+    ctx = current()
+    m = schedule.microbatches
+    options = Options(loss_fn, m, schedule.chunks, list(balance))
+    parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
+    last = schedule.stages - 1
+    mb_inputs = _divided(inputs, m, "inputs", ctx.device) if 0 in parts.stages else None
+    mb_targets = _divided(targets, m, "targets", ctx.device) if last in parts.stages else None
+    size = microbatch.batch_size(targets, "targets") if last in parts.stages else None
+    dp = parts.data_parallel
+    steps: list[float] = []
+    timings: list[Timing] = []
+    for i in range(CALIBRATION_WARMUP + CALIBRATION_STEPS):
+        for p in params:
+            p.grad = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dp is not None:
+            dp.begin(size)
+        record = parts.engine.run("train", mb_inputs, mb_targets)
+        if dp is not None:
+            dp.wait()
+        if parts.shared:
+            parts.shared.reduce()
+        dist.barrier()
+        if i >= CALIBRATION_WARMUP:
+            steps.append(time.perf_counter() - t0)
+            timings += record.timings
+    for p, g in zip(params, keep, strict=True):
+        p.grad = g
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (steps, timings))
+    # Every rank computes the same numbers from the same gathered data.
+    step = statistics.median(max(s) for s in zip(*(g[0] for g in gathered), strict=True))
+    costs = measured_costs([t for g in gathered for t in g[1]], schedule.stages)
+    return step, costs
+
+
+def _divided(batch: Any, parts: int, what: str, device: torch.device) -> list[Any]:
+    return [microbatch.to_device(p, device) for p in microbatch.divide(batch, parts, what)]
+
+
+def _fit_latency(schedule: Schedule, prof: Profile, balance: Sequence[int], step: float) -> float:
+    """The link latency at which the simulated step of ``schedule`` is ``step`` (0 when
+    even zero latency simulates a longer step)."""
+
+    def sim(latency: float) -> float:
+        return predict_step(schedule, dataclasses.replace(prof, latency=latency), balance)
+
+    lo, hi = 0.0, step
+    if sim(lo) >= step:
+        return 0.0
+    while sim(hi) < step:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sim(mid) < step else (lo, mid)
+    return (lo + hi) / 2
+
+
+__all__ = [
+    "CALIBRATION_STEPS",
+    "CALIBRATION_WARMUP",
+    "REFERENCES",
+    "Calibration",
+    "Family",
+    "calibrate_family",
+    "family",
+]

@@ -1,0 +1,246 @@
+"""The planner's model of one candidate: its balance, step time and memory per rank.
+
+A schedule's units are balanced by measured time, exact min-max under the memory limit
+(:func:`~conveyor.partition.balance.balance_within`), then refined by simulation: moving
+one unit across a stage boundary is kept while the simulated step gets shorter. The step
+time is the simulated makespan with the profiled per-stage (F, B, W) and transfer time,
+plus a fixed per-action overhead; the memory per rank is parameters + gradients + the
+activations the schedule holds at its peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conveyor.errors import ConfigError
+from conveyor.partition.balance import balance as min_max_balance
+from conveyor.partition.balance import balance_within
+from conveyor.planning.profile_data import Profile
+from conveyor.schedules import Schedule
+from conveyor.schedules.core import B, F, W
+from conveyor.simulate import simulate
+
+# Engine bookkeeping per F/B action (tensor wrapping, pytree walks, the send/receive
+# calls themselves), measured on CPU/gloo as (measured step - simulated step) / actions
+# of 1F1B on the benchmark model; ``benchmarks/plan_accuracy.py`` re-checks it.
+ACTION_OVERHEAD = 60e-6
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner simulated.
+
+    Attributes:
+        schedule: The schedule's name.
+        chunks: Stages per rank.
+        microbatches: Micro-batches per step.
+        balance: Units per stage.
+        predicted_step: Seconds per training step.
+        peak_memory: Bytes per rank.
+        fits: Whether every rank is within the memory limit.
+    """
+
+    schedule: str
+    chunks: int
+    microbatches: int
+    balance: tuple[int, ...]
+    predicted_step: float
+    peak_memory: tuple[int, ...]
+    fits: bool
+
+
+def peak_memory(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> list[int]:
+    """Bytes per rank at the schedule's peak, walked action by action.
+
+    Args:
+        schedule: What runs.
+        prof: The per-unit bytes.
+        balance: Units per stage.
+
+    Returns:
+        Per rank: parameters and their gradients (no optimizer state) plus the most
+        activations held at once.
+
+    Raises:
+        ConfigError: ``balance`` does not cover the profiled units.
+    """
+    params = prof.parameter_bytes(balance)
+    acts = prof.activation_bytes(balance)
+    release = W if schedule.split_backward else B
+    out = []
+    for rank, program in enumerate(schedule.actions):
+        held = peak = 0
+        for a in program:
+            if a.kind == F:
+                held += acts[a.stage]
+                peak = max(peak, held)
+            elif a.kind == release:
+                held -= acts[a.stage]
+        out.append(peak + 2 * sum(params[s] for s in schedule.stages_of(rank)))
+    return out
+
+
+def predict_step(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> float:
+    """Simulated seconds of one training step.
+
+    Args:
+        schedule: What runs.
+        prof: The per-unit times and the link.
+        balance: Units per stage.
+
+    Returns:
+        The simulated makespan, :data:`ACTION_OVERHEAD` charged to every F and B.
+
+    Raises:
+        ConfigError: ``balance`` does not cover the profiled units.
+    """
+    costs = [
+        (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD, w)
+        for f, b, w in prof.costs(balance, schedule.split_backward)
+    ]
+    return simulate(schedule, costs, prof.comm(balance)).makespan
+
+
+def balanced(schedule: Schedule, prof: Profile, limit: float | None) -> list[int]:
+    """Time min-max balance within the memory limit, then refined by simulation.
+
+    The limit is applied per stage; a rank with several stages is checked after, and its
+    stages get an equal share of the limit when together they exceed it.
+
+    Args:
+        schedule: What runs.
+        prof: The per-unit times and bytes.
+        limit: Bytes per rank, or None for no limit.
+
+    Returns:
+        Units per stage (it may still not fit: see :func:`evaluate`).
+
+    Raises:
+        ConfigError: The schedule has more stages than there are units.
+    """
+    times = prof.times(schedule.split_backward)
+    stages = schedule.stages
+    if limit is None:
+        start = min_max_balance(times, stages)
+    else:
+        memory = _stage_memory(schedule, prof)
+        try:
+            start = balance_within(times, stages, memory, limit)
+        except ConfigError:
+            start = min_max_balance(times, stages)
+        if not _fits(peak_memory(schedule, prof, start), limit) and schedule.chunks > 1:
+            with contextlib.suppress(ConfigError):  # keep the per-stage split
+                start = balance_within(times, stages, memory, limit / schedule.chunks)
+    return refine(schedule, prof, start, limit)
+
+
+def refine(
+    schedule: Schedule, prof: Profile, balance: Sequence[int], limit: float | None = None
+) -> list[int]:
+    """Move single units across stage boundaries while the simulated step gets shorter.
+
+    Fixes what per-stage min-max misses, such as the last stage also paying the loss or a
+    schedule that idles some stages more than others.
+
+    Args:
+        schedule: What runs.
+        prof: The per-unit times and bytes.
+        balance: Units per stage to start from.
+        limit: Bytes per rank every accepted move must stay within, or None.
+
+    Returns:
+        Units per stage, never slower than ``balance``.
+
+    Raises:
+        ConfigError: ``balance`` does not cover the profiled units.
+    """
+    best = list(balance)
+    best_time = predict_step(schedule, prof, best)
+    for _ in range(4 * len(best)):
+        improved = False
+        for k in range(len(best) - 1):
+            for d in (-1, 1):
+                cand = list(best)
+                cand[k] += d
+                cand[k + 1] -= d
+                if min(cand) < 1:
+                    continue
+                if limit is not None and not _fits(peak_memory(schedule, prof, cand), limit):
+                    continue
+                t = predict_step(schedule, prof, cand)
+                if t < best_time * (1 - 1e-6):
+                    best, best_time, improved = cand, t, True
+        if not improved:
+            break
+    return best
+
+
+def evaluate(
+    schedule: Schedule, prof: Profile, limit: float | None, overhead: float = 0.0
+) -> Candidate:
+    """Balance ``schedule`` for ``prof`` and predict its step time and memory.
+
+    Args:
+        schedule: What runs.
+        prof: The per-unit times and bytes (calibrated, if calibration ran).
+        limit: Bytes per rank, or None for no limit.
+        overhead: Seconds added to the predicted step (a calibration's leftover).
+
+    Returns:
+        The candidate, marked whether it fits ``limit``.
+
+    Raises:
+        ConfigError: The schedule has more stages than there are units.
+    """
+    bal = balanced(schedule, prof, limit)
+    peaks = peak_memory(schedule, prof, bal)
+    return Candidate(
+        schedule=schedule.name,
+        chunks=schedule.chunks,
+        microbatches=schedule.microbatches,
+        balance=tuple(bal),
+        predicted_step=predict_step(schedule, prof, bal) + overhead,
+        peak_memory=tuple(peaks),
+        fits=_fits(peaks, limit),
+    )
+
+
+def _held_per_stage(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches it keeps activations for at once."""
+    release = W if schedule.split_backward else B
+    held = [0] * schedule.stages
+    peak = [0] * schedule.stages
+    for program in schedule.actions:
+        for a in program:
+            if a.kind == F:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind == release:
+                held[a.stage] -= 1
+    return peak
+
+
+def _stage_memory(schedule: Schedule, prof: Profile) -> list[list[float]]:
+    """memory[s][i]: bytes unit i needs on stage s (for ``balance_within``)."""
+    held = _held_per_stage(schedule)
+    return [
+        [2.0 * u.parameters + u.activations * held[s] for u in prof.layers]
+        for s in range(schedule.stages)
+    ]
+
+
+def _fits(peaks: Sequence[int], limit: float | None) -> bool:
+    return limit is None or max(peaks) <= limit
+
+
+__all__ = [
+    "ACTION_OVERHEAD",
+    "Candidate",
+    "balanced",
+    "evaluate",
+    "peak_memory",
+    "predict_step",
+    "refine",
+]
