@@ -9,6 +9,7 @@ first stage's to every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,9 @@ from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.runtime import microbatch
+from conveyor.runtime.compute import Mode
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
-from conveyor.runtime.engine import Engine
+from conveyor.runtime.engine import Engine, StepRecord
 from conveyor.runtime.sharding import Sharded, apply_tp
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.transport import guarded
@@ -49,6 +51,65 @@ class RankParts:
     shared: SharedParameters
     data_parallel: DataParallel | None
     engine: Engine
+    options: Options
+    ctx: Context
+
+    def run(self, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0) -> StepRecord:
+        """Divide a batch into micro-batches and run one step of them (see
+        :meth:`~conveyor.runtime.engine.Engine.run`)."""
+        m, device = self.options.microbatches, self.ctx.device
+        last = self.engine.schedule.stages - 1
+        mb_inputs = microbatch.divide_for(inputs, m, "inputs", 0 in self.stages, device)
+        mb_targets = None
+        if mode != "predict" and self.options.loss_fn is not None:
+            mb_targets = microbatch.divide_for(targets, m, "targets", last in self.stages, device)
+        return self.engine.run(mode, mb_inputs, mb_targets, loss_scale)
+
+    def shard_size(self, inputs: Any, targets: Any) -> int | None:
+        """This replica's batch size, on the rank holding the last stage when there are
+        replicas (None otherwise)."""
+        replicas = self.ctx.distributed and self.ctx.dp_size > 1
+        if not replicas or self.engine.schedule.stages - 1 not in self.stages:
+            return None
+        if targets is not None:
+            return microbatch.batch_size(targets, "targets")
+        if inputs is None:
+            what = "targets" if self.options.loss_fn is not None else "inputs"
+            microbatch.divide_for(None, 1, what, True, self.ctx.device)  # the usual error
+        return microbatch.batch_size(inputs, "inputs")
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The stages' parameters by their names in the model, a tied one once."""
+        seen: set[int] = set()
+        for s in sorted(self.stages):
+            for name, p in self.stages[s].named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stages' state, keyed by the names in the model."""
+        out: dict[str, Any] = {}
+        for s in sorted(self.stages):
+            out.update(self.stages[s].state_dict())
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool) -> None:
+        """Load the stages' entries of ``state``, ignoring other keys.
+
+        Raises:
+            ConfigError: ``strict`` and keys of these stages are missing.
+        """
+        missing: list[str] = []
+        for s in sorted(self.stages):
+            own = self.stages[s].state_dict()
+            missing += [k for k in own if k not in state]
+            self.stages[s].load_state_dict({k: state[k] for k in own if k in state}, strict=False)
+        if strict and missing:
+            raise ConfigError(
+                f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
+                f"pass the model's full state dict or strict=False"
+            )
 
 
 def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
@@ -135,7 +196,7 @@ def build(
         on_action=dp.after_action if dp is not None else None,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
     )
-    return RankParts(stages, description, shared, dp, engine)
+    return RankParts(stages, description, shared, dp, engine, options, ctx)
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

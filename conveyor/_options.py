@@ -16,6 +16,7 @@ import torch
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.partition.annotations import annotated_stages
+from conveyor.runtime import microbatch
 from conveyor.runtime.compute import LossFn
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.schedules import Schedule, validate
@@ -209,3 +210,26 @@ def _check_balance_fits(ctx: Context, balance: list[int], chunks: int) -> None:
         f"{head}; launch {need} processes for {ranks} pipeline ranks{mesh} (conveyor launch "
         f"--nproc-per-node {need} script.py), or give balance {have} entries"
     )
+
+
+def check_step(loss_fn: LossFn | None, inputs: Any, targets: Any) -> None:
+    """Check a training or evaluation step's batch against the loss.
+
+    Raises:
+        ConfigError: targets with ``loss_fn=None``, or inputs and targets of different
+            batch sizes.
+    """
+    if loss_fn is None and targets is not None:
+        raise ConfigError(
+            "loss_fn=None takes the loss from the model's output, so targets are not used; "
+            "pass the labels inside the inputs (e.g. {'input_ids': ..., 'labels': ...}) and "
+            "targets=None, or give a loss_fn"
+        )
+    if inputs is not None and targets is not None:
+        n = microbatch.batch_size(inputs, "inputs")
+        t = microbatch.batch_size(targets, "targets")
+        if n != t:
+            raise ConfigError(
+                f"inputs hold {n} samples but targets hold {t}; pass targets for the same "
+                f"samples as the inputs (their first dimensions must match)"
+            )

@@ -23,24 +23,38 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT = 300.0
+"""Seconds any wait on a peer rank may take when neither ``init(timeout=...)`` nor
+``$CONVEYOR_TIMEOUT`` says otherwise."""
 
 
 @dataclass(frozen=True)
 class Context:
-    """Where this process sits: global rank, pipeline, data-parallel and tensor-parallel
-    rank, device.
+    """Where this process sits: its ranks in the world and in the mesh, and its device.
 
-    ``distributed`` is False for the world of one process, which then runs the stages of
-    all ``pp_size`` pipeline ranks itself. ``timeout`` (seconds) bounds every wait on a
-    peer rank.
+    Made by :func:`init`. Global rank = ``(dp_rank * pp_size + pp_rank) * tp_size +
+    tp_rank``: tensor-parallel groups are consecutive ranks, and with ``tp_size == 1``
+    consecutive ranks form one pipeline replica. The process groups (:attr:`pp_group`,
+    :attr:`dp_group`, :attr:`tp_group`) and the :attr:`mesh` are ``None`` in a world of
+    one process.
 
-    Global rank = ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``: tensor-parallel
-    groups are consecutive ranks, and with ``tp_size == 1`` consecutive ranks form one
-    pipeline replica. ``mesh`` is the ``(dp, pp, tp)``
-    :class:`~torch.distributed.device_mesh.DeviceMesh`; ``pp_group`` holds the ranks of
-    this process's pipeline (same ``dp_rank`` and ``tp_rank``), ``dp_group`` the ranks
-    with its ``pp_rank`` and ``tp_rank`` in every replica, ``tp_group`` the ranks sharing
-    its layers' shards (all three ``None`` in a world of one process).
+    Attributes:
+        rank: Global rank, ``0 .. world_size - 1``.
+        world_size: Number of processes.
+        pp_rank: Pipeline rank, ``0 .. pp_size - 1``.
+        pp_size: Pipeline ranks per replica.
+        dp_rank: Data-parallel replica, ``0 .. dp_size - 1``.
+        dp_size: Data-parallel replicas.
+        device: This process's device: ``cuda:<local rank>`` with NCCL, else CPU.
+        backend: The process-group backend (``"nccl"``, ``"gloo"``), None in a world of
+            one process.
+        distributed: False for the world of one process, which then runs the stages of
+            all ``pp_size`` pipeline ranks itself.
+        timeout: Seconds any wait on a peer rank may take before it raises.
+        pp_explicit: Whether ``pp_size`` was chosen (by ``init(pp=...)`` or the world
+            size); in a one-process world without it, a Pipeline runs as many ranks as
+            its balance or annotations describe.
+        tp_rank: Tensor-parallel rank, ``0 .. tp_size - 1``.
+        tp_size: Processes sharing each pipeline rank's layers.
     """
 
     rank: int
@@ -81,25 +95,41 @@ class Context:
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
-        """The ranks sharing this process's layers' shards."""
+        """The ranks sharing this process's layers' shards (its tensor-parallel group)."""
         return self._group("tp")
 
     def _group(self, name: str) -> dist.ProcessGroup | None:
+        """The mesh's ``name`` (``"pp"``, ``"dp"``, ``"tp"``) process group, or None."""
         return self._groups.get()[name] if self._groups is not None else None
 
     def global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank ``pp_rank`` in this process's pipeline (the same
-        replica and tensor-parallel rank)."""
+        """Global rank of pipeline rank ``pp_rank`` in this process's pipeline.
+
+        Args:
+            pp_rank: A pipeline rank, ``0 .. pp_size - 1``.
+
+        Returns:
+            The global rank with this process's ``dp_rank`` and ``tp_rank``.
+        """
         return self.rank_at(self.dp_rank, pp_rank, self.tp_rank)
 
     def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        """Global rank of the process at (``dp_rank``, ``pp_rank``, ``tp_rank``) of the mesh."""
+        """Global rank of the process at (``dp_rank``, ``pp_rank``, ``tp_rank``) of the mesh.
+
+        Args:
+            dp_rank: Data-parallel replica.
+            pp_rank: Pipeline rank.
+            tp_rank: Tensor-parallel rank.
+
+        Returns:
+            ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``.
+        """
         return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
 
 
 _current: Context | None = None
 _exit_hook = False
-_exit_wait = DEFAULT_TIMEOUT  # the last init's time-out, for the barrier at exit
+_exit_timeout = DEFAULT_TIMEOUT  # the last init's time-out, for the barrier at exit
 
 
 def _timeout_from(timeout: float | None) -> float:
@@ -129,7 +159,11 @@ def _timeout_from(timeout: float | None) -> float:
 
 
 def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (or ``conveyor launch``)."""
+    """Whether this process was started by torchrun (or ``conveyor launch``).
+
+    Returns:
+        True when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are all set.
+    """
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
@@ -142,16 +176,32 @@ def init(
 ) -> Context:
     """Set up conveyor for this process and return its :class:`Context`.
 
-    Reads the ``torchrun`` environment (or an already initialised default process group).
-    ``pp`` defaults to world_size // (dp * tp); ``backend`` to ``nccl`` with CUDA, else
-    ``gloo``. Without a distributed environment this is a world of one process that runs
-    all ``pp`` pipeline ranks itself. With ``dp > 1`` the world is ``dp`` pipeline replicas;
-    every replica trains on its own shard of the batch and gradients are averaged (or, with
-    ``Pipeline(fsdp=True)``, reduce-scattered) over the replicas. With ``tp > 1`` every
-    pipeline rank is ``tp`` processes that share its layers' matrices
-    (``Pipeline(tp_plan=...)``). ``timeout`` (seconds, default
-    ``$CONVEYOR_TIMEOUT`` or 300) bounds every wait on another rank, so a dead or stalled
-    peer raises instead of hanging.
+    Reads the ``torchrun`` environment (or an already initialised default process group)
+    and creates the default process group and the ``(dp, pp, tp)`` device mesh; with NCCL
+    it also selects this process's GPU (``LOCAL_RANK``). Without a distributed
+    environment this is a world of one process that runs all ``pp`` pipeline ranks
+    itself. In a distributed world every process must call it (it is a collective).
+
+    Args:
+        pp: Pipeline ranks per replica. Default: ``world_size // (dp * tp)`` (1 in a
+            world of one process).
+        dp: Data-parallel replicas: every replica trains on its own shard of the batch
+            and gradients are averaged (or, with ``Pipeline(fsdp=True)``,
+            reduce-scattered) over the replicas.
+        tp: Tensor-parallel processes per pipeline rank, sharing its layers' matrices
+            (``Pipeline(tp_plan=...)``).
+        backend: The process-group backend. Default: ``"nccl"`` with CUDA, else
+            ``"gloo"``. Ignored when a default process group exists.
+        timeout: Seconds any wait on another rank may take, so that a dead or stalled
+            peer raises instead of hanging. Default: ``$CONVEYOR_TIMEOUT``, else 300.
+
+    Returns:
+        This process's context, also kept for :func:`current`.
+
+    Raises:
+        ConfigError: For a ``pp``, ``dp`` or ``tp`` that is not an int >= 1, a timeout
+            that is not a finite number > 0, ``dp`` or ``tp`` above 1 in a world of one
+            process, or a world size that is not ``pp * dp * tp``.
     """
     global _current
     seconds = _timeout_from(timeout)
@@ -175,19 +225,19 @@ def init(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        options: dict[str, Any] = {}
+        init_kwargs: dict[str, Any] = {}
         if backend == "nccl":
             # Bound to its GPU at once: the communicators are made eagerly, not lazily on
             # each rank pair's first transfer.
-            options["device_id"] = torch.device("cuda", _local_rank())
+            init_kwargs["device_id"] = torch.device("cuda", _local_rank())
         group_seconds = backend_timeout(backend, seconds)
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=group_seconds), **options
+            backend, timeout=datetime.timedelta(seconds=group_seconds), **init_kwargs
         )
     # torch 2.13's gloo can abort at interpreter exit ("terminate called without an active
     # exception") when the group is never destroyed: destroy it at exit, whoever made it.
-    global _exit_hook, _exit_wait
-    _exit_wait = seconds
+    global _exit_hook, _exit_timeout
+    _exit_timeout = seconds
     if not _exit_hook:
         atexit.register(_destroy)
         _exit_hook = True
@@ -252,10 +302,19 @@ def _device_mesh(
 
 
 def backend_timeout(backend: str, seconds: float) -> float:
-    """The process groups' own time-out for conveyor's ``seconds``. On NCCL, waits are
-    stream-ordered and conveyor's watchdog names a stalled transfer after ``seconds``
-    (:mod:`conveyor.runtime.watchdog`); NCCL's watchdog, which ends the process without
-    naming the action, gets longer so that ours speaks first."""
+    """The process groups' own time-out for conveyor's time-out of ``seconds``.
+
+    On NCCL, waits are stream-ordered and conveyor's watchdog names a stalled transfer
+    after ``seconds`` (:mod:`conveyor.runtime.watchdog`); NCCL's watchdog, which ends the
+    process without naming the action, gets longer so that ours speaks first.
+
+    Args:
+        backend: The process-group backend, e.g. ``"nccl"`` or ``"gloo"``.
+        seconds: conveyor's time-out.
+
+    Returns:
+        ``seconds + max(30, seconds / 4)`` for NCCL, else ``seconds``.
+    """
     return seconds + max(30.0, seconds / 4) if backend == "nccl" else seconds
 
 
@@ -290,7 +349,7 @@ def _destroy() -> None:
         with contextlib.suppress(Exception):
             work = dist.barrier(async_op=True)
             if work is not None:
-                work.wait(datetime.timedelta(seconds=min(_exit_wait, 2.0)))
+                work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     release_all()
@@ -299,5 +358,12 @@ def _destroy() -> None:
 
 
 def current() -> Context:
-    """The context of the last :func:`init`, initialising with defaults if there is none."""
+    """The context of the last :func:`init`, initialising with defaults if there is none.
+
+    Returns:
+        The current context.
+
+    Raises:
+        ConfigError: As :func:`init` does, when it has to initialise.
+    """
     return _current if _current is not None else init()

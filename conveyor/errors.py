@@ -4,11 +4,18 @@ from __future__ import annotations
 
 
 class ConveyorError(Exception):
-    """Base class of every error conveyor raises on purpose."""
+    """Base class of every error conveyor raises on purpose.
+
+    Catch it to handle any of them; each message is one sentence that says what to do.
+    """
 
 
 class ScheduleError(ConveyorError, ValueError):
-    """A schedule is incomplete, out of dependency order, or can deadlock."""
+    """A schedule is incomplete, out of dependency order, or can deadlock.
+
+    Also a bad schedule table. The message names the rank and action (or the line) at
+    fault.
+    """
 
 
 class ConfigError(ConveyorError, ValueError):
@@ -20,7 +27,15 @@ class PipelineError(ConveyorError, RuntimeError):
 
 
 def one_line(error: BaseException) -> str:
-    """``Type: message`` with the message's whitespace (newlines too) collapsed."""
+    """An exception as one line, for logs and summaries.
+
+    Args:
+        error: Any exception.
+
+    Returns:
+        ``Type: message`` with the message's whitespace (newlines too) collapsed, or
+        just ``Type`` for an empty message.
+    """
     text = " ".join(str(error).split())
     name = type(error).__name__
     return f"{name}: {text}" if text else name

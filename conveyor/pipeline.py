@@ -8,47 +8,40 @@ in :mod:`conveyor.observe.measure`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor._build import RankParts, build, first_microbatch, held_stages, shared_sample
-from conveyor._options import Options, make_schedule, pipeline_ranks
+from conveyor._options import Options, check_step, make_schedule, pipeline_ranks
 from conveyor.context import Context, current
 from conveyor.errors import ConfigError
 from conveyor.observe.measure import pipeline_bubble, write_trace
 from conveyor.partition.capture import NeedsSample
 from conveyor.partition.describe import SplitInfo
-from conveyor.planning.planner import Plan, plan
+from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compute import LossFn, Mode
-from conveyor.runtime.data_parallel import global_loss, replica_share
+from conveyor.runtime.data_parallel import batch_loss, replica_share
 from conveyor.runtime.engine import StepRecord
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.timing import Timing
-from conveyor.runtime.transport import collective
 from conveyor.schedules import Schedule
 
 
 class Pipeline:
     """A model cut into stages and trained by a pipeline schedule.
 
-    Build it the same way on every rank. ``train_step`` returns the whole batch's loss on
-    every rank and leaves in each local parameter's ``.grad`` the gradient the unsplit
-    model would have; step your optimizer over ``pipe.parameters()`` as usual.
-
-    With data x pipeline parallelism (``conveyor.init(pp=P, dp=D)`` on P x D processes)
-    each of the D replicas passes its own shard of the global batch (pick it with
-    ``ctx.dp_rank`` / ``ctx.dp_size``; shards may differ in size). Replicas start from
-    replica 0's parameters; ``train_step`` averages each stage's gradient over the
-    replicas, weighted by shard size, so ``.grad`` gets the global batch's gradient and the
-    returned loss is the global batch's.
+    Build it the same way on every rank; ``train_step`` leaves in each local parameter's
+    ``.grad`` the gradient the unsplit model would have; step your optimizer over
+    ``pipe.parameters()``. With ``conveyor.init(pp=P, dp=D)`` each replica passes its own
+    shard of the global batch (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
 
     Args:
         model: the whole model, built the same on every rank. A layer list or
@@ -105,17 +98,18 @@ class Pipeline:
         track_memory: bool = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
-        self.plan: Plan | None = None
-        if schedule == "auto":
-            self.plan = _auto_plan(model, ctx, loss_fn, microbatches, chunks, balance, fsdp,
-                                   tp_plan, sample, memory_limit)
-            schedule = self.plan.built
-            chunks, balance = self.plan.chunks, self.plan.balance
         options = Options(loss_fn, microbatches, chunks, balance, fsdp, tp_plan, sample,
                           recompute, autocast, track_memory)
-        ranks = pipeline_ranks(ctx, model, schedule, chunks, balance)
+        self.plan: Plan | None = None
+        if schedule == "auto":
+            self.plan = plan_pipeline(model, ctx, options, memory_limit)
+            schedule = self.plan.built
+            options = dataclasses.replace(
+                options, chunks=self.plan.chunks, balance=self.plan.balance
+            )
+        ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         options.check_context(ctx)
-        self.schedule = make_schedule(schedule, ranks, microbatches, chunks)
+        self.schedule = make_schedule(schedule, ranks, microbatches, options.chunks)
         options.check_schedule(self.schedule)
         self.options = options
         self.loss_fn = loss_fn
@@ -179,42 +173,15 @@ class Pipeline:
         return held_stages(self.schedule, self.context)
 
     def tied_copies(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """This rank's copies of weights tied across ranks.
-
-        Returns:
-            ``(parameter, ranks holding a copy)`` per copy, in the same global order on
-            every rank (the k-th copy of a group here and there is the same weight).
-        """
+        """``(parameter, ranks holding a copy)`` per copy here of a weight tied across
+        ranks, in the same global order on every rank (so the k-th copies match)."""
         return self._split("pipe.tied_copies()").shared.links()
 
     # ------------------------------------------------------------------ steps
-    def _divide(self, value: Any, what: str, needed: bool) -> list[Any] | None:
-        if value is None:
-            if needed:
-                raise ConfigError(
-                    f"this rank holds a stage that needs {what}, but got {what}=None; pass the "
-                    f"batch on every rank (ranks without the first/last stage may pass None)"
-                )
-            return None
-        parts = microbatch.divide(value, self.microbatches, what)
-        return [microbatch.to_device(p, self.context.device) for p in parts]
-
     def _begin(self, inputs: Any, targets: Any, predict: bool = False) -> RankParts:
         """Checks of a step's arguments, and the split on the first batch if needed."""
-        if not predict and self.loss_fn is None and targets is not None:
-            raise ConfigError(
-                "loss_fn=None takes the loss from the model's output, so targets are not used; "
-                "pass the labels inside the inputs (e.g. {'input_ids': ..., 'labels': ...}) and "
-                "targets=None, or give a loss_fn"
-            )
-        if not predict and inputs is not None and targets is not None:
-            n = microbatch.batch_size(inputs, "inputs")
-            t = microbatch.batch_size(targets, "targets")
-            if n != t:
-                raise ConfigError(
-                    f"inputs hold {n} samples but targets hold {t}; pass targets for the same "
-                    f"samples as the inputs (their first dimensions must match)"
-                )
+        if not predict:
+            check_step(self.loss_fn, inputs, targets)
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, inputs)
             self._adopt(build(self._model, self.schedule, self.options, self.context, sample))
@@ -224,49 +191,11 @@ class Pipeline:
     def _run(
         self, parts: RankParts, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0
     ) -> StepRecord:
-        last = self.schedule.stages - 1
-        mb_inputs = self._divide(inputs, "inputs", 0 in parts.stages)
-        mb_targets = None
-        if mode != "predict" and self.loss_fn is not None:
-            mb_targets = self._divide(targets, "targets", last in parts.stages)
-        record = parts.engine.run(mode, mb_inputs, mb_targets, loss_scale)
+        record = parts.run(mode, inputs, targets, loss_scale)
         self._sent_shapes = record.sent_shapes
         if mode == "train":  # traces and measurements show the last training step
             self._last_train = record
         return record
-
-    def _shard_size(self, parts: RankParts, inputs: Any, targets: Any) -> int | None:
-        """This replica's batch size, on the rank holding the last stage (None elsewhere)."""
-        replicas = self.context.distributed and self.context.dp_size > 1
-        if not replicas or self.schedule.stages - 1 not in parts.stages:
-            return None
-        if targets is not None:
-            return microbatch.batch_size(targets, "targets")
-        if inputs is None:
-            what = "targets" if self.loss_fn is not None else "inputs"
-            self._divide(None, what, needed=True)  # raises the usual error
-        return microbatch.batch_size(inputs, "inputs")
-
-    def _share_loss(self, loss: torch.Tensor | None, size: int | None) -> torch.Tensor:
-        ctx = self.context
-        if not ctx.distributed:
-            assert loss is not None
-            return loss
-        if ctx.dp_size > 1:
-            return global_loss(loss, size, ctx)
-        buf = (
-            loss.detach().to(torch.float32).reshape(1)
-            if loss is not None
-            else torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        )
-        source = ctx.global_rank(self.schedule.placement[-1])
-        collective(
-            lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
-            ctx.timeout,
-            f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
-            f"rank {source} or another pipeline rank",
-        )
-        return buf.reshape(())
 
     def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """Forward and backward of one batch.
@@ -289,7 +218,7 @@ class Pipeline:
         """
         parts = self._begin(inputs, targets)
         dp = parts.data_parallel
-        size = self._shard_size(parts, inputs, targets)
+        size = parts.shard_size(inputs, targets)
         # Reductions over ranks act on this step's gradients alone.
         isolate = dp is not None or bool(parts.shared)
         if isolate:
@@ -315,33 +244,28 @@ class Pipeline:
             raise
         if isolate:
             self._step_grads.add_back()
-        return self._share_loss(loss, size)
+        return batch_loss(loss, size, self.context, self.schedule.placement[-1])
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """The batch loss without gradients.
 
-        Args:
-            inputs: as for :meth:`train_step`.
-            targets: as for :meth:`train_step`.
-
         Returns:
-            The loss on every rank (the global batch's with data parallelism).
+            The loss on every rank (the global batch's with data parallelism); ``inputs``
+            and ``targets`` as for :meth:`train_step`.
         """
         parts = self._begin(inputs, targets)
-        size = self._shard_size(parts, inputs, targets)
+        size = parts.shard_size(inputs, targets)
         loss = self._run(parts, "eval", inputs, targets).loss
-        return self._share_loss(loss, size)
+        return batch_loss(loss, size, self.context, self.schedule.placement[-1])
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The model's output for a batch.
 
-        Args:
-            inputs: as for :meth:`train_step`.
-
         Returns:
-            The whole batch's output on the rank holding the last stage, None elsewhere.
+            The whole batch's output on the rank holding the last stage, None elsewhere;
+            ``inputs`` as for :meth:`train_step`.
         """
         parts = self._begin(inputs, None, predict=True)
         outputs = self._run(parts, "predict", inputs, None).outputs
@@ -361,12 +285,8 @@ class Pipeline:
         return list(self._last_train.timings) if self._last_train is not None else []
 
     def last_step_waits(self) -> list[Timing]:
-        """This process's waits for another rank's output in the last training step.
-
-        Returns:
-            A :class:`~conveyor.runtime.timing.Timing` per wait (the producer's kind, stage
-            and micro-batch), seconds from the step start.
-        """
+        """A :class:`~conveyor.runtime.timing.Timing` per wait of this process for another
+        rank's output in the last training step (the producer's kind, stage, micro-batch)."""
         self._split("pipe.last_step_waits()")
         return list(self._last_train.waits) if self._last_train is not None else []
 
@@ -441,29 +361,19 @@ class Pipeline:
         across this rank's stages comes once (before a split made on the first batch: the
         whole model's)."""
         if self._parts is None:
-            yield from self._model.named_parameters()
-            return
-        seen: set[int] = set()
-        for stage in self.stages:
-            for name, p in stage.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+            return self._model.named_parameters()
+        return self._parts.named_parameters()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (pass them to the optimizer)."""
-        for _, p in self.named_parameters():
-            yield p
+        return (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the model's state dict, keyed by the original names (the
         whole model's before a split made on the first batch)."""
         if self._parts is None:
             return dict(self._model.state_dict())
-        out: dict[str, Any] = {}
-        for stage in self.stages:
-            out.update(stage.state_dict())
-        return out
+        return self._parts.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Load this rank's entries from a full or partial model state dict.
@@ -478,51 +388,5 @@ class Pipeline:
         """
         if self._parts is None:
             self._model.load_state_dict(state, strict=strict)
-            return
-        missing: list[str] = []
-        for stage in self.stages:
-            own = stage.state_dict()
-            part = {k: state[k] for k in own if k in state}
-            missing += [k for k in own if k not in state]
-            stage.load_state_dict(part, strict=False)
-        if strict and missing:
-            raise ConfigError(
-                f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
-                f"pass the model's full state dict or strict=False"
-            )
-
-
-def _auto_plan(
-    model: nn.Module,
-    ctx: Context,
-    loss_fn: LossFn | None,
-    microbatches: int,
-    chunks: int,
-    balance: list[int] | None,
-    fsdp: bool | str,
-    tp_plan: Mapping[str, Any] | None,
-    sample: tuple[Any, Any] | None,
-    memory_limit: float | None,
-) -> Plan:
-    """``schedule="auto"``: the planner's pick, keeping the user's micro-batch count."""
-    if sample is None:
-        raise ConfigError(
-            "schedule='auto' profiles the model on a batch: pass sample=(inputs, targets), "
-            "e.g. your first batch"
-        )
-    if loss_fn is None:
-        raise ConfigError(
-            "schedule='auto' needs a loss_fn to profile the last layers with; pass one, or "
-            "name a schedule"
-        )
-    return plan(
-        model,
-        sample[0],
-        sample[1],
-        loss_fn,
-        pipeline_ranks(ctx, model, "auto", chunks, balance),
-        memory_limit,
-        microbatch_counts=[microbatches],
-        param_shards=(ctx.dp_size if fsdp else 1) * (ctx.tp_size if tp_plan else 1),
-    )
-
+        else:
+            self._parts.load_state_dict(state, strict)

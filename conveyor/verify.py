@@ -24,7 +24,13 @@ from conveyor.schedules import SCHEDULE_NAMES, default_chunks
 
 
 class Block(nn.Module):
-    """A residual MLP block (``fc1``, ``fc2``: what a tensor-parallel plan names)."""
+    """A residual MLP block: ``x + fc2(tanh(fc1(x)))``.
+
+    ``fc1`` and ``fc2`` are the layer names a ``tp_plan`` would give.
+
+    Args:
+        width: Features in and out; the hidden layer has twice as many.
+    """
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -32,12 +38,27 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block.
+
+        Args:
+            x: Shape ``(batch, width)``.
+
+        Returns:
+            ``x + fc2(tanh(fc1(x)))``, the same shape.
+        """
         out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(x)))
         return out
 
 
 class SkipNet(nn.Module):
-    """Blocks that all read the first layer's output: a skip across every cut."""
+    """Blocks that all read the first layer's output: a skip across every cut.
+
+    Args:
+        depth: How many blocks (:class:`Block`).
+        width: Features between the layers.
+        inputs: Input features.
+        outputs: Output features.
+    """
 
     def __init__(self, depth: int, width: int = 32, inputs: int = 16, outputs: int = 8) -> None:
         super().__init__()
@@ -46,6 +67,14 @@ class SkipNet(nn.Module):
         self.head = nn.Linear(width, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the network.
+
+        Args:
+            x: Shape ``(batch, inputs)``.
+
+        Returns:
+            Shape ``(batch, outputs)``.
+        """
         h0 = torch.tanh(self.first(x))
         h = h0
         for block in self.blocks:
@@ -55,6 +84,7 @@ class SkipNet(nn.Module):
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of ``a`` and ``b``, relative to ``b``'s largest value."""
     scale = b.abs().max().item()
     return float((a - b).abs().max().item() / scale) if scale > 0 else float((a - b).abs().max())
 
@@ -75,11 +105,11 @@ def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, 
         context=ctx,
     )
     worst, elapsed = 0.0, 0.0
-    held = dict(reference.named_parameters())
+    reference_params = dict(reference.named_parameters())
     for step, size in enumerate((4 * microbatches, 3 * microbatches + 1)):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(size, 16, generator=g).to(ctx.device)
-        y = torch.randn(size, 8, generator=g).to(ctx.device)
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randn(size, 16, generator=generator).to(ctx.device)
+        y = torch.randn(size, 8, generator=generator).to(ctx.device)
         start = time.perf_counter()
         loss = pipe.train_step(x, y)
         if ctx.device.type == "cuda":
@@ -90,7 +120,7 @@ def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, 
         torch.autograd.backward(want)
         worst = max(worst, abs(loss.item() - want.item()) / max(abs(want.item()), 1e-12))
         for pname, param in pipe.named_parameters():
-            got, expected = param.grad, held[pname].grad
+            got, expected = param.grad, reference_params[pname].grad
             assert got is not None and expected is not None
             worst = max(worst, _relative(got, expected))
         for param in pipe.parameters():
@@ -105,7 +135,19 @@ def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; 0 if every schedule matches the unsplit model, else 1."""
+    """Run the check on every rank (launched with ``conveyor launch``).
+
+    Args:
+        argv: Command-line arguments (default: ``sys.argv[1:]``): ``--schedules``,
+            ``--microbatches``, ``--tolerance``, ``--timeout``.
+
+    Returns:
+        The exit code: 0 if every schedule matches the unsplit model, else 1.
+
+    Raises:
+        ConfigError: For an unknown name in ``--schedules``.
+        PipelineError: If a rank fails or stalls past ``--timeout`` seconds during a step.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m conveyor.verify",
         description="Every schedule's losses and gradients against the unsplit model, on "
@@ -124,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     ctx = conveyor.init(timeout=args.timeout)
     if ctx.rank == 0:
-        where = f"{ctx.world_size} processes, {ctx.backend} on {ctx.device.type}"
-        print(f"conveyor.verify: {where}, pp={ctx.pp_size} dp={ctx.dp_size}", flush=True)
+        setup = f"{ctx.world_size} processes, {ctx.backend} on {ctx.device.type}"
+        print(f"conveyor.verify: {setup}, pp={ctx.pp_size} dp={ctx.dp_size}", flush=True)
     microbatches = args.microbatches or 2 * ctx.pp_size
     failed = False
     for name in args.schedules.split(","):

@@ -28,7 +28,6 @@ from text import corpus, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
-from conveyor.cli._args import HelpFormatter, plain
 from conveyor.schedules import check_chunks
 
 
@@ -74,7 +73,8 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=plain(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_pipeline_options(ap)
     ap.add_argument("--steps", type=int, default=300, help="training steps")

@@ -196,7 +196,7 @@ def test_in_place_operations_at_every_cut(name: str, schedule: str) -> None:
     for xs, ys in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
         (F.cross_entropy(model(xs), ys) * (xs.shape[0] / n)).backward()
     want = _grads(model.named_parameters())
-    count = layer_count(model, microbatch.split(x, 2, "x")[0])
+    count = layer_count(model, microbatch.divide(x, 2, "x")[0])
     ctx = conveyor.init(pp=2)
     for k in range(1, count):
         model.load_state_dict(state)

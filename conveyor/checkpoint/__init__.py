@@ -12,7 +12,8 @@ On disk, ``path`` is a directory::
     path/step-00000120-3fa94c1e/       one checkpoint: DCP's ``.metadata`` and
                                        ``__<rank>_0.distcp`` files, and conveyor.json
                                        (step, aliases of tied weights, optimizer
-                                       hyperparameters, the layout that saved it)
+                                       hyperparameters, the model class or
+                                       pipeline sizes that saved it)
 
 Keys inside DCP are ``model/<name>`` and ``optim/<name>/<state key>`` (``exp_avg``,
 ``step``, ...), with ``<name>`` as in the unsplit model. Each tensor is written once:
@@ -20,8 +21,8 @@ by the lowest rank holding it, so data-parallel replicas and the copies of a tie
 on several ranks are not repeated; a tied weight is stored under its first name and
 ``conveyor.json`` lists its other names, and a load fills every copy from it.
 
-A save is atomic: every rank writes into ``path/<name>.tmp``; only when all have
-finished does rank 0 rename it to ``path/<name>`` and then replace ``path/latest``
+A save is atomic: every rank writes into ``path/<checkpoint>.tmp``; only when all have
+finished does rank 0 rename it to ``path/<checkpoint>`` and then replace ``path/latest``
 (``os.replace``, atomic on POSIX). A save that dies halfway leaves ``latest`` naming the
 previous checkpoint; the next successful save removes the leftovers. All ranks must see
 the same ``path`` (one machine, or a shared file system).
@@ -74,9 +75,13 @@ __all__ = ["CheckpointError", "exists", "load", "load_model_state", "save"]
 def exists(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds a checkpoint to resume from (unfinished saves do not count).
 
-    True also when ``path/latest`` names a checkpoint that has gone missing, so that a
-    resuming script calls :func:`load` and stops with that error instead of silently
-    starting over.
+    Args:
+        path: A directory given to :func:`save`, or one checkpoint's directory in it.
+
+    Returns:
+        True if ``path/latest`` exists (also when it names a checkpoint that has gone
+        missing, so that a resuming script calls :func:`load` and stops with that error
+        instead of silently starting over) or ``path`` is itself a checkpoint.
     """
     root = Path(path)
     return (root / LATEST).is_file() or (root / META).is_file()
@@ -93,8 +98,24 @@ def save(
     A collective in a distributed world: call it on every rank, with each rank's own
     optimizer. Each rank writes only its entries, under the original model's names, so
     any other split, schedule or process count can :func:`load` it. Atomic: until every
-    rank has finished, ``path`` keeps naming the previous checkpoint. ``pipe`` may also be
-    a plain ``nn.Module`` (one process).
+    rank has finished, ``path`` keeps naming the previous checkpoint; the older
+    checkpoints in ``path`` are removed after the new one is committed.
+
+    Args:
+        pipe: The pipeline, or a plain ``nn.Module`` (one process).
+        path: The checkpoint directory, created if missing; every rank must see the same
+            one.
+        optimizer: This rank's optimizer, built from ``pipe.parameters()``; its state and
+            hyperparameters are saved too. Pass one on every rank or on none.
+        step: The training step to record (an int >= 0), returned by :func:`load`.
+
+    Raises:
+        ConfigError: For a ``step`` that is not an int >= 0, or a ``pipe`` that is neither
+            a Pipeline nor an ``nn.Module``.
+        CheckpointError: If ``path`` is a file, the optimizer holds parameters that are
+            not this rank's, only some ranks pass an optimizer, or writing fails (then
+            the previous checkpoint stays current).
+        PipelineError: If another rank does not reach the save within the time-out.
     """
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
@@ -115,9 +136,10 @@ def save(
             )
     opt_sd = optimizer.state_dict() if optimizer is not None else {"state": {}}
     opt_state = opt_sd["state"]
-    info = {
+    # What this rank tells the others (and rank 0's conveyor.json) about its entries.
+    report = {
         "entries": [(e.names, e.link) for e in view.entries],
-        "groups": [_hyper_json(g) for g in opt_sd["param_groups"]]
+        "param_groups": [_hyper_json(g) for g in opt_sd["param_groups"]]
         if optimizer is not None
         else None,
         "group_of": [
@@ -130,15 +152,15 @@ def save(
         ],
         "class": type(optimizer).__name__ if optimizer is not None else None,
     }
-    infos = _all_gather(view, info)
+    reports = _all_gather(view, report)
     _raise_any(view, error)
-    with_opt = [i["class"] is not None for i in infos]
+    with_opt = [r["class"] is not None for r in reports]
     if any(with_opt) and not all(with_opt):
         raise CheckpointError(
             "some ranks passed an optimizer to conveyor.save and some did not; pass each "
             "rank's optimizer on every rank (or none anywhere)"
         )
-    canon, writer = _components(infos)
+    canon, writer = _components(reports)
 
     # What this rank writes: each entry whose canonical name this rank is the writer of.
     state: dict[str, Any] = {}
@@ -153,21 +175,21 @@ def save(
             for k, v in opt_state.get(opt_index[id(e.value)][0], {}).items():
                 state[f"optim/{c}/{k}"] = _pack(v)
 
-    name = _broadcast(view, _new_name(step) if view.rank == 0 else None)
+    ckpt_name = _broadcast(view, _new_name(step) if view.rank == 0 else None)
     with _quiet(), _dcp_errors(f"saving a checkpoint to {root}", "the previous one is kept"):
         # Every rank creates the directory (DCP's writer does) and writes its files.
         dcp_save(
             state,
-            storage_writer=FileSystemWriter(root / f"{name}.tmp"),
+            storage_writer=FileSystemWriter(root / f"{ckpt_name}.tmp"),
             no_dist=not view.distributed,
         )
 
     commit_error = None
     if view.rank == 0:
         try:
-            _commit(root, name, _meta(infos, canon, writer, view, step))
+            _commit(root, ckpt_name, _meta(reports, canon, writer, view, step))
         except Exception as exc:  # tell every rank, then fail everywhere
-            commit_error = f"committing checkpoint {root / name} failed: {exc!r}"
+            commit_error = f"committing checkpoint {root / ckpt_name} failed: {exc!r}"
     commit_error = _broadcast(view, commit_error)
     if commit_error:
         raise CheckpointError(commit_error)
@@ -180,11 +202,25 @@ def load(
 ) -> int | None:
     """Load the checkpoint at ``path`` into this rank's stages (and ``optimizer``).
 
-    Returns the ``step`` it was saved with. A collective in a distributed world: call it
-    on every rank. Works whatever split, schedule, stage count or process count saved it;
-    each copy of a tied weight is filled from the one stored copy. ``optimizer`` must be
-    built over this rank's parameters (``pipe.parameters()``); its hyperparameters
-    (learning rate, ...) are restored too. ``pipe`` may also be a plain ``nn.Module``.
+    A collective in a distributed world: call it on every rank. Works whatever split,
+    schedule, stage count or process count saved it; each copy of a tied weight is
+    filled from the one stored copy.
+
+    Args:
+        pipe: The pipeline, or a plain ``nn.Module``.
+        path: A directory written by :func:`save` (or one checkpoint's directory in it).
+        optimizer: This rank's optimizer, built over ``pipe.parameters()``; its state and
+            hyperparameters (learning rate, ...) are restored too.
+
+    Returns:
+        The ``step`` the checkpoint was saved with, or None if it was saved without one.
+
+    Raises:
+        ConfigError: For a ``pipe`` that is neither a Pipeline nor an ``nn.Module``.
+        CheckpointError: If there is no checkpoint at ``path``, it is damaged or from a
+            newer conveyor, it lacks entries the model needs or has other shapes, or it
+            has no or another optimizer's state when ``optimizer`` is given.
+        PipelineError: If another rank does not reach the load within the time-out.
     """
     view = _view(pipe)
     read: tuple[Path, dict[str, Any], Metadata] | None = None
@@ -195,7 +231,7 @@ def load(
         failure = str(exc)  # raised below, on every rank, as one error (not two)
     _raise_any(view, failure)
     assert read is not None
-    where, meta, metadata = read
+    ckpt_dir, meta, metadata = read
     error = None
     stored = metadata.state_dict_metadata
     aliases: dict[str, str] = meta["aliases"]
@@ -220,7 +256,7 @@ def load(
                 error = f"checkpoint entry {c!r} is not a tensor, but the model's {names[0]} is"
             elif tuple(md.size) != tuple(e.value.shape):
                 error = (
-                    f"checkpoint {where} has {c} of shape {tuple(md.size)}, but this model's "
+                    f"checkpoint {ckpt_dir} has {c} of shape {tuple(md.size)}, but this model's "
                     f"{names[0]} has shape {tuple(e.value.shape)}; build the model with the "
                     f"same sizes it was saved with"
                 )
@@ -232,7 +268,7 @@ def load(
             state[f"model/{c}"] = None
     if problems and error is None:
         error = (
-            f"checkpoint {where} lacks {len(problems)} entries this "
+            f"checkpoint {ckpt_dir} lacks {len(problems)} entries this "
             f"{'pipeline' if _is_pipeline(pipe) else 'model'} needs, e.g. {problems[:3]}; it "
             f"was saved from a different model (it has e.g. "
             f"{[k[6:] for k in list(stored) if k.startswith('model/')][:3]}). Load it into "
@@ -243,12 +279,12 @@ def load(
     if optimizer is not None and error is None:
         if opt_meta is None:
             error = (
-                f"checkpoint {where} has no optimizer state (it was saved without "
+                f"checkpoint {ckpt_dir} has no optimizer state (it was saved without "
                 f"optimizer=); load without optimizer= or save with it"
             )
         elif opt_meta["class"] != type(optimizer).__name__:
             error = (
-                f"checkpoint {where} holds {opt_meta['class']} state, but the optimizer is "
+                f"checkpoint {ckpt_dir} holds {opt_meta['class']} state, but the optimizer is "
                 f"{type(optimizer).__name__}; build the same optimizer it was saved with"
             )
         else:
@@ -261,10 +297,10 @@ def load(
                         state[k] = _empty_like(md, e.value)
     _raise_any(view, error)
 
-    with _quiet(), _dcp_errors(f"loading checkpoint {where}", "is it damaged?"):
+    with _quiet(), _dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
         dcp_load(
             state,
-            storage_reader=FileSystemReader(where),
+            storage_reader=FileSystemReader(ckpt_dir),
             no_dist=not view.distributed,
         )
     with torch.no_grad():
@@ -285,22 +321,32 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     """The unsplit model's state dict from the checkpoint at ``path``, in one process.
 
     ``model.load_state_dict(conveyor.load_model_state(path))`` works for the model the
-    checkpoint was saved from, whatever split saved it; a tied weight appears under each
-    of its names (as in ``model.state_dict()``). No process group is needed. For the
-    optimizer too, use ``conveyor.load(model, path, optimizer)``.
+    checkpoint was saved from, whatever split saved it. No process group is needed. For
+    the optimizer too, use ``conveyor.load(model, path, optimizer)``.
+
+    Args:
+        path: A directory written by :func:`save` (or one checkpoint's directory in it).
+
+    Returns:
+        The state dict under the unsplit model's names, in its order; a tied weight
+        appears under each of its names (as in ``model.state_dict()``).
+
+    Raises:
+        CheckpointError: If there is no checkpoint at ``path``, or it is damaged or from
+            a newer conveyor.
     """
-    where, meta, metadata = _read(path)
+    ckpt_dir, meta, metadata = _read(path)
     stored = metadata.state_dict_metadata
     state = {k: _empty(md) for k, md in stored.items() if k.startswith("model/")}
-    with _quiet(), _dcp_errors(f"loading checkpoint {where}", "is it damaged?"):
-        dcp_load(state, storage_reader=FileSystemReader(where), no_dist=True)
+    with _quiet(), _dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
+        dcp_load(state, storage_reader=FileSystemReader(ckpt_dir), no_dist=True)
     aliases: dict[str, str] = meta["aliases"]
     out: dict[str, Any] = {}
     for name in meta["keys"]:
         key = f"model/{aliases.get(name, name)}"
         if key not in state:
             raise CheckpointError(
-                f"checkpoint {where} lists {name!r} but holds no data for it; it is damaged, "
+                f"checkpoint {ckpt_dir} lists {name!r} but holds no data for it; it is damaged, "
                 f"load an earlier one"
             )
         out[name] = _unpack(state[key])

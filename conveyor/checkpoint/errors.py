@@ -6,6 +6,10 @@ from conveyor.errors import ConveyorError
 
 
 class CheckpointError(ConveyorError, RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model it is loaded into."""
+    """A checkpoint cannot be written, is missing or damaged, or does not fit the model.
+
+    Raised by :func:`~conveyor.checkpoint.save`, :func:`~conveyor.checkpoint.load` and
+    :func:`~conveyor.checkpoint.load_model_state`; the message says what to do.
+    """
 
     __module__ = "conveyor.checkpoint"  # where it is imported from, as tracebacks show it

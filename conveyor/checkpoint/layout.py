@@ -1,4 +1,4 @@
-"""The on-disk layout: checkpoint names, the ``latest`` pointer and the atomic commit.
+"""The checkpoint directory: checkpoint names, the ``latest`` pointer and the atomic commit.
 
 ``path/latest`` names the current checkpoint ``path/step-<step>-<hex>/`` (or
 ``path/nostep-<hex>/``); a save writes ``path/<name>.tmp`` and :func:`_commit` renames it
@@ -18,13 +18,15 @@ from typing import Any
 from conveyor.checkpoint.errors import CheckpointError
 
 LATEST = "latest"
+"""The file in a checkpoint directory that names the current checkpoint."""
 META = "conveyor.json"
+"""conveyor's own metadata file in each checkpoint."""
 
 
 def _new_name(step: int | None) -> str:
     """A fresh checkpoint directory name: ``step-<step>-<hex>`` or ``nostep-<hex>``."""
-    name = f"step-{step:08d}" if step is not None else "nostep"
-    return f"{name}-{secrets.token_hex(4)}"
+    prefix = f"step-{step:08d}" if step is not None else "nostep"
+    return f"{prefix}-{secrets.token_hex(4)}"
 
 
 def _resolve(path: str | os.PathLike[str]) -> Path:
@@ -32,11 +34,11 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
     root = Path(path)
     latest = root / LATEST
     if latest.is_file():
-        name = latest.read_text().strip()
-        current = root / name
+        ckpt_name = latest.read_text().strip()
+        current = root / ckpt_name
         if not (current / META).is_file():
             raise CheckpointError(
-                f"{latest} names {name!r}, but {current / META} is missing: the checkpoint "
+                f"{latest} names {ckpt_name!r}, but {current / META} is missing: the checkpoint "
                 f"was deleted or moved; restore it or start from another checkpoint"
             )
         return current
@@ -56,6 +58,7 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Flush directory ``path``'s entries to disk (best effort)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -64,25 +67,26 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _commit(root: Path, name: str, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote ``root/name.tmp``: make it the current checkpoint."""
-    tmp = root / f"{name}.tmp"
+def _commit(root: Path, ckpt_name: str, meta: dict[str, Any]) -> None:
+    """Rank 0, after every rank wrote ``root/<ckpt_name>.tmp``: write ``meta`` into it and
+    make it the current checkpoint."""
+    tmp = root / f"{ckpt_name}.tmp"
     with open(tmp / META, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.rename(tmp, root / name)
+    os.rename(tmp, root / ckpt_name)
     _fsync_dir(root)
-    pointer = root / f"{LATEST}.{name}.tmp"
+    pointer = root / f"{LATEST}.{ckpt_name}.tmp"
     with open(pointer, "w") as f:
-        f.write(name + "\n")
+        f.write(ckpt_name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)  # the commit point
     _fsync_dir(root)
     # Older checkpoints and leftovers of saves that died; only names this module writes.
     for old in root.iterdir():
-        if old.name == name:
+        if old.name == ckpt_name:
             continue
         if (
             old.is_dir()

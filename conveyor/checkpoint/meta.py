@@ -16,18 +16,23 @@ from conveyor.checkpoint.layout import META, _resolve
 from conveyor.checkpoint.view import _View
 
 FORMAT = "conveyor-checkpoint"
+"""The ``format`` entry of every conveyor.json."""
 VERSION = 1
+"""The ``version`` entry this conveyor writes; it reads this version and older ones."""
 
 
 def _meta(
-    infos: list[dict[str, Any]],
+    reports: list[dict[str, Any]],
     canon: dict[str, str],
     writer: dict[str, int],
     view: _View,
     step: int | None,
 ) -> dict[str, Any]:
-    """conveyor.json: step, names in model order, aliases, optimizer hyperparameters."""
-    order = sorted({(s, pos, n) for i in infos for names, _ in i["entries"] for s, pos, n in names})
+    """conveyor.json from every rank's report: step, names in model order, aliases,
+    optimizer hyperparameters."""
+    order = sorted(
+        {(s, pos, n) for r in reports for names, _ in r["entries"] for s, pos, n in names}
+    )
     keys = list(dict.fromkeys(n for _, _, n in order))
     meta: dict[str, Any] = {
         "format": FORMAT,
@@ -38,30 +43,30 @@ def _meta(
         "aliases": {n: c for n, c in canon.items() if n != c},
         "optimizer": None,
     }
-    if infos[0]["class"] is None:
+    if reports[0]["class"] is None:
         return meta
-    groups: list[dict[str, Any]] = []
+    param_groups: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     group_of: dict[str, int] = {}
     with_state: list[str] = []
-    for rank, info in enumerate(infos):
+    for rank, report in enumerate(reports):
         for (names, _), g, has in zip(
-            info["entries"], info["group_of"], info["has_state"], strict=True
+            report["entries"], report["group_of"], report["has_state"], strict=True
         ):
             c = canon[names[0][2]]
             if writer[c] != rank or g is None or c in group_of:
                 continue
-            hyper = info["groups"][g]
-            key = json.dumps(hyper, sort_keys=True)
-            if key not in seen:
-                seen[key] = len(groups)
-                groups.append(hyper)
-            group_of[c] = seen[key]
+            hyper = report["param_groups"][g]
+            hyper_text = json.dumps(hyper, sort_keys=True)
+            if hyper_text not in seen:
+                seen[hyper_text] = len(param_groups)
+                param_groups.append(hyper)
+            group_of[c] = seen[hyper_text]
             if has:
                 with_state.append(c)
     meta["optimizer"] = {
-        "class": infos[0]["class"],
-        "param_groups": groups,
+        "class": reports[0]["class"],
+        "param_groups": param_groups,
         "group_of": group_of,
         "with_state": with_state,
     }
@@ -69,14 +74,15 @@ def _meta(
 
 
 def _read(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Metadata]:
-    where = _resolve(path)
-    meta = json.loads((where / META).read_text())
+    """The current checkpoint's directory, its conveyor.json and DCP's metadata."""
+    ckpt_dir = _resolve(path)
+    meta = json.loads((ckpt_dir / META).read_text())
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where / META} is not a conveyor checkpoint's metadata")
+        raise CheckpointError(f"{ckpt_dir / META} is not a conveyor checkpoint's metadata")
     if meta.get("version", 0) > VERSION:
         raise CheckpointError(
-            f"{where} was written by a newer conveyor (format {meta['version']}); upgrade "
+            f"{ckpt_dir} was written by a newer conveyor (format {meta['version']}); upgrade "
             f"conveyor to load it"
         )
-    metadata = FileSystemReader(where).read_metadata()
-    return where, meta, metadata
+    metadata = FileSystemReader(ckpt_dir).read_metadata()
+    return ckpt_dir, meta, metadata

@@ -13,23 +13,24 @@ from conveyor.checkpoint.dcp import _unpack
 from conveyor.checkpoint.view import _View
 
 
-def _hyper_json(group: Mapping[str, Any]) -> dict[str, Any]:
+def _hyper_json(param_group: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer param group's hyperparameters as JSON values (tuples as lists)."""
 
-    def plain(v: Any) -> Any:
+    def as_json(v: Any) -> Any:
+        """``v`` as a JSON value; TypeError for what JSON cannot hold."""
         if isinstance(v, Tensor):
             return v.tolist()
         if isinstance(v, (tuple, list)):
-            return [plain(x) for x in v]
+            return [as_json(x) for x in v]
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         raise TypeError(type(v).__name__)
 
     out: dict[str, Any] = {}
-    for k, v in group.items():
+    for k, v in param_group.items():
         if k != "params":
             with contextlib.suppress(TypeError):  # kept as the optimizer has it on load
-                out[k] = plain(v)
+                out[k] = as_json(v)
     return out
 
 
@@ -51,8 +52,8 @@ def _optimizer_index(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, i
     """``id(param) -> (index in optimizer.state_dict()['state'], param group)``."""
     out: dict[int, tuple[int, int]] = {}
     i = 0
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
+    for g, param_group in enumerate(optimizer.param_groups):
+        for p in param_group["params"]:
             out.setdefault(id(p), (i, g))
             i += 1
     return out
@@ -74,14 +75,18 @@ def _load_optimizer(
             continue
         i, g = opt_index[id(e.value)]
         prefix = f"optim/{c}/"
-        entries = {k[len(prefix) :]: _unpack(v) for k, v in state.items() if k.startswith(prefix)}
-        if entries:
-            per_param[i] = entries
+        param_state = {
+            k[len(prefix) :]: _unpack(v) for k, v in state.items() if k.startswith(prefix)
+        }
+        if param_state:
+            per_param[i] = param_state
         if c in opt_meta["group_of"] and g not in group_of:
             group_of[g] = opt_meta["group_of"][c]
     current = optimizer.state_dict()
-    groups = []
-    for g, group in enumerate(current["param_groups"]):
+    param_groups = []
+    for g, param_group in enumerate(current["param_groups"]):
         saved = opt_meta["param_groups"][group_of[g]] if g in group_of else {}
-        groups.append({**_hyper_restore(saved, group), "params": group["params"]})
-    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        param_groups.append(
+            {**_hyper_restore(saved, param_group), "params": param_group["params"]}
+        )
+    optimizer.load_state_dict({"state": per_param, "param_groups": param_groups})

@@ -9,29 +9,50 @@ from typing import NoReturn
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Print ``message`` as one usage error line and exit with code 2."""
     parser.exit(2, f"{parser.prog}: error: {message}; see '{parser.prog} --help'\n")
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit code 2), without the
-    usage block: what was wrong and where to read more."""
+    """An ArgumentParser whose usage errors are one line on stderr (exit code 2).
+
+    The line says what was wrong and where to read more, without argparse's usage block.
+    """
 
     def error(self, message: str) -> NoReturn:
-        """Print ``message`` as one line and exit with code 2."""
+        """Print ``message`` as one line and exit with code 2.
+
+        Args:
+            message: What was wrong (argparse's message).
+
+        Raises:
+            SystemExit: Always, with code 2.
+        """
         _fail(self, message)
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give a parser made elsewhere (torchrun's) :class:`Parser`'s one-line errors."""
+    """Give a parser made elsewhere (torchrun's) :class:`Parser`'s one-line errors.
+
+    Args:
+        parser: The parser; changed in place.
+
+    Returns:
+        The same parser.
+    """
     setattr(parser, "error", lambda message: _fail(parser, message))  # noqa: B010
     return parser
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends "(default: X)" to every option
-    whose default says something (not None or False) and whose help names none."""
+    """A help formatter that keeps the description's line breaks and shows defaults.
+
+    Appends "(default: X)" to every option whose default says something (not None or
+    False) and whose help names none.
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
+        """``action``'s help, with its default appended where it says something."""
         text = action.help or ""
         if (
             not action.option_strings
@@ -48,7 +69,14 @@ _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 
 def plain(text: str) -> str:
-    """Docstring text for ``--help``: without reStructuredText markup (double backticks,
-    :func:`roles`, ``::`` before a literal block)."""
+    """Docstring text for ``--help``, without reStructuredText markup.
+
+    Args:
+        text: A docstring.
+
+    Returns:
+        The text without double backticks, without roles around names (the names are
+        kept), and with one ``:`` for the ``::`` before a literal block.
+    """
     text = _ROLE.sub(r"\1", text).replace("``", "")
     return re.sub(r"::$", ":", text, flags=re.M)

@@ -22,10 +22,21 @@ FORWARDED = {
     "trace": ("conveyor.cli.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
     "plan": ("conveyor.cli.plan", "pick split, schedule and micro-batches for FILE.py's model"),
 }
+"""Subcommand name -> (module whose ``main(argv)`` runs it, one-line help)."""
 
 
 def parse_cost(text: str) -> tuple[float, float, float]:
-    """Parse ``F,B,W`` (three numbers >= 0) for ``--cost``."""
+    """Parse ``--cost``'s ``F,B,W``.
+
+    Args:
+        text: Three comma-separated numbers, e.g. ``1,2,1``.
+
+    Returns:
+        The three numbers as floats.
+
+    Raises:
+        ConfigError: Unless they are three finite numbers >= 0.
+    """
     parts = text.split(",")
     try:
         values = tuple(float(p) for p in parts)
@@ -37,6 +48,7 @@ def parse_cost(text: str) -> tuple[float, float, float]:
 
 
 def _build_parser() -> Parser:
+    """The ``conveyor`` parser: ``simulate`` and, for ``--help``, the forwarded commands."""
     from conveyor import __version__
 
     parser = Parser(
@@ -111,7 +123,18 @@ def _check_simulate_args(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    """``conveyor simulate``: print the summary and timeline, or the JSON object."""
+    """Run ``conveyor simulate``: print the summary and timeline, or the JSON object.
+
+    Args:
+        args: The parsed ``conveyor simulate`` arguments.
+
+    Returns:
+        The exit code, 0.
+
+    Raises:
+        ConfigError: For a bad flag value, schedule name or chunk count; or when
+            ``--png`` cannot be drawn.
+    """
     from conveyor.schedules.registry import get_schedule
     from conveyor.simulate import ascii_timeline, simulate
 
@@ -155,6 +178,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _forward(name: str, argv: list[str]) -> int:
+    """Run forwarded subcommand ``name`` with ``argv``; its exit code."""
     module_name = FORWARDED[name][0]
     try:
         module = importlib.import_module(module_name)
@@ -171,7 +195,16 @@ def _forward(name: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``conveyor`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    """Run the ``conveyor`` command.
+
+    Args:
+        argv: The arguments after ``conveyor`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, 2 for a usage or configuration error (printed in
+        one line), 1 when standard output closes early, or a forwarded subcommand's own
+        code.
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in FORWARDED:
         try:

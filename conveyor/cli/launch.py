@@ -65,6 +65,7 @@ from conveyor.errors import one_line
 
 # glibc reads these at process start, so the launcher sets them for its workers.
 MALLOC_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+"""glibc's environment variables the launcher sets to 1 GiB for its workers, unless set."""
 
 HELP = """\
 conveyor launch runs torchrun (every option below is torchrun's) and adds:
@@ -92,12 +93,14 @@ examples:
   conveyor launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
       --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 train.py
 """
+"""``conveyor launch --help``'s description, above torchrun's options."""
 
 SUMMARY_WIDTH = 100
 """Columns of the failure summary's lines (wrapped at word boundaries)."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    """torchrun's parser, named ``conveyor launch``, with one-line usage errors."""
     from torch.distributed.run import get_args_parser
 
     from conveyor.cli._args import one_line_errors
@@ -150,6 +153,7 @@ def _order(failures: Mapping[int, Any]) -> list[int]:
 
 
 def _exit(failure: Any) -> str:
+    """How a worker ended: ``exit N`` or ``killed by SIGNAL``."""
     if failure.exitcode < 0:
         try:
             return f"killed by {signal.Signals(-failure.exitcode).name}"
@@ -159,6 +163,7 @@ def _exit(failure: Any) -> str:
 
 
 def _wrap(text: str, max_lines: int) -> list[str]:
+    """``text`` wrapped for the summary, cut with " ..." after ``max_lines`` lines."""
     return textwrap.wrap(
         text,
         SUMMARY_WIDTH,
@@ -170,11 +175,16 @@ def _wrap(text: str, max_lines: int) -> list[str]:
 
 
 def failure_summary(failures: Mapping[int, Any]) -> str:
-    """At most 5 lines: the rank that failed first with its exit and its error in one line
-    (wrapped at word boundaries to at most 3, "..." where cut), the other ranks that failed,
-    and those torchrun stopped.
+    """A summary of failed workers, at most 5 lines.
 
-    ``failures`` maps global ranks to torchrun's ``ProcessFailure`` records.
+    Args:
+        failures: Global rank -> torchrun's ``ProcessFailure`` record, for every worker
+            that failed (at least one).
+
+    Returns:
+        The rank that failed first with its exit and its error in one line (wrapped at
+        word boundaries to at most 3 lines, "..." where cut), the other ranks that
+        failed, and those torchrun stopped.
     """
     order = _order(failures)
     rank, first = order[0], failures[order[0]]
@@ -220,45 +230,75 @@ def _check_restarts(config: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def rendezvous_summary(error: BaseException, config: argparse.Namespace) -> str:
-    """At most 4 lines for a rendezvous that failed (torchrun raises it without a word
-    when a node never arrives)."""
+    """A summary of a rendezvous that failed, at most 4 lines.
+
+    torchrun raises such errors without a word when a node never arrives.
+
+    Args:
+        error: The rendezvous error torchrun raised.
+        config: torchrun's parsed arguments.
+
+    Returns:
+        Which rendezvous failed and why, and what every node must agree on.
+    """
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 
     backend = config.rdzv_backend
     if backend == "static":
-        where = f"{config.master_addr}:{config.master_port or 29500}"
+        address = f"{config.master_addr}:{config.master_port or 29500}"
     else:
-        where = config.rdzv_endpoint or "localhost:29400"
+        address = config.rdzv_endpoint or "localhost:29400"
     if isinstance(error, RendezvousTimeoutError):
-        wait = _parse_rendezvous_config(config.rdzv_conf).get("join_timeout", "600")
-        what = f"did not gather --nnodes {config.nnodes} nodes within join_timeout={wait} s"
+        join_timeout = _parse_rendezvous_config(config.rdzv_conf).get("join_timeout", "600")
+        what = (
+            f"did not gather --nnodes {config.nnodes} nodes within "
+            f"join_timeout={join_timeout} s"
+        )
     else:
         what = f"failed: {one_line(error).rstrip('.')}"
     same = "--rdzv-endpoint and --rdzv-id"
     if backend == "static":
         same = "--master-addr and --master-port"
     text = (
-        f"conveyor launch: the {backend} rendezvous at {where} {what}; start conveyor launch "
-        f"on every node with the same --nnodes, {same}, and check that {where} is reachable "
-        f"from each"
+        f"conveyor launch: the {backend} rendezvous at {address} {what}; start conveyor "
+        f"launch on every node with the same --nnodes, {same}, and check that {address} is "
+        f"reachable from each"
     )
     return "\n".join(_wrap(text, 4))
 
 
 def exit_code(failures: Mapping[int, Any]) -> int:
-    """The exit code of the worker that failed first, else of another; 1 if none has one
-    (workers killed by a signal)."""
+    """The launcher's exit code after workers failed.
+
+    Args:
+        failures: Global rank -> torchrun's ``ProcessFailure`` record.
+
+    Returns:
+        The exit code of the worker that failed first, else of another; 1 if none has
+        one (workers killed by a signal).
+    """
     codes = [failures[rank].exitcode for rank in _order(failures)]
     return next((code for code in codes if code > 0), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with ``argv`` (default: ``sys.argv[1:]``); return its exit code.
+    """Run torchrun with ``argv``, each Python worker through :mod:`conveyor.cli.worker`.
 
     When workers fail, torchrun's report is followed by a short summary
-    (:func:`failure_summary`), and this returns the exit code of the worker that failed
-    first (1 if it has none).
+    (:func:`failure_summary`); a failed rendezvous ends with one too
+    (:func:`rendezvous_summary`).
+
+    Args:
+        argv: torchrun's arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when every worker succeeded; else the exit code of the worker that failed
+        first (1 if it has none), or 1 for a failed rendezvous.
+
+    Raises:
+        SystemExit: For ``--help`` (code 0) and for a usage error (code 2, printed in
+            one line).
     """
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

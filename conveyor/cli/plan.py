@@ -17,6 +17,7 @@ from typing import Any
 from conveyor.errors import ConfigError, ConveyorError, one_line
 
 BUILD = "define build() returning (model, inputs, targets, loss_fn)"
+"""What a FILE.py must do, as the errors say it."""
 
 
 def _load(path: str) -> tuple[Any, Any, Any, Any]:
@@ -24,12 +25,12 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"no file {path}; pass a Python file that defines build()")
-    spec = importlib.util.spec_from_file_location("conveyor_plan_target", file)
-    if spec is None or spec.loader is None:
+    module_spec = importlib.util.spec_from_file_location("conveyor_plan_target", file)
+    if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"cannot load {path} as Python; pass a .py file that defines build()")
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(module_spec)
     try:
-        spec.loader.exec_module(module)
+        module_spec.loader.exec_module(module)
     except SyntaxError as error:
         raise ConfigError(
             f"{path} line {error.lineno}: {error.msg}; it must be Python that defines build()"
@@ -55,32 +56,43 @@ def _load(path: str) -> tuple[Any, Any, Any, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the planner on FILE.py's model; 0 on success, 2 on bad input (the file, a flag,
-    a memory limit nothing fits), 1 when profiling the model fails."""
+    """Run ``conveyor plan``: the planner on FILE.py's model; print its choice and table.
+
+    Args:
+        argv: The arguments after ``conveyor plan`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 on success, 2 on bad input (the file, a flag, a memory limit
+        nothing fits), 1 when profiling the model fails.
+
+    Raises:
+        SystemExit: For ``--help`` (code 0) and for a usage error (code 2, printed in
+            one line).
+    """
     from conveyor.cli._args import HelpFormatter, Parser, plain
     from conveyor.planning.planner import plan
 
-    p = Parser(
+    parser = Parser(
         prog="conveyor plan",
         description=plain((__doc__ or "").split("\n\n", 1)[-1]),  # without the usage line
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
+    parser.add_argument(
         "file", help="a Python file whose build() returns (model, inputs, targets, loss_fn)"
     )
-    p.add_argument("--ranks", type=int, default=2, metavar="P", help="pipeline ranks")
-    p.add_argument(
+    parser.add_argument("--ranks", type=int, default=2, metavar="P", help="pipeline ranks")
+    parser.add_argument(
         "--memory-limit",
         type=float,
         default=None,
         metavar="BYTES",
         help="most bytes per rank for parameters, gradients and activations (default: no limit)",
     )
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.ranks < 1:
-        p.error(f"--ranks must be an integer >= 1, got {args.ranks}")
+        parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
     if args.memory_limit is not None and not args.memory_limit > 0:
-        p.error(f"--memory-limit must be a number of bytes > 0, got {args.memory_limit:g}")
+        parser.error(f"--memory-limit must be a number of bytes > 0, got {args.memory_limit:g}")
     try:
         model, inputs, targets, loss_fn = _load(args.file)
         chosen = plan(model, inputs, targets, loss_fn, args.ranks, args.memory_limit)

@@ -12,8 +12,19 @@ from conveyor.runtime.timing import Timing
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``conveyor trace FILE.json --png FILE.png``: draw a trace saved by
-    ``pipe.save_trace(path)`` as a timeline; 0 when drawn, 2 for a bad file or path."""
+    """Run ``conveyor trace``: draw a trace saved by ``pipe.save_trace(path)`` as a PNG.
+
+    Args:
+        argv: The arguments after ``conveyor trace`` (default: ``sys.argv[1:]``):
+            ``FILE.json --png FILE.png``.
+
+    Returns:
+        The exit code: 0 when drawn, 2 for a bad file or path (printed in one line).
+
+    Raises:
+        SystemExit: For ``--help`` (code 0) and for a usage error (code 2, printed in
+            one line).
+    """
     parser = Parser(
         prog="conveyor trace",
         description="Draw a trace saved by pipe.save_trace(path) as a timeline: a row per rank, "

@@ -19,11 +19,19 @@ from types import TracebackType
 from conveyor.errors import one_line
 
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""The environment variable in which torchrun names each worker's error file."""
 
 
 def write_error_file(path: str, error: BaseException) -> None:
-    """Write ``error`` in the layout torchrun reads (its ``record`` decorator's), plus the
-    time in seconds as a float: torchrun keeps whole seconds, too coarse to order ranks."""
+    """Write ``error`` to ``path`` as torchrun's ``record`` decorator would, plus the time.
+
+    The time is in seconds as a float: torchrun keeps whole seconds, too coarse to order
+    ranks.
+
+    Args:
+        path: The worker's error file (``$TORCHELASTIC_ERROR_FILE``).
+        error: The exception that ended the script.
+    """
     now = time.time()
     data = {
         "message": {
@@ -45,12 +53,23 @@ def _script_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def main(argv: list[str]) -> int:
-    """Run ``[-m] TARGET ARGS...``; 1 after an exception (as Python exits), else 0."""
-    module = argv[:1] == ["-m"]
-    target, *args = argv[1:] if module else argv
+    """Run the user's script or module as ``python [-m] TARGET ARGS...`` would.
+
+    Args:
+        argv: ``[-m] TARGET ARGS...``.
+
+    Returns:
+        1 after an exception (printed, and recorded in the error file), else 0.
+
+    Raises:
+        SystemExit: As the script raised it (recorded first when its code is a message).
+        KeyboardInterrupt: As the script raised it.
+    """
+    as_module = argv[:1] == ["-m"]
+    target, *args = argv[1:] if as_module else argv
     sys.argv = [target, *args]
     try:
-        if module:
+        if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             # As for ``python script.py``: the script's folder comes first on the path.

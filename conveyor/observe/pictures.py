@@ -19,6 +19,7 @@ _DPI = 120
 
 
 def _names(split_backward: bool) -> dict[str, str]:
+    """The legend's words for each kind."""
     backward = "backward, input gradient" if split_backward else "backward"
     return {
         "F": "F: forward",
@@ -34,11 +35,13 @@ def _shade(chunk: int, chunks: int) -> float:
 
 
 def _label_fits(label: str, box_px: float) -> bool:
+    """Whether ``label`` fits a box ``box_px`` pixels wide."""
     # About 0.6 em per digit, plus a pixel of margin on each side.
     return len(label) * 0.6 * _FONT * _DPI / 72 + 2 <= box_px
 
 
 def _check_folder(path: str | os.PathLike[str]) -> None:
+    """ConfigError unless the folder ``path`` goes into exists."""
     folder = Path(path).parent
     if not folder.is_dir():
         raise ConfigError(
@@ -53,15 +56,27 @@ def draw_timeline(
     title: str = "",
     unit: str = "time units",
 ) -> Any:
-    """Draw one row per rank, one box per action, coloured by kind, labelled by micro-batch.
+    """Draw a timeline as a PNG: one row per rank, one box per action, coloured by kind.
 
-    ``events`` are plain (rank, kind, stage, microbatch, start, end) tuples, so both
-    simulated and measured timelines can be drawn; kind ``"wait"`` is a wait for a
-    transfer. ``unit`` names the time axis' unit (``"ms"``, ``"cost units"``). A rank's
-    later chunks are drawn lighter; the legend names every colour and shade. A box gets
-    its micro-batch number where the number fits. Returns the matplotlib ``Figure``.
-    Raises :class:`~conveyor.errors.ConfigError` when matplotlib is missing or the
-    folder of ``path`` does not exist.
+    A rank's later chunks are drawn lighter; the legend names every colour and shade. A
+    box gets its micro-batch number where the number fits. Time starts at the earliest
+    event.
+
+    Args:
+        events: Plain ``(rank, kind, stage, microbatch, start, end)`` tuples
+            (:class:`~conveyor.runtime.timing.Timing`), so both simulated and measured
+            timelines can be drawn; kind :data:`WAIT` is a wait for a transfer.
+        path: The PNG file to write.
+        title: The picture's title; none when empty.
+        unit: The unit of ``start`` and ``end``, for the time axis (``"ms"``,
+            ``"cost units"``).
+
+    Returns:
+        The matplotlib ``Figure``.
+
+    Raises:
+        ConfigError: When matplotlib is missing, the folder of ``path`` does not exist,
+            or the file cannot be written.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -12,14 +12,29 @@ from conveyor.pipeline import Pipeline
 
 
 class Progress:
-    """Call :meth:`step` on every rank after each ``train_step``.
+    """Training progress: call :meth:`step` on every rank after each ``train_step``.
 
-    Rank 0 prints one line (``step N  loss L  T ms/step ...``) every ``every`` steps
-    (default: a tenth of ``total``) and after its first step; where stderr is a terminal
-    it also shows a tqdm bar with the loss, so a log gets the lines only. The other ranks
-    print nothing. With several processes the lines give the measured pipeline bubble (a
-    collective, hence every rank calls); one process runs the stages one after another,
-    so there is no bubble to measure and the lines say so once.
+    Rank 0 prints one line (``step N  loss L  T ms/step ...``) every ``every`` steps and
+    after its first step; where stderr is a terminal it also shows a tqdm bar with the
+    loss, so a log gets the lines only. The other ranks print nothing. With several
+    processes the lines give the measured pipeline bubble (a collective, hence every
+    rank calls); one process runs the stages one after another, so there is no bubble to
+    measure and the lines say so once.
+
+    Args:
+        pipe: The pipeline being trained.
+        total: Steps the run will take (the bar's length).
+        every: Steps between printed lines; default a tenth of ``total`` (at least 1);
+            0 prints none.
+        desc: The bar's label.
+
+    Attributes:
+        pipe: The pipeline.
+        every: Steps between printed lines.
+        count: Steps done, resumed ones included (a resumed run sets it).
+        shown: Whether this rank prints (rank 0).
+        parallel: Whether several processes run the pipeline (the bubble is measured).
+        bar: The tqdm bar (disabled off rank 0 or off a terminal).
     """
 
     def __init__(
@@ -33,12 +48,20 @@ class Progress:
         self.parallel = pipe.context.distributed
         terminal = sys.stderr.isatty()
         self.bar = tqdm(total=total, desc=desc, unit="step", disable=not (self.shown and terminal))
-        self._last = time.perf_counter()
+        self._step_start = time.perf_counter()
 
     def step(self, loss: Any, items: int) -> str:
-        """Record one step of ``items`` samples; returns the log line (on every rank)."""
+        """Record one step: its loss, time, throughput and (with several processes) bubble.
+
+        Args:
+            loss: The step's loss (anything ``float()`` takes, e.g. a 0-d tensor).
+            items: Samples in the step, for samples per second.
+
+        Returns:
+            The log line, on every rank (printed only where :attr:`shown`).
+        """
         now = time.perf_counter()
-        seconds, self._last = now - self._last, now
+        seconds, self._step_start = now - self._step_start, now
         self.count += 1
         value = float(loss)
         line = (
@@ -60,5 +83,5 @@ class Progress:
         return line
 
     def close(self) -> None:
-        """Finish the bar."""
+        """Close the progress bar."""
         self.bar.close()

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -31,7 +30,6 @@ from conveyor.observe.trace import measured_costs
 from conveyor.planning.cost_model import balanced, predict_step
 from conveyor.planning.measure import LossFn
 from conveyor.planning.profile_data import Profile
-from conveyor.runtime import microbatch
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 from conveyor.schedules.registry import get_schedule
@@ -181,10 +179,7 @@ def _run_reference(
     m = schedule.microbatches
     options = Options(loss_fn, m, schedule.chunks, list(balance))
     parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
-    last = schedule.stages - 1
-    mb_inputs = _divided(inputs, m, "inputs", ctx.device) if 0 in parts.stages else None
-    mb_targets = _divided(targets, m, "targets", ctx.device) if last in parts.stages else None
-    size = microbatch.batch_size(targets, "targets") if last in parts.stages else None
+    size = parts.shard_size(inputs, targets)
     dp = parts.data_parallel
     steps: list[float] = []
     timings: list[Timing] = []
@@ -195,7 +190,7 @@ def _run_reference(
         t0 = time.perf_counter()
         if dp is not None:
             dp.begin(size)
-        record = parts.engine.run("train", mb_inputs, mb_targets)
+        record = parts.run("train", inputs, targets)
         if dp is not None:
             dp.wait()
         if parts.shared:
@@ -212,10 +207,6 @@ def _run_reference(
     step = statistics.median(max(s) for s in zip(*(g[0] for g in gathered), strict=True))
     costs = measured_costs([t for g in gathered for t in g[1]], schedule.stages)
     return step, costs
-
-
-def _divided(batch: Any, parts: int, what: str, device: torch.device) -> list[Any]:
-    return [microbatch.to_device(p, device) for p in microbatch.divide(batch, parts, what)]
 
 
 def _fit_latency(schedule: Schedule, prof: Profile, balance: Sequence[int], step: float) -> float:

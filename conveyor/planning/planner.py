@@ -18,6 +18,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from conveyor._options import Options, pipeline_ranks
+from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.partition.balance import balance as min_max_balance
 from conveyor.planning.calibration import REFERENCES, Calibration, calibrate_family, family
@@ -147,7 +149,7 @@ def plan(
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     batch = microbatch.batch_size(inputs, "inputs")
-    n_units = len(units(model, microbatch.split(inputs, min(batch, ranks), "inputs")[0]))
+    n_units = len(units(model, microbatch.divide(inputs, min(batch, ranks), "inputs")[0]))
     counts = (
         sorted({min(k * ranks, batch) for k in (1, 2, 4, 8)})
         if microbatch_counts is None
@@ -221,6 +223,38 @@ def plan(
         memory_limit=memory_limit,
         profile=best_prof,
         calibration=best_cal,
+    )
+
+
+def plan_pipeline(
+    model: nn.Module, ctx: Context, options: Options, memory_limit: float | None
+) -> Plan:
+    """``Pipeline(schedule="auto")``: the plan for a pipeline's options, keeping its
+    micro-batch count.
+
+    Raises:
+        ConfigError: no ``sample`` to profile on, or no ``loss_fn``.
+    """
+    if options.sample is None:
+        raise ConfigError(
+            "schedule='auto' profiles the model on a batch: pass sample=(inputs, targets), "
+            "e.g. your first batch"
+        )
+    if options.loss_fn is None:
+        raise ConfigError(
+            "schedule='auto' needs a loss_fn to profile the last layers with; pass one, or "
+            "name a schedule"
+        )
+    shards = (ctx.dp_size if options.fsdp else 1) * (ctx.tp_size if options.tp_plan else 1)
+    return plan(
+        model,
+        options.sample[0],
+        options.sample[1],
+        options.loss_fn,
+        pipeline_ranks(ctx, model, "auto", options.chunks, options.balance),
+        memory_limit,
+        microbatch_counts=[options.microbatches],
+        param_shards=shards,
     )
 
 

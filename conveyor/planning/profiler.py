@@ -159,7 +159,7 @@ def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
 
 
 def _first_microbatch(batch: Any, microbatches: int, what: str, device: torch.device) -> Any:
-    return microbatch.to_device(microbatch.split(batch, microbatches, what)[0], device)
+    return microbatch.to_device(microbatch.divide(batch, microbatches, what)[0], device)
 
 
 __all__ = ["profile", "units"]

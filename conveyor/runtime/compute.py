@@ -77,7 +77,7 @@ class StageCompute:
         meter: ActivationMeter | None,
     ) -> None:
         self.stages = stages
-        self.last = last_stage
+        self.last_stage = last_stage
         self.split_backward = split_backward
         self.loss_fn = loss_fn
         self.device = device
@@ -112,7 +112,7 @@ class StageCompute:
         self.loss_scale = loss_scale
         self.adjacent = adjacent
         self.saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.weights_pending: dict[tuple[int, int], WeightWork] = {}
+        self.pending_w: dict[tuple[int, int], WeightWork] = {}
         # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
         self._stash: dict[tuple[int, int], tuple[Any, RngState]] = {}
         self.outputs: dict[int, Any] = {}
@@ -161,7 +161,7 @@ class StageCompute:
                 out = self._call(s, self.stages[s], value, s == 0)
         else:
             out = self._call(s, self.stages[s], value, s == 0)
-        if s < self.last:
+        if s < self.last_stage:
             if s not in self.sent_shapes:
                 values = out if isinstance(out, tuple) else (out,)
                 self.sent_shapes[s] = [shape_of(v) for v in values]
@@ -220,7 +220,7 @@ class StageCompute:
                 stack.enter_context(discard_saved())
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            if s == self.last and self.mode != "predict":
+            if s == self.last_stage and self.mode != "predict":
                 scaled = self._upcast(self._scaled_loss(out, m))
         return out, scaled
 
@@ -235,7 +235,7 @@ class StageCompute:
             split = self.split_backward
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            outs = [self._upcast(self._scaled_loss(out, m))] if s == self.last else grad_leaves(out)
+            outs = [self._upcast(self._scaled_loss(out, m))] if s == self.last_stage else grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
         del self._stash[(s, m)]
         return outs
@@ -259,7 +259,7 @@ class StageCompute:
             outs = self._rerun(s, m)
         if self.split_backward:
             got, work = backward_input(outs, grads, in_leaves, self.params[s])
-            self.weights_pending[(s, m)] = work
+            self.pending_w[(s, m)] = work
             # Free what only B needed (W holds its own references) before anything else.
             del outs
             if self.meter is not None:
@@ -274,12 +274,12 @@ class StageCompute:
             g if g is not None else torch.zeros_like(x) for g, x in zip(got, in_leaves, strict=True)
         ]
 
-    def weights(self, stage: int, microbatches: list[int]) -> None:
+    def weight_grads(self, stage: int, microbatches: list[int]) -> None:
         """W of ``stage`` for ``microbatches``, run together (a GEMM per weight)."""
         for m in microbatches:
-            self.weights_pending.pop((stage, m)).run()
+            self.pending_w.pop((stage, m)).run()
         self._store.flush([(stage, m) for m in microbatches])
 
     def leftovers(self) -> list[tuple[int, int]]:
         """(stage, micro-batch) whose activations or W work the step never consumed."""
-        return [*self.saved, *self.weights_pending]
+        return [*self.saved, *self.pending_w]

@@ -69,11 +69,11 @@ class DataParallel:
             by_stages.setdefault(frozenset(users[key]), []).append(p)
         self._buckets = [_Bucket(s, ps) for s, ps in by_stages.items()]
         # The last backward / W of each local stage in this rank's program.
-        last: dict[int, Action] = {}
+        final: dict[int, Action] = {}
         for action in schedule.actions[ctx.pp_rank]:
             if action.kind != F and action.stage in stages:
-                last[action.stage] = action
-        self._final = {a: s for s, a in last.items()}
+                final[action.stage] = action
+        self._final = {a: s for s, a in final.items()}
         self._active = False  # a step is running
         self._done: set[int] = set()
         self._weight = 1.0
@@ -243,6 +243,32 @@ def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> to
         "another rank",
     )
     return (buf[0] / buf[1]).to(torch.float32)
+
+
+def batch_loss(
+    loss: torch.Tensor | None, size: int | None, ctx: Context, holder: int
+) -> torch.Tensor:
+    """The step's loss on every rank: the global batch's with replicas, else the one the
+    pipeline rank ``holder`` (the last stage's) computed. Collective in a distributed world.
+    """
+    if not ctx.distributed:
+        assert loss is not None
+        return loss
+    if ctx.dp_size > 1:
+        return global_loss(loss, size, ctx)
+    buf = (
+        loss.detach().to(torch.float32).reshape(1)
+        if loss is not None
+        else torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    )
+    source = ctx.global_rank(holder)
+    collective(
+        lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
+        ctx.timeout,
+        f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
+        f"rank {source} or another pipeline rank",
+    )
+    return buf.reshape(())
 
 
 def _by_dtype(tensors: list[T]) -> list[list[T]]:

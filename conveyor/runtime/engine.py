@@ -180,7 +180,7 @@ class Engine:
                     j = i + 1
                     while j < len(steps) and _is_weight_of(steps[j].action, action.stage):
                         j += 1
-                    self._weights(steps[i:j])
+                    self._weight_grads(steps[i:j])
                 else:
                     j = i + 1
                     self._step(steps[i], inputs)
@@ -257,7 +257,7 @@ class Engine:
         )
         return out
 
-    def _weights(self, steps: Sequence[Step]) -> None:
+    def _weight_grads(self, steps: Sequence[Step]) -> None:
         """A run of W of one stage, computed together; each W is timed as an equal share.
         W sends nothing, so the run's groups (receives only) are posted first."""
         for step in steps:
@@ -266,7 +266,7 @@ class Engine:
         start = time.perf_counter()
         microbatches = [a.microbatch for a in fused]
         try:
-            self.compute.weights(fused[0].stage, microbatches)
+            self.compute.weight_grads(fused[0].stage, microbatches)
         except ConveyorError:
             raise
         except Exception as exc:

@@ -48,6 +48,25 @@ def divide(batch: Any, parts: int, what: str) -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
 
 
+def divide_for(
+    value: Any, parts: int, what: str, needed: bool, device: torch.device
+) -> list[Any] | None:
+    """``value`` divided into ``parts`` micro-batches on ``device``, for a rank that does
+    (``needed``) or does not hold the stage reading it; None when not given.
+
+    Raises:
+        ConfigError: ``value`` is None but ``needed``, or it cannot be divided.
+    """
+    if value is None:
+        if needed:
+            raise ConfigError(
+                f"this rank holds a stage that needs {what}, but got {what}=None; pass the "
+                f"batch on every rank (ranks without the first/last stage may pass None)"
+            )
+        return None
+    return [to_device(p, device) for p in divide(value, parts, what)]
+
+
 def merge(outputs: list[Any]) -> Any:
     """Concatenate micro-batch outputs (same structure) on dim 0; a scalar per micro-batch
     (a loss the model computed) becomes a tensor of one value per micro-batch."""
@@ -70,5 +89,3 @@ def to_device(value: Any, device: torch.device) -> Any:
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value
     )
 
-
-split = divide  # TODO(issue 21): remove once every caller says divide

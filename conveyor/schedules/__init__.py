@@ -1,4 +1,13 @@
-"""Pipeline schedules as data (pure Python, no torch import)."""
+"""Pipeline schedules as data (pure Python, no torch import).
+
+A :class:`Schedule` is one program of actions (:class:`Action`) per pipeline rank plus
+the placement of stages on ranks. :func:`get_schedule` builds a named one
+(:data:`SCHEDULE_NAMES`); the generators (:func:`gpipe`, :func:`one_f_one_b`,
+:func:`interleaved_1f1b`, :func:`looped_bfs`, :func:`zb_h1`, :func:`zb_h2`,
+:func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`zero_bubble_auto`) can also be
+called directly; :func:`validate` checks any schedule, and :func:`to_table` /
+:func:`from_table` write and read one as text.
+"""
 
 from __future__ import annotations
 

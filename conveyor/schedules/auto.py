@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
+    """``memory_limit`` as whole micro-batches (default ``ranks``), checked, at most m."""
     if memory_limit is None:
         return ranks
     if (
@@ -44,14 +45,28 @@ def zero_bubble_auto(
     memory_limit: float | None = None,
     comm: float = 0.0,
 ) -> Schedule:
-    """A split-backward schedule fitted to ``cost`` that holds at most ``memory_limit``.
+    """A split-backward schedule fitted to ``cost`` under a memory cap (``zb-auto``).
 
-    ``cost``: (F, B, W) of one rank's stage, or one (F, B, W) per stage (``ranks`` of
-    them; one stage per rank). ``memory_limit``: the most micro-batch activations any
-    rank may hold (default ``ranks``, 1F1B's peak; whole micro-batches count). ``comm``:
-    latency of one transfer between ranks. Returns the candidate with the smallest
-    simulated makespan, then the smallest peak; named ``zb-auto``. Raises
-    :class:`ConfigError` for bad sizes, costs or a limit below 1.
+    One stage per rank. The candidates are ZB-H1, ZB-H2 and the greedy variants; those
+    whose peak exceeds the cap are dropped, and the rest are simulated.
+
+    Args:
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        cost: (F, B, W) durations of one rank's stage for one micro-batch, or one
+            (F, B, W) per stage (``ranks`` of them), in any time unit.
+        memory_limit: The most micro-batch activations any rank may hold, counted in
+            whole micro-batches (a fraction is rounded down). Default: ``ranks``,
+            1F1B's peak.
+        comm: Latency of one transfer between ranks, in the unit of ``cost``.
+
+    Returns:
+        The candidate with the smallest simulated makespan, then the smallest peak,
+        named ``"zb-auto"``.
+
+    Raises:
+        ConfigError: For sizes below 1, bad costs, or a ``memory_limit`` that is not a
+            number >= 1.
     """
 
     # conveyor.simulate reads this package's Schedule, so it is imported on use here.
@@ -67,10 +82,10 @@ def zero_bubble_auto(
         durations = [cast(StageCost, normalized)] * ranks
     placement = loop_placement(ranks, 1)
     candidates = [h1, zb_h2(ranks, microbatches)]
-    one_f_one_b = [ranks - r for r in range(ranks)]
+    one_f_one_b_inflight = [ranks - r for r in range(ranks)]
     h2_warmup = [2 * (ranks - r) - 1 for r in range(ranks)]
     for fill in FILLS:
-        for inflight in (None, one_f_one_b, h2_warmup):
+        for inflight in (None, one_f_one_b_inflight, h2_warmup):
             programs = greedy_programs(
                 placement, microbatches, durations, [cap] * ranks, inflight, comm, fill
             )
@@ -90,7 +105,7 @@ def zero_bubble_auto(
         peak = max(peak_activations(candidate))
         if peak > cap:
             continue
-        key = (simulate(candidate, durations, comm).makespan, peak, index)
-        if best is None or key < best:
-            best, chosen = key, candidate
+        score = (simulate(candidate, durations, comm).makespan, peak, index)
+        if best is None or score < best:
+            best, chosen = score, candidate
     return dataclasses.replace(chosen, name="zb-auto")

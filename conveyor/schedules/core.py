@@ -1,48 +1,92 @@
 """Schedule data: actions, per-rank programs, placement, and validation.
 
 Pure Python (no torch import): the generators, the simulator and the runtime all
-consume the same :class:`Schedule`.
+consume the same :class:`Schedule`. Ranks here are pipeline ranks (``0 .. ranks - 1``),
+stages are global stage indices and micro-batches are numbered from 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from conveyor.errors import ConfigError, ScheduleError
 
-F = "F"
-B = "B"
-W = "W"
-KINDS = (F, B, W)
+Kind = Literal["F", "B", "W"]
+"""What an action computes: ``"F"`` forward, ``"B"`` backward (only the input gradient
+when the backward is split), ``"W"`` weight gradient (split backward only)."""
+
+F: Kind = "F"
+"""Forward."""
+B: Kind = "B"
+"""Backward: the whole backward, or only the input gradient when the backward is split."""
+W: Kind = "W"
+"""Weight gradient (only in schedules with ``split_backward``)."""
+KINDS: tuple[Kind, ...] = (F, B, W)
+"""Every kind, in the order an action of each runs for one stage and micro-batch."""
 
 
 class Action(NamedTuple):
-    """One unit of work: ``kind`` (F, B or W) of ``stage`` on ``microbatch``."""
+    """One unit of work: ``kind`` of ``stage`` on ``microbatch``.
 
-    kind: str
+    Written ``F2,5`` (forward of stage 2 on micro-batch 5) by ``str()`` and in schedule
+    tables.
+
+    Attributes:
+        kind: ``"F"`` (forward), ``"B"`` (backward, or only its input gradient when the
+            backward is split) or ``"W"`` (weight gradient).
+        stage: The global stage index, from 0.
+        microbatch: The micro-batch index, from 0.
+    """
+
+    kind: Kind
     stage: int
     microbatch: int
 
     def __str__(self) -> str:
+        """The action as ``<kind><stage>,<microbatch>``, e.g. ``F2,5``."""
         return f"{self.kind}{self.stage},{self.microbatch}"
 
 
 def check_sizes(ranks: int, microbatches: int, chunks: int = 1) -> None:
-    """Raise :class:`ConfigError` unless ranks, microbatches and chunks are ints >= 1."""
+    """Check the sizes every schedule generator takes.
+
+    Args:
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        chunks: Stages per rank.
+
+    Raises:
+        ConfigError: If any of them is not an ``int`` >= 1 (``bool`` does not count).
+    """
     for label, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
 
 
 def loop_placement(ranks: int, chunks: int) -> tuple[int, ...]:
-    """Stage s on rank s % ranks (Megatron's interleaved layout)."""
+    """The loop placement (Megatron's interleaved layout): stage s on rank s % ranks.
+
+    Args:
+        ranks: Pipeline ranks.
+        chunks: Stages per rank.
+
+    Returns:
+        The rank of each of the ``ranks * chunks`` stages.
+    """
     return tuple(s % ranks for s in range(ranks * chunks))
 
 
 def v_placement(ranks: int) -> tuple[int, ...]:
-    """Two chunks per rank in a V: rank r holds stages r and 2p-1-r."""
+    """The V placement: two chunks per rank, rank r holds stages r and 2p-1-r.
+
+    Args:
+        ranks: Pipeline ranks (p).
+
+    Returns:
+        The rank of each of the ``2 * ranks`` stages.
+    """
     return tuple(s if s < ranks else 2 * ranks - 1 - s for s in range(2 * ranks))
 
 
@@ -50,9 +94,21 @@ def v_placement(ranks: int) -> tuple[int, ...]:
 class Schedule:
     """Per-rank ordered actions plus the stage placement.
 
-    ``actions[r]`` is rank r's program. ``placement[s]`` is the rank holding stage s.
-    ``split_backward`` says whether backward is split into B (input gradient) and W
-    (weight gradient); when False, B is the whole backward and there are no W actions.
+    Build one with a generator (:func:`~conveyor.schedules.registry.get_schedule`), from
+    plain lists (:func:`make_schedule`) or from a table
+    (:func:`~conveyor.schedules.table.from_table`), and check it with :func:`validate`.
+    Iterating over a schedule yields ``(rank, action)`` pairs, rank by rank in program
+    order.
+
+    Attributes:
+        name: The schedule's name, e.g. ``"1f1b"``.
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        placement: ``placement[s]`` is the rank holding stage s.
+        actions: ``actions[r]`` is rank r's program, in the order the rank runs it.
+        split_backward: Whether the backward is split into B (input gradient) and W
+            (weight gradient); when False, B is the whole backward and there are no W
+            actions.
     """
 
     name: str
@@ -72,17 +128,25 @@ class Schedule:
 
     @property
     def chunks(self) -> int:
-        """Stages held by each rank."""
+        """Stages per rank (``stages // ranks``)."""
         return self.stages // self.ranks
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages held by ``rank``, in increasing order."""
+        """The stages placed on ``rank``.
+
+        Args:
+            rank: A pipeline rank.
+
+        Returns:
+            Its stage indices in increasing order (empty for a rank out of range).
+        """
         if rank not in self._stage_ranks:
-            held = tuple(s for s, r in enumerate(self.placement) if r == rank)
-            self._stage_ranks[rank] = held
+            own = tuple(s for s, r in enumerate(self.placement) if r == rank)
+            self._stage_ranks[rank] = own
         return self._stage_ranks[rank]
 
     def __iter__(self) -> Iterator[tuple[int, Action]]:
+        """Every ``(rank, action)`` pair: rank 0's program first, each in program order."""
         for rank, program in enumerate(self.actions):
             for action in program:
                 yield rank, action
@@ -96,7 +160,22 @@ def make_schedule(
     actions: Sequence[Sequence[Action]],
     split_backward: bool = False,
 ) -> Schedule:
-    """Build a :class:`Schedule` from plain sequences (converted to tuples)."""
+    """Build a :class:`Schedule` from plain sequences.
+
+    Does not validate; pass the result to :func:`validate`.
+
+    Args:
+        name: The schedule's name.
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        placement: The rank of each stage.
+        actions: One program per rank; each action an :class:`Action` or a plain
+            ``(kind, stage, microbatch)`` tuple.
+        split_backward: Whether B and W are separate actions.
+
+    Returns:
+        The schedule, with every sequence converted to a tuple.
+    """
     return Schedule(
         name=name,
         ranks=ranks,
@@ -108,7 +187,18 @@ def make_schedule(
 
 
 def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
-    """Actions that must finish before ``action`` may start (data dependencies)."""
+    """The actions that must finish before ``action`` may start (data dependencies).
+
+    F of stage s needs F of stage s-1; B of stage s needs F of stage s and, except on
+    the last stage, B of stage s+1; W needs the B of its stage and micro-batch.
+
+    Args:
+        schedule: The schedule ``action`` belongs to (for its stage count).
+        action: The action.
+
+    Returns:
+        The actions it waits for (empty for F of stage 0).
+    """
     kind, s, m = action
     last = schedule.stages - 1
     if kind == F:
@@ -119,6 +209,7 @@ def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
 
 
 def _check_shape(schedule: Schedule) -> None:
+    """Raise ScheduleError unless sizes, program count and placement fit together."""
     p, m = schedule.ranks, schedule.microbatches
     if p < 1 or m < 1:
         raise ScheduleError(f"schedule {schedule.name!r}: ranks and microbatches must be >= 1")
@@ -137,7 +228,7 @@ def _check_shape(schedule: Schedule) -> None:
             raise ScheduleError(f"schedule {schedule.name!r}: rank {r} holds no stage")
 
 
-def _bad_action(schedule: Schedule, rank: int, action: Action, kinds: tuple[str, ...]) -> str:
+def _bad_action(schedule: Schedule, rank: int, action: Action, kinds: tuple[Kind, ...]) -> str:
     """Why ``action`` may not appear in ``rank``'s program, or '' when it may."""
     kind, s, mb = action
     if kind not in kinds:
@@ -159,6 +250,7 @@ def _bad_action(schedule: Schedule, rank: int, action: Action, kinds: tuple[str,
 
 
 def _check_complete(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every action is allowed and appears exactly once."""
     kinds = (F, B, W) if schedule.split_backward else (F, B)
     stages, m = schedule.stages, schedule.microbatches
     seen: set[Action] = set()
@@ -195,14 +287,25 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
     Sends never block and receives do: each rank advances while the dependencies of its
     next action are done. The order is round-robin over ranks, which is also the order
-    the single-process world uses. Raises :class:`ScheduleError` on deadlock, naming
-    every stuck rank and the action it waits on.
+    the single-process world uses.
+
+    Args:
+        schedule: A schedule whose actions are complete and in range (as checked by
+            :func:`validate`).
+
+    Returns:
+        Every ``(rank, action)`` pair, in an order that respects :func:`dependencies`.
+
+    Raises:
+        ScheduleError: If the programs deadlock; the message names every stuck rank and
+            the action it waits on.
     """
     position = [0] * schedule.ranks
-    # Done flags by index (kind, stage, micro-batch) in a bytearray: much cheaper per
-    # action than a set of tuples, and this loop runs for every action of every schedule.
+    # Whether each action is done, by index (kind, stage, micro-batch) in a bytearray:
+    # much cheaper per action than a set of tuples, and this loop runs for every action of
+    # every schedule.
     m, stages = schedule.microbatches, schedule.stages
-    done_flags = bytearray(3 * stages * m)
+    is_done = bytearray(3 * stages * m)
     b_base, w_base = stages * m, 2 * stages * m
     order: list[tuple[int, Action]] = []
     total = sum(len(p) for p in schedule.actions)
@@ -217,16 +320,16 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
                 kind, s, mb = action
                 at = s * m + mb
                 if kind == F:
-                    ready = s == 0 or done_flags[at - m]
+                    ready = s == 0 or is_done[at - m]
                 elif kind == B:
-                    ready = done_flags[at] and (s == last or done_flags[b_base + at + m])
+                    ready = is_done[at] and (s == last or is_done[b_base + at + m])
                     at += b_base
                 else:
-                    ready = done_flags[b_base + at]
+                    ready = is_done[b_base + at]
                     at += w_base
                 if not ready:
                     break
-                done_flags[at] = 1
+                is_done[at] = 1
                 i += 1
             if i > start:
                 order.extend((rank, a) for a in program[start:i])
@@ -252,6 +355,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 
 def _check_local_order(schedule: Schedule) -> None:
+    """Raise ScheduleError if a rank's program puts an action before one it needs."""
     for rank, program in enumerate(schedule.actions):
         index = {a: i for i, a in enumerate(program)}
         for i, action in enumerate(program):
@@ -270,8 +374,18 @@ def _check_local_order(schedule: Schedule) -> None:
 def validate(schedule: Schedule) -> Schedule:
     """Check that ``schedule`` is complete, in dependency order and deadlock free.
 
-    Returns the schedule unchanged so calls can be chained; raises
-    :class:`ScheduleError` naming the rank and action at fault.
+    Complete: the placement maps every stage to a rank, every rank holds a stage, each
+    rank's program runs only its own stages, and every F and B (and W with
+    ``split_backward``) of every stage and micro-batch appears exactly once.
+
+    Args:
+        schedule: The schedule to check.
+
+    Returns:
+        ``schedule`` itself, unchanged, so calls can be chained.
+
+    Raises:
+        ScheduleError: Naming the rank and action at fault and how to fix it.
     """
     _check_shape(schedule)
     _check_complete(schedule)

@@ -18,6 +18,15 @@ def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action,
     rounds B1 (split), a queued W, F1; m-2p+r+1 rounds F0 B1, F1 B0 (full); p-r-1 rounds
     B1, F1 B0 (full); r+1 pairs B1 B0 switching to split backward half-way; p-r-1 rounds
     of a queued W and B0; the remaining queued W's.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m), at least ``2 * ranks - 1``; not
+            checked here (:func:`dualpipev` checks it).
+        rank: The rank whose program to build (r).
+
+    Returns:
+        The rank's actions in order: every F, B and W of its two stages.
     """
     p, m = ranks, microbatches
     first, second = rank, 2 * p - 1 - rank
@@ -39,7 +48,7 @@ def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action,
         else:
             queued.append(Action(W, stage, mb))
 
-    def queued_weight() -> None:
+    def queued_w() -> None:
         if queued:
             program.append(queued.popleft())
 
@@ -50,7 +59,7 @@ def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action,
         forward(second)
     for _ in range(p - rank - 1):
         backward(second, full=False)
-        queued_weight()
+        queued_w()
         forward(second)
     for _ in range(m - 2 * p + rank + 1):
         forward(first)
@@ -61,30 +70,41 @@ def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action,
         backward(second, full=True)
         forward(second)
         backward(first, full=True)
-    split = False
+    split_backward = False
     half = (rank + 1) // 2
     for i in range(rank + 1):
         # Half-way through, switch to split backward so the queued W's can fill the
         # tail; odd ranks switch one backward earlier than even ranks.
         if i == half and rank % 2 == 1:
-            split = True
-        backward(second, full=not split)
+            split_backward = True
+        backward(second, full=not split_backward)
         if i == half and rank % 2 == 0:
-            split = True
-        backward(first, full=not split)
+            split_backward = True
+        backward(first, full=not split_backward)
     for _ in range(p - rank - 1):
-        queued_weight()
-        backward(first, full=not split)
+        queued_w()
+        backward(first, full=not split_backward)
     while queued:
-        queued_weight()
+        queued_w()
     return tuple(program)
 
 
 def dualpipev(ranks: int, microbatches: int) -> Schedule:
     """DualPipeV: V placement, split backward where it fills bubbles; m >= 2p-1.
 
-    Raises :class:`ConfigError` for fewer micro-batches: the steady phase F0 B1 / F1 B0
-    needs both chunks of every rank busy at once. (torch asks for m >= 2p; 2p-1 works.)
+    Rank r holds stages r and 2p-1-r (:func:`~conveyor.schedules.core.v_placement`);
+    the programs are :func:`dualpipev_program`'s. torch asks for m >= 2p; 2p-1 works.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+
+    Returns:
+        The schedule, named ``"dualpipev"``, with ``split_backward=True``.
+
+    Raises:
+        ConfigError: For sizes below 1, or fewer than ``2 * ranks - 1`` micro-batches:
+            the steady phase F0 B1 / F1 B0 needs both chunks of every rank busy at once.
     """
     check_sizes(ranks, microbatches)
     if microbatches < 2 * ranks - 1:

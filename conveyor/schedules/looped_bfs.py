@@ -16,5 +16,16 @@ def looped_bfs(ranks: int, microbatches: int, chunks: int) -> Schedule:
     reverse micro-batch order; the simulated makespan and the peak memory (all m
     micro-batches held until their backward) are the same either way. Any m >= 1, any
     chunks >= 1.
+
+    Args:
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        chunks: Stages per rank.
+
+    Returns:
+        The schedule, named ``"looped-bfs"``, without split backward.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
     """
     return dataclasses.replace(gpipe(ranks, microbatches, chunks), name="looped-bfs")

@@ -9,6 +9,14 @@ def one_f_one_b_program(ranks: int, microbatches: int, rank: int) -> tuple[Actio
     """Rank ``rank``'s 1F1B program: min(p-rank-1, m) warm-up forwards, steady 1F1B, cool-down.
 
     Holds at most min(p - rank, m) micro-batches of activations at once.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+        rank: The rank, which runs stage ``rank``.
+
+    Returns:
+        The rank's F and B actions in order.
     """
     warmup = min(ranks - rank - 1, microbatches)
     program = [Action(F, rank, mb) for mb in range(warmup)]
@@ -20,7 +28,18 @@ def one_f_one_b_program(ranks: int, microbatches: int, rank: int) -> tuple[Actio
 
 
 def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
-    """The 1F1B schedule: one stage per rank, same makespan as GPipe, less memory."""
+    """The 1F1B schedule: one stage per rank, same makespan as GPipe, less memory.
+
+    Args:
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+
+    Returns:
+        The schedule, named ``"1f1b"``, without split backward.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
+    """
     check_sizes(ranks, microbatches)
     return Schedule(
         name="1f1b",

@@ -26,12 +26,15 @@ _FLAG_WORDS = {"schedule": "--schedule ", "chunks": "--chunks ", "end": ""}
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """How to build a named schedule.
+    """How to build a named schedule (one entry of the registry).
 
-    ``build(ranks, microbatches, chunks)`` returns the schedule. ``chunks`` is the only
-    chunk count the schedule supports, or None when any count >= 1 works; ``default`` is
-    the count used when none is given; ``hint`` is appended to the error for a wrong
-    chunk count.
+    Attributes:
+        build: ``build(ranks, microbatches, chunks)`` returns the schedule.
+        chunks: The only chunk count the schedule supports, or None when any count >= 1
+            works.
+        hint: Appended to the error for a wrong chunk count; ``{schedule}``, ``{end}``
+            and ``{chunks}`` in it become Python or command-line wording.
+        default: The chunk count used when none is given.
     """
 
     build: Callable[[int, int, int], Schedule]
@@ -66,6 +69,7 @@ SCHEDULE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def _spec(name: str) -> ScheduleSpec:
+    """The registry entry of ``name``; ConfigError listing the known names if none."""
     spec = _REGISTRY.get(name)
     if spec is None:
         known = ", ".join(repr(n) for n in SCHEDULE_NAMES)
@@ -76,9 +80,16 @@ def _spec(name: str) -> ScheduleSpec:
 def default_chunks(name: str) -> int:
     """The chunks per rank schedule ``name`` runs when none are given.
 
-    2 for ``interleaved-1f1b`` and ``looped-bfs`` (with 1 they would be plain 1F1B and
-    GPipe) and for the V schedules ``zbv`` and ``dualpipev`` (the only count they run),
-    else 1. Raises :class:`~conveyor.errors.ConfigError` for an unknown name.
+    Args:
+        name: A schedule name, one of :data:`SCHEDULE_NAMES`.
+
+    Returns:
+        2 for ``interleaved-1f1b`` and ``looped-bfs`` (with 1 they would be plain 1F1B
+        and GPipe) and for the V schedules ``zbv`` and ``dualpipev`` (the only count they
+        run), else 1.
+
+    Raises:
+        ConfigError: For an unknown name.
     """
     return _spec(name).default
 
@@ -86,9 +97,21 @@ def default_chunks(name: str) -> int:
 def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -> int:
     """The chunk count schedule ``name`` runs with: ``chunks``, or its default when None.
 
-    Raises :class:`~conveyor.errors.ConfigError` for an unknown name or a count the
-    schedule cannot run, in one sentence that names the arguments as Python keywords
-    (``chunks=2``), or with ``flags=True`` as command-line flags (``--chunks 2``).
+    Only checks the count against the schedule (``1f1b`` runs 1, ``zbv`` 2, ...); sizes
+    below 1 are :func:`~conveyor.schedules.core.check_sizes`' job.
+
+    Args:
+        name: A schedule name, one of :data:`SCHEDULE_NAMES`.
+        chunks: The requested stages per rank, or None for the default.
+        flags: Word the error for the command line (``--chunks 2``) instead of for
+            Python (``chunks=2``).
+
+    Returns:
+        The chunk count to build the schedule with.
+
+    Raises:
+        ConfigError: For an unknown name or a count the schedule cannot run, in one
+            sentence naming the right schedule or count.
     """
     spec = _spec(name)
     if chunks is None:
@@ -106,11 +129,22 @@ def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -
 def get_schedule(name: str, ranks: int, microbatches: int, chunks: int | None = None) -> Schedule:
     """Build the schedule called ``name`` and validate it.
 
-    ``chunks`` is the number of stages per rank; None takes the schedule's default
-    (:func:`default_chunks`). Raises :class:`~conveyor.errors.ConfigError` for an unknown
-    name, a chunk count the schedule does not support, or sizes below 1.
+    Args:
+        name: A schedule name, one of :data:`SCHEDULE_NAMES`.
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+        chunks: Stages per rank; None takes the schedule's default
+            (:func:`default_chunks`).
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ConfigError: For an unknown name, a chunk count the schedule does not support,
+            sizes below 1, or fewer micro-batches than the schedule needs (``dualpipev``
+            needs ``2 * ranks - 1``).
     """
     spec = _spec(name)
     check_sizes(ranks, microbatches, spec.default if chunks is None else chunks)
-    count = check_chunks(name, chunks)
-    return validate(spec.build(ranks, microbatches, count))
+    chunk_count = check_chunks(name, chunks)
+    return validate(spec.build(ranks, microbatches, chunk_count))

@@ -12,17 +12,19 @@ Format (``#`` starts a comment line; blank lines are ignored)::
     rank 1: F1,0 B1,0 F1,1 B1,1
 
 ``placement`` lists the rank of each stage (stage 0 first). Each action is
-``<kind><stage>,<microbatch>`` with kind F, B or W. A rank's program may be split over
-several ``rank N:`` lines; they are joined in order.
+``<kind><stage>,<microbatch>`` with kind F, B or W. A rank's program may be spread over
+several ``rank N:`` lines; they are joined in order. ``name`` (default ``custom``) and
+``split_backward`` (default false) may be left out.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from typing import cast
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.core import Action, Schedule, validate
+from conveyor.schedules.core import Action, Kind, Schedule, validate
 
 _HEADER = "# conveyor schedule"
 _KEYS = ("name", "ranks", "microbatches", "placement", "split_backward")
@@ -31,7 +33,14 @@ _RANK_LINE = re.compile(r"rank\s+(\d+)\s*:(.*)")
 
 
 def to_table(schedule: Schedule) -> str:
-    """The text table of ``schedule``; :func:`from_table` reads it back unchanged."""
+    """The text table of ``schedule``; :func:`from_table` reads it back unchanged.
+
+    Args:
+        schedule: Any schedule (not validated here).
+
+    Returns:
+        The table, ending in a newline.
+    """
     lines = [
         _HEADER,
         f"name: {schedule.name}",
@@ -46,6 +55,7 @@ def to_table(schedule: Schedule) -> str:
 
 
 def _int(value: str, key: str, where: str) -> int:
+    """``value`` as an int >= 0; ScheduleError naming ``where`` and ``key`` otherwise."""
     try:
         number = int(value)
     except ValueError:
@@ -56,6 +66,7 @@ def _int(value: str, key: str, where: str) -> int:
 
 
 def _parse_header(key: str, value: str, where: str) -> str | int | bool | tuple[int, ...]:
+    """The value of one ``KEY: VALUE`` line, in the type ``key`` needs."""
     if key == "name":
         if not value:
             raise ScheduleError(f"{where}: name is empty; write e.g. 'name: custom'")
@@ -72,6 +83,7 @@ def _parse_header(key: str, value: str, where: str) -> str | int | bool | tuple[
 
 
 def _parse_actions(text: str, where: str) -> list[Action]:
+    """The actions of one ``rank N:`` line (what follows the colon)."""
     actions = []
     for token in text.split():
         match = _ACTION.fullmatch(token)
@@ -80,15 +92,23 @@ def _parse_actions(text: str, where: str) -> list[Action]:
                 f"{where}: cannot read action {token!r}; write <kind><stage>,<microbatch> "
                 f"with kind F, B or W, e.g. F0,3"
             )
-        actions.append(Action(match[1], int(match[2]), int(match[3])))
+        actions.append(Action(cast(Kind, match[1]), int(match[2]), int(match[3])))
     return actions
 
 
 def from_table(text: str, source: str = "<table>") -> Schedule:
     """Parse a table written by :func:`to_table` (or by hand) and validate it.
 
-    Raises :class:`~conveyor.errors.ScheduleError` naming ``source`` and the line at
-    fault, or the rank and action at fault when the schedule itself is invalid.
+    Args:
+        text: The table (the format is in this module's description).
+        source: What to call the text in errors, e.g. its file name.
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ScheduleError: Naming ``source`` and the line at fault, or the rank and action at
+            fault when the schedule itself is invalid.
     """
     header: dict[str, str | int | bool | tuple[int, ...]] = {}
     programs: dict[int, list[Action]] = {}
@@ -127,8 +147,8 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
         if rank not in programs:
             raise ScheduleError(f"{source}: no line for rank {rank}; add 'rank {rank}: ...'")
     name = header.get("name", "custom")
-    split = header.get("split_backward", False)
-    assert isinstance(name, str) and isinstance(split, bool)
+    split_backward = header.get("split_backward", False)
+    assert isinstance(name, str) and isinstance(split_backward, bool)
     return validate(
         Schedule(
             name=name,
@@ -136,18 +156,37 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
             microbatches=microbatches,
             placement=placement,
             actions=tuple(tuple(programs[r]) for r in range(ranks)),
-            split_backward=split,
+            split_backward=split_backward,
         )
     )
 
 
 def save_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write ``schedule`` to ``path`` as a text table."""
+    """Write ``schedule`` to ``path`` as a text table (:func:`to_table`), UTF-8.
+
+    Args:
+        schedule: The schedule.
+        path: The file to write; replaced if it exists.
+
+    Raises:
+        OSError: If the file cannot be written.
+    """
     with open(path, "w", encoding="utf-8") as file:
         file.write(to_table(schedule))
 
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
-    """Read and validate a schedule table from ``path``."""
+    """Read a schedule table from ``path`` and validate it (:func:`from_table`).
+
+    Args:
+        path: A file written by :func:`save_schedule` or by hand.
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ScheduleError: Naming the file and the line, rank or action at fault.
+        OSError: If the file cannot be read.
+    """
     with open(path, encoding="utf-8") as file:
         return from_table(file.read(), source=os.fspath(path))

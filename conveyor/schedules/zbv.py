@@ -15,29 +15,38 @@ def zbv_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
     The pattern needs at least 2p-1 micro-batches to fill the V. With fewer, it is
     built for 2p-1 and the actions of the micro-batches that do not exist are dropped:
     dropping work cannot add a wait, so the order stays valid (every m >= 1 works).
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+        rank: The rank whose program to build (r).
+
+    Returns:
+        The rank's actions in order: every F, B and W of its two stages.
     """
     p = ranks
     planned = max(2 * p - 1, microbatches)
-    stage = (rank, 2 * p - 1 - rank)
+    chunk_stage = (rank, 2 * p - 1 - rank)  # the rank's stage of chunk 0 and chunk 1
     program: list[Action] = []
     # Next micro-batch per (kind, chunk); plain lists keep this hot loop cheap.
     f, b, w = [0, 0], [0, 0], [0, 0]
 
     def fbw(chunk: int, forward: bool = True) -> None:
+        """Append F (when ``forward``), B and W of ``chunk``'s next micro-batches."""
         if forward:
-            program.append(Action(F, stage[chunk], f[chunk]))
+            program.append(Action(F, chunk_stage[chunk], f[chunk]))
             f[chunk] += 1
-        program.append(Action(B, stage[chunk], b[chunk]))
-        program.append(Action(W, stage[chunk], b[chunk]))
+        program.append(Action(B, chunk_stage[chunk], b[chunk]))
+        program.append(Action(W, chunk_stage[chunk], b[chunk]))
         b[chunk] += 1
         w[chunk] += 1
 
     for mb in range(2 * (p - rank) - 1):
-        program.append(Action(F, stage[0], mb))
+        program.append(Action(F, chunk_stage[0], mb))
     f[0] = 2 * (p - rank) - 1
     for _ in range(rank):
-        program.append(Action(F, stage[1], f[1]))
-        program.append(Action(F, stage[0], f[0]))
+        program.append(Action(F, chunk_stage[1], f[1]))
+        program.append(Action(F, chunk_stage[0], f[0]))
         f[1] += 1
         f[0] += 1
     for _ in range(p - rank):
@@ -46,17 +55,17 @@ def zbv_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
         fbw(0, forward=f[0] < planned)
         fbw(1)
     for _ in range(rank):
-        program.append(Action(B, stage[0], b[0]))
-        program.append(Action(B, stage[1], b[1]))
+        program.append(Action(B, chunk_stage[0], b[0]))
+        program.append(Action(B, chunk_stage[1], b[1]))
         b[0] += 1
         b[1] += 1
     for _ in range(p - rank):
-        program.append(Action(B, stage[0], b[0]))
-        program.append(Action(W, stage[0], w[0]))
+        program.append(Action(B, chunk_stage[0], b[0]))
+        program.append(Action(W, chunk_stage[0], w[0]))
         b[0] += 1
         w[0] += 1
     for chunk in (1, 0):
-        program.extend(Action(W, stage[chunk], mb) for mb in range(w[chunk], b[chunk]))
+        program.extend(Action(W, chunk_stage[chunk], mb) for mb in range(w[chunk], b[chunk]))
     if planned == microbatches:
         return tuple(program)
     return tuple(a for a in program if a.microbatch < microbatches)
@@ -67,6 +76,16 @@ def zbv(ranks: int, microbatches: int) -> Schedule:
 
     With F = B = W and m >= 2p-1 no rank idles between its first and last action (span
     m(F+B+W)) while holding p micro-batches of activations, the peak of 1F1B.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+
+    Returns:
+        The schedule, named ``"zbv"``, with ``split_backward=True``.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
     return Schedule(

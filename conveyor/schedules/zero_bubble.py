@@ -17,24 +17,33 @@ def zb_h1_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...
 
     Delaying W on later ranks lets B travel back at B's speed rather than B+W's; the
     delayed W's fill the tail that 1F1B leaves idle. Holds at most min(p, m) micro-batches.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+        rank: The rank, which runs stage ``rank``.
+
+    Returns:
+        The rank's F, B and W actions in order.
     """
     warmup = min(ranks - rank - 1, microbatches)
     program = [Action(F, rank, mb) for mb in range(warmup)]
-    weights = 0
+    next_w = 0  # the micro-batch of the next W
 
     def backward(mb: int) -> None:
-        nonlocal weights
+        """Append B of ``mb``, then (from micro-batch ``rank`` on) the next W."""
+        nonlocal next_w
         program.append(Action(B, rank, mb))
         if mb >= rank:
-            program.append(Action(W, rank, weights))
-            weights += 1
+            program.append(Action(W, rank, next_w))
+            next_w += 1
 
     for i in range(microbatches - warmup):
         program.append(Action(F, rank, warmup + i))
         backward(i)
     for mb in range(microbatches - warmup, microbatches):
         backward(mb)
-    program.extend(Action(W, rank, mb) for mb in range(weights, microbatches))
+    program.extend(Action(W, rank, mb) for mb in range(next_w, microbatches))
     return tuple(program)
 
 
@@ -43,6 +52,16 @@ def zb_h1(ranks: int, microbatches: int) -> Schedule:
 
     Every rank holds at most 1F1B's peak, min(p, m) micro-batches. With F = B = W = t and
     m >= p the makespan is (3m + p - 1)t, against 1F1B's 3(m + p - 1)t.
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+
+    Returns:
+        The schedule, named ``"zb-h1"``, with ``split_backward=True``.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
     return Schedule(
@@ -62,13 +81,22 @@ def zb_late(ranks: int, microbatches: int) -> Schedule:
     rank's consecutive W's as one, a single GEMM per linear weight over all micro-batches,
     instead of m small ones. The price is memory: what W needs is held for all m
     micro-batches, as in GPipe. Fastest of the one-chunk schedules when that fits.
+
+    Args:
+        ranks: Pipeline ranks.
+        microbatches: Micro-batches per step.
+
+    Returns:
+        The schedule, named ``"zb-late"``, with ``split_backward=True``.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
     programs = []
     for program in one_f_one_b(ranks, microbatches).actions:
-        steps = list(program)
-        programs.append(tuple(steps + [Action(W, a.stage, a.microbatch) for a in steps
-                                       if a.kind == B]))
+        weight_grads = [Action(W, a.stage, a.microbatch) for a in program if a.kind == B]
+        programs.append(program + tuple(weight_grads))
     return Schedule(
         name="zb-late",
         ranks=ranks,
@@ -87,6 +115,16 @@ def zb_h2(ranks: int, microbatches: int) -> Schedule:
     2p-1 micro-batches per rank: rank r warms up with 2(p-r)-1 forwards, exactly enough
     to reach its first B, and the W's left over fill the tail. With F = B = W and
     m >= 2p-1 no rank idles between its first and last action: the span is m(F+B+W).
+
+    Args:
+        ranks: Pipeline ranks (p).
+        microbatches: Micro-batches per step (m).
+
+    Returns:
+        The schedule, named ``"zb-h2"``, with ``split_backward=True``.
+
+    Raises:
+        ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
     placement = loop_placement(ranks, 1)
