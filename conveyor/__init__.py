@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline
     from conveyor.planning.planner import plan
     from conveyor.planning.profiler import profile
+    from conveyor.training import Trainer
 
 __all__ = [
     "CheckpointError",
@@ -29,6 +30,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "ScheduleError",
+    "Trainer",
     "balance",
     "checkpoint",
     "init",
@@ -54,6 +56,7 @@ _LAZY = {
     "profile": "conveyor.planning.profiler",
     "sequence": "conveyor.partition.execution",
     "set_stage": "conveyor.partition.annotations",
+    "Trainer": "conveyor.training",
 }
 
 

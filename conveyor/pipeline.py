@@ -140,13 +140,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the split
     def describe(self) -> SplitInfo:
-        """The split: per stage its rank, modules (original names, numbered runs folded),
-        parameter count, tied weights and the values it sends on.
-
-        Returns:
-            A :class:`~conveyor.partition.describe.SplitInfo`; ``str()`` of it is what
-            ``print(pipe)`` shows.
-        """
+        """The split (a :class:`~conveyor.partition.describe.SplitInfo`, which ``print(pipe)``
+        shows): per stage its rank, modules, parameter count, tied weights, values sent."""
         parts = self._split("pipe.describe()")
         return parts.description.with_shapes(self._sent_shapes)
 
@@ -273,14 +268,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ measurement
     def last_step_timings(self) -> list[Timing]:
-        """This process's actions in the last training step (``eval_step`` and
-        ``predict`` leave it).
-
-        Returns:
-            A :class:`~conveyor.runtime.timing.Timing` per action, seconds from the step
-            start; start is when the action's inputs had arrived, so waits on other ranks
-            are not counted as work.
-        """
+        """A :class:`~conveyor.runtime.timing.Timing` per action of this process in the
+        last training step, seconds from the step start (start: when the action's inputs
+        had arrived, so waits on other ranks are not work)."""
         self._split("pipe.last_step_timings()")
         return list(self._last_train.timings) if self._last_train is not None else []
 
@@ -355,7 +345,24 @@ class Pipeline:
         copies = parts.shared.copies()  # tied copies counted on another rank
         return clip_grad_norm(self.parameters(), copies, self.context, max_norm, norm_type)
 
-    # ------------------------------------------------------------------ parameters
+    # ------------------------------------------------------------------ module-like state
+    @property
+    def training(self) -> bool:
+        """Whether dropout and batch norm run in training mode (see :meth:`train`)."""
+        return self._model.training
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Set training (or evaluation) mode on the model and this rank's stages, like
+        :meth:`torch.nn.Module.train`; returns the pipeline."""
+        self._model.train(mode)
+        for stage in self.stages if self._parts is not None else []:
+            stage.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """Evaluation mode (dropout off, batch norm's running statistics): ``train(False)``."""
+        return self.train(False)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters, with their names in the original model; a weight tied
         across this rank's stages comes once (before a split made on the first batch: the

@@ -1,5 +1,11 @@
 """What every example shares: the pipeline options of its command line, the context they
-ask for, and the loop that trains, logs and checkpoints."""
+ask for, and the loop that trains, logs and checkpoints.
+
+:func:`trainer` gives an example a :class:`conveyor.Trainer` set up from the command line
+(checkpoints, a progress line a tenth of the way): the loop written once, for data that
+is a ``Dataset``. :func:`train` is the same loop by hand, for examples that draw each
+step's batch from the step number (``gpt.py``, ``hf_llama.py``).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import torch.distributed as dist
 import conveyor
 from conveyor.checkpoint import exists
 from conveyor.observe.progress import Progress
+from conveyor.training import Callback, ProgressBar
 
 
 def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
@@ -30,7 +37,10 @@ def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
     ap.add_argument(
-        "--save-every", type=int, default=50, metavar="K",
+        "--save-every",
+        type=int,
+        default=50,
+        metavar="K",
         help="steps between saves (default: %(default)s)",
     )
 
@@ -56,6 +66,26 @@ def where(ctx: conveyor.Context, fsdp: bool = False) -> str:
         replicas = f"{ctx.dp_size} replicas{' (FSDP)' if fsdp else ''}"
         place += f" x {replicas} x {ctx.tp_size} tensor-parallel"
     return place
+
+
+def trainer(
+    pipe: conveyor.Pipeline,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    callbacks: tuple[Callback, ...] = (),
+    **options: Any,
+) -> conveyor.Trainer:
+    """A :class:`conveyor.Trainer` that logs a tenth of the way and, with ``--checkpoint``,
+    saves every ``--save-every`` steps (resume with ``fit(..., resume=True)``);
+    ``options`` are the Trainer's other keywords (``lr_scheduler``, ``max_grad_norm``)."""
+    return conveyor.Trainer(
+        pipe,
+        opt,
+        callbacks=[ProgressBar(), *callbacks],
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.save_every if args.checkpoint else None,
+        **options,
+    )
 
 
 def train(

@@ -16,10 +16,12 @@ Exit code 0 when the held-out accuracy reaches ``--min-accuracy``; 3 when it doe
 Under your own ``torchrun --max-restarts``, pass ``--min-accuracy 0``: torchrun restarts
 after any non-zero exit.
 
-With ``--checkpoint DIR`` it saves every ``--save-every`` steps and, started again (or
-restarted by ``--max-restarts``), resumes from the last checkpoint: the batches are a
-function of the step number, so the resumed run sees exactly the batches the lost one
-would have.
+The loop is :class:`conveyor.Trainer`'s: ``fit`` over the training images in full batches,
+reshuffled each epoch by a permutation seeded with ``(--seed, epoch)``, a progress line per
+epoch, then ``evaluate`` with the ``accuracy`` metric on the held-out images. With
+``--checkpoint DIR`` it saves every ``--save-every`` steps and, started again (or restarted
+by ``--max-restarts``), resumes from the last checkpoint (``fit(resume=True)``) exactly
+where the lost run was: the same batches, the same losses.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from conveyor.cli._args import HelpFormatter, Parser, plain
 from conveyor.context import in_torchrun
 from conveyor.observe.trace import measured_costs
 from conveyor.runtime.timing import Timing
+from conveyor.training import Callback, FitState, ProgressBar, Trainer
 
 T = TypeVar("T")
 
@@ -176,10 +179,42 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def epoch_order(n: int, epoch: int, seed: int) -> Tensor:
-    """The shuffle of epoch ``epoch``: a function of (seed, epoch) alone, the same on every
-    rank and in a resumed run."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+class StepClock(Callback):
+    """A callback that times every step and keeps the last ``last`` steps' action timings
+    and measured bubbles (a collective: every rank runs it)."""
+
+    def __init__(self, last: int = 10) -> None:
+        self.last = last
+        self.step_times: list[float] = []
+        self.bubbles: list[float] = []
+        self.timings: list[Timing] = []
+        self._then = 0.0
+
+    def on_fit_start(self, trainer: Trainer, state: FitState) -> None:
+        self._then = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, state: FitState) -> None:
+        now = time.perf_counter()
+        self.step_times.append(now - self._then)
+        if state.step > max(state.start_step, state.max_steps - self.last):
+            self.timings += state.pipe.last_step_timings()
+            if state.pipe.context.distributed:
+                self.bubbles.append(state.pipe.measured_bubble())
+        self._then = time.perf_counter()
+
+
+class SayResumed(Callback):
+    """A callback that says, on rank 0, where a fit resumed from its checkpoint."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_start(self, trainer: Trainer, state: FitState) -> None:
+        if state.resumed and state.pipe.context.rank == 0:
+            print(
+                f"resumed from {self.folder} at step {state.start_step} of {state.max_steps}",
+                flush=True,
+            )
 
 
 def _gather(value: T) -> list[T]:
@@ -193,9 +228,9 @@ def _gather(value: T) -> list[T]:
 
 def train(args: argparse.Namespace) -> int:
     """Train and evaluate on this rank; return the exit code."""
+    from torch.utils.data import TensorDataset
+
     import conveyor
-    from conveyor.checkpoint import exists
-    from conveyor.observe.progress import Progress
     from conveyor.schedules.registry import default_chunks
     from conveyor.simulate import simulate
 
@@ -203,7 +238,7 @@ def train(args: argparse.Namespace) -> int:
     ctx = conveyor.init(pp=None if in_torchrun() else 2)
     chunks = default_chunks(args.schedule) if args.chunks is None else args.chunks
     stages = ctx.pp_size * chunks
-    torch.manual_seed(args.seed)  # the same weights on every rank
+    torch.manual_seed(args.seed)  # the same weights on every rank, and the shuffle's seed
     pipe = conveyor.Pipeline(
         build_model(),
         loss_fn=nn.functional.cross_entropy,
@@ -216,56 +251,36 @@ def train(args: argparse.Namespace) -> int:
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     x_train, y_train, x_test, y_test = load_data(args.seed)
 
-    per_epoch = len(x_train) // args.batch_size  # full batches only
-    total = args.epochs * per_epoch
-    start = 0
-    if args.checkpoint is not None and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, total)
-        if ctx.rank == 0:
-            print(f"resumed from {args.checkpoint} at step {start} of {total}", flush=True)
-    measure_from = max(start, total - 10)  # bubble and action costs: median of the last steps
-    step_times: list[float] = []
-    bubbles: list[float] = []
-    timings: list[Timing] = []
-    progress = Progress(pipe, total - start, every=per_epoch)  # a log line per epoch
-    progress.count = start
-    order = epoch_order(len(x_train), start // per_epoch, args.seed)
-    for step in range(start, total):
-        # Every rank computes the same batch from the step number alone.
-        if step % per_epoch == 0:
-            order = epoch_order(len(x_train), step // per_epoch, args.seed)
-        i = step % per_epoch
-        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-        t0 = time.perf_counter()
-        loss = pipe.train_step(x_train[idx], y_train[idx])
-        opt.step()
-        opt.zero_grad()
-        step_times.append(time.perf_counter() - t0)
-        progress.step(loss, len(idx))
-        if step >= measure_from:
-            timings += pipe.last_step_timings()
-            if ctx.distributed:
-                bubbles.append(pipe.measured_bubble())
-        done = step + 1
-        if args.checkpoint is not None and (done % args.save_every == 0 or done == total):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
-
-    out = pipe.predict(x_test)
-    accuracy = None
-    if out is not None:
-        accuracy = (out.argmax(dim=1) == y_test).float().mean().item()
-    accuracy = next(a for a in _gather(accuracy) if a is not None)
+    clock = StepClock(last=10)  # step times; bubble and action costs of the last 10 steps
+    callbacks: list[Callback] = [clock, ProgressBar(every=len(x_train) // args.batch_size)]
+    if args.checkpoint is not None:
+        callbacks.insert(0, SayResumed(args.checkpoint))
+    trainer = Trainer(
+        pipe,
+        opt,
+        callbacks=callbacks,
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.save_every if args.checkpoint is not None else None,
+    )
+    # Full batches of a fresh shuffle each epoch; with --checkpoint, continue from it.
+    trainer.fit(
+        TensorDataset(x_train, y_train),
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        resume=args.checkpoint is not None,
+    )
+    held_out = TensorDataset(x_test, y_test)
+    accuracy = trainer.evaluate(held_out, batch_size=len(x_test), metrics=["accuracy"])["accuracy"]
 
     # Replay the schedule in simulated time with each stage's measured action costs.
-    everyone = [t for part in _gather(timings) for t in part]
+    everyone = [t for part in _gather(clock.timings) for t in part]
     costs = measured_costs(everyone, pipe.schedule.stages)
     if ctx.rank != 0:
         return 0
     print(f"held-out accuracy: {accuracy:.1%} ({round(accuracy * len(y_test))}/{len(y_test)})")
-    if step_times:  # none when resumed from a finished run
+    if clock.step_times:  # none when resumed from a finished run
         simulated = simulate(pipe.schedule, cost=costs, comm=0.0)
-        warm = step_times[3:] or step_times
+        warm = clock.step_times[3:] or clock.step_times
         where = (
             f"{stages} stage(s) on {ctx.pp_size} process(es)"
             if ctx.distributed
@@ -278,8 +293,8 @@ def train(args: argparse.Namespace) -> int:
         kinds = 3 if pipe.schedule.split_backward else 2
         per_stage = ", ".join("/".join(f"{c * 1e3:.2f}" for c in cost[:kinds]) for cost in costs)
         measured = (
-            f"measured {statistics.median(bubbles):.3f}, "
-            if bubbles
+            f"measured {statistics.median(clock.bubbles):.3f}, "
+            if clock.bubbles
             else "not measured (one process runs the stages one after another), "
         )
         print(
@@ -318,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
             workers = [*worker_argv(args), "--result-file", str(result)]
             code = launch(
                 [
-                    "--nproc-per-node", str(args.nproc), *restarts,
-                    "-m", "conveyor.cli.demo", *workers,
+                    "--nproc-per-node",
+                    str(args.nproc),
+                    *restarts,
+                    "-m",
+                    "conveyor.cli.demo",
+                    *workers,
                 ]
             )
             if code != 0:

@@ -235,7 +235,8 @@ class StageCompute:
             split = self.split_backward
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            outs = [self._upcast(self._scaled_loss(out, m))] if s == self.last_stage else grad_leaves(out)
+            last = s == self.last_stage
+            outs = [self._upcast(self._scaled_loss(out, m))] if last else grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
         del self._stash[(s, m)]
         return outs

@@ -35,20 +35,20 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 def apply_tp(
     stages: dict[int, nn.Module],
-    plan: Mapping[str, Any],
+    tp_plan: Mapping[str, Any],
     names: Iterable[str],
     mesh: Any,
     every: Iterable[nn.Module] = (),
 ) -> None:
-    """Parallelize each stage's modules that ``plan`` names (fnmatch patterns over the
-    original model's module names) on the ``tp`` mesh ``mesh``. The plan is first checked
+    """Parallelize each stage's modules that ``tp_plan`` names (fnmatch patterns over the
+    original model's module names) on the ``tp`` mesh ``mesh``. The ``tp_plan`` is first checked
     on ``every`` stage of the split (every rank's), so that each rank raises the same
     error, not only the ranks that hold the module (the others would wait on them)."""
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
     known = list(names)
     size = mesh.size()
-    for pattern, style in plan.items():
+    for pattern, style in tp_plan.items():
         if not isinstance(style, ParallelStyle):
             raise ConfigError(
                 f"tp_plan[{pattern!r}] is a {type(style).__name__}; give a torch ParallelStyle, "
@@ -64,7 +64,7 @@ def apply_tp(
     def chosen(stage: nn.Module) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, module in stage.named_modules():
-            for pattern, style in plan.items():
+            for pattern, style in tp_plan.items():
                 if name and fnmatch.fnmatchcase(name, pattern):
                     _check_divisible(name, module, style, size)
                     out[name] = style
@@ -102,7 +102,7 @@ def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> Non
             f"tp_plan cannot shard model.{name}: {type(style).__name__} splits its "
             f"{field} = {getattr(module, field)} over tp = {size} ranks, which does not "
             f"divide it; use a tp that divides {getattr(module, field)} or leave the module "
-            f"out of the plan"
+            f"out of tp_plan"
         )
 
 

@@ -1,0 +1,104 @@
+"""The pieces of :class:`~conveyor.integrations.transformers.PipelineTrainer` that stand
+for the model: this rank's stages as one module, and the whole state dict gathered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import conveyor
+
+
+class Stages(nn.Module):
+    """This rank's stages as one module: what the trainer's loop steps and zeroes.
+
+    Args:
+        pipe: The pipeline.
+        model: The model it was built from (its modes follow the stages': a model captured
+            with torch.export reads dropout and batch norm modes from it).
+    """
+
+    def __init__(self, pipe: conveyor.Pipeline, model: nn.Module) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(pipe.stages)
+        self.__dict__["original"] = model  # not a submodule: its parameters are not ours
+
+    def train(self, mode: bool = True) -> Stages:
+        """Set training mode on the stages and on the model."""
+        super().train(mode)
+        self.__dict__["original"].train(mode)  # captured graphs read the model's modes
+        return self
+
+
+class TokenLoss:
+    """A transformers model's token loss over a micro-batch, divided by its tokens counted
+    as ``transformers.Trainer`` counts them for ``num_items_in_batch`` (for causal LMs it
+    counts ``labels[..., 1:]`` only when it knows the model shifts them).
+
+    Args:
+        model: The model (its ``loss_function`` and ``config.vocab_size`` are used).
+        shifts: Whether the trainer counts the labels after the first position only.
+    """
+
+    def __init__(self, model: Any, shifts: bool) -> None:
+        self.model = model
+        self.shifts = shifts
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch.
+
+        Args:
+            output: The model's output (with ``logits``).
+            labels: The micro-batch's labels.
+
+        Returns:
+            The summed token loss over the counted tokens.
+        """
+        counted = labels[..., 1:] if self.shifts else labels
+        loss: torch.Tensor = self.model.loss_function(
+            output.logits,
+            labels,
+            vocab_size=self.model.config.vocab_size,
+            num_items_in_batch=counted.ne(-100).sum(),
+        )
+        return loss
+
+
+def gather_state_dict(pipe: conveyor.Pipeline, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0 (``{}`` elsewhere), from every stage.
+
+    Replica 0's ranks send their stages' entries (original names; FSDP and tensor-parallel
+    shards gathered first, a collective among their holders) to rank 0; entries no stage
+    holds come from ``model``. A collective: call it on every rank.
+
+    Args:
+        pipe: The pipeline.
+        model: The model it was built from.
+
+    Returns:
+        The state dict (CPU tensors) on rank 0, ``{}`` on the other ranks.
+    """
+    ctx = pipe.context
+    local: dict[str, torch.Tensor] = {}
+    for name, value in pipe.state_dict().items():
+        if hasattr(value, "full_tensor"):  # FSDP / tensor-parallel shards
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            local[name] = value.detach().to("cpu", copy=True)
+    parts: list[Any] = [local]
+    if ctx.distributed:
+        mine = local if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}
+        parts = [{} for _ in range(ctx.world_size)] if ctx.rank == 0 else []
+        dist.gather_object(mine, parts if ctx.rank == 0 else None, dst=0)
+    if ctx.rank != 0:
+        return {}
+    whole: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            whole.setdefault(name, value)
+    for name, value in model.state_dict().items():  # buffers no stage holds
+        whole.setdefault(name, value.detach().cpu())
+    return whole

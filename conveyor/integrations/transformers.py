@@ -1,0 +1,297 @@
+"""``PipelineTrainer``: ``transformers.Trainer`` training through a conveyor pipeline.
+
+The plain trainer's loop runs unchanged (learning rate, scheduler and warm-up, epochs or
+``max_steps``, gradient accumulation, logging, evaluation and save steps, callbacks,
+``state.log_history``); a few hooks hand the model's work to a :class:`conveyor.Pipeline`:
+``_wrap_model`` gives the loop this rank's stages (never a DDP wrapper: the pipeline
+reduces over ``dp`` itself); ``create_optimizer`` builds the optimizer over this rank's
+parameters with the whole model's weight-decay groups; ``training_step`` is
+``pipe.train_step`` (a token-averaged loss counts tokens as the plain trainer's
+``num_items_in_batch`` does); ``_clip_grad_norm`` is ``pipe.clip_grad_norm_``; the data
+loaders give each replica its share of the global batches the one-process trainer draws,
+read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_step``; and
+``save_model`` gathers the stages to rank 0 under the model's names for ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput
+
+import conveyor
+from conveyor.context import in_torchrun
+from conveyor.errors import ConfigError
+from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
+from conveyor.integrations._hf_model import Stages, TokenLoss, gather_state_dict
+
+INIT_KEYS = ("pp", "dp", "tp", "timeout")
+TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
+PIPELINE_KEYS = (
+    "microbatches", "schedule", "chunks", "balance", "fsdp", "tp_plan", "recompute",
+    "memory_limit", "track_memory",
+)  # fmt: skip
+
+
+class PipelineTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains ``model`` as a conveyor pipeline.
+
+    Launch it like any conveyor script (``conveyor launch --nproc-per-node N train.py``, or
+    ``python train.py`` for one process running every stage). ``TrainingArguments`` mean
+    what they mean for the plain trainer, with ``per_device_train_batch_size`` per
+    data-parallel replica (each replica's batch is cut into ``microbatches``). ``bf16``
+    runs the stages under ``torch.autocast(bfloat16)``. The model computes its loss from
+    ``labels`` (pass them in the dataset's features).
+
+    Args:
+        model: A transformers model (or any ``nn.Module`` computing its loss from keyword
+            inputs), built the same on every rank.
+        args: The training arguments.
+        train_dataset: A map-style dataset of feature dicts.
+        eval_dataset: A map-style dataset for ``evaluate()``.
+        data_collator: Makes a batch of features (default: transformers' default).
+        pipeline_options: ``conveyor.init`` keywords ``pp``, ``dp``, ``tp``, ``timeout`` and
+            ``conveyor.Pipeline`` keywords (``schedule``, ``microbatches`` (default: the
+            smaller of 4 and the per-replica batch), ``chunks``, ``balance``, ``fsdp``,
+            ``recompute``, ...).
+        **kwargs: Other ``transformers.Trainer`` arguments (``callbacks``, ``optimizers``,
+            ``processing_class``, ...).
+
+    Raises:
+        ConfigError: An unknown pipeline option, ``compute_metrics`` (not supported yet), or
+            a train dataset needed to split the model but missing.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Any,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        data_collator: Any = None,
+        pipeline_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        options = dict(pipeline_options or {})
+        unknown = sorted(set(options) - set(INIT_KEYS) - set(PIPELINE_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown pipeline_options {unknown}; use conveyor.init's {list(INIT_KEYS)} "
+                f"or conveyor.Pipeline's {list(PIPELINE_KEYS)}"
+            )
+        if kwargs.get("compute_metrics") is not None:
+            raise ConfigError(
+                "PipelineTrainer does not take compute_metrics yet (outputs live on the last "
+                "stage's rank); evaluate() reports eval_loss"
+            )
+        if in_torchrun() and args.world_size != int(os.environ["WORLD_SIZE"]):
+            raise ConfigError(
+                f"transformers sees {args.world_size} process(es) of the "
+                f"{os.environ['WORLD_SIZE']} launched (on CPU it counts them only with "
+                f"TrainingArguments(use_cpu=True)); pass use_cpu=True, or run on GPUs"
+            )
+        config: Any = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False  # a key/value cache cannot cross stages
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            data_collator=data_collator,
+            **kwargs,
+        )
+        self.whole: Any = model  # the model as given (self.model is typed loosely upstream)
+        self.context = conveyor.init(**{k: options.pop(k) for k in INIT_KEYS if k in options})
+        options.setdefault("microbatches", min(4, self.args.per_device_train_batch_size))
+        # A token-averaged loss counts its tokens as the plain trainer does (it passes
+        # num_items_in_batch to such models); the labels then go to the last stage as the
+        # targets. Other models compute their loss from labels in the inputs.
+        loss_name = getattr(getattr(model, "loss_function", None), "__name__", "")
+        self._token_loss = bool(self.model_accepts_loss_kwargs) and loss_name in TOKEN_LOSSES
+        sample = self._split(self._sample(options["microbatches"]))
+        self.pipe = conveyor.Pipeline(
+            model,
+            loss_fn=TokenLoss(model, getattr(self, "_loss_shifts_labels", False))
+            if self._token_loss
+            else None,
+            context=self.context,
+            sample=sample,
+            autocast=torch.bfloat16 if self.args.bf16 else None,
+            **options,
+        )
+        self.stages = Stages(self.pipe, model)
+
+    def _split(self, batch: Any) -> tuple[Any, Any]:
+        """A batch of features as the pipeline's (inputs, targets)."""
+        if not batch:  # a rank that reads no data
+            return None, None
+        if not self._token_loss:
+            return dict(batch), None
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return inputs, batch.get("labels")
+
+    def _sample(self, count: int) -> Any:
+        """The first ``count`` training samples, collated: the pipeline splits the model on
+        it (graph capture needs a sample; the optimizer needs the split)."""
+        data: Any = self.train_dataset if self.train_dataset is not None else self.eval_dataset
+        if data is None:
+            raise ConfigError(
+                "PipelineTrainer splits the model on a sample batch; pass train_dataset= (or "
+                "eval_dataset=)"
+            )
+        return self.data_collator([data[i] for i in range(min(count, len(data)))])
+
+    # ------------------------------------------------------------------ the model
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
+        """This rank's stages: never a DDP wrapper (the pipeline reduces over dp itself)."""
+        return self.stages
+
+    def get_tp_size(self) -> int:
+        """Processes that share one batch: the pipeline ranks (times tensor-parallel ranks)
+        of one replica, so the total batch counts replicas only."""
+        return int(self.args.world_size // self.context.dp_size)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The trainer's optimizer over this rank's parameters, with weight decay for the
+        names the whole model decays."""
+        if self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(self.whole))
+            named = [(n, p) for n, p in self.pipe.named_parameters() if p.requires_grad]
+            decay_rate = self.args.weight_decay
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": decay_rate},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.whole)
+            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        return self.optimizer
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """One batch through the pipeline; its loss (divided by the accumulation steps,
+        as the plain trainer reports it). On the accumulation's last batch the summed
+        gradients are averaged over its batches."""
+        model.train()
+        loss = self.pipe.train_step(*self._split(inputs))
+        steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1)), 1)
+        if steps > 1 and self.accelerator.sync_gradients:
+            with torch.no_grad():
+                for p in self.pipe.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(steps)
+        return loss.detach().to(self.args.device) / steps
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], Any]:
+        """The next ``num_batches`` batches; the pipeline weighs micro-batches itself, so no
+        token count is gathered."""
+        batches: list[Any] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, None
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return self.pipe.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if grad_norm is None:  # no clipping asked: the norm without clipping
+            grad_norm = self.pipe.clip_grad_norm_(float("inf"))
+        return grad_norm
+
+    # ------------------------------------------------------------------ data
+    def _loader(self, dataset: Any, per_replica: int, training: bool) -> ReplicaLoader:
+        return replica_loader(
+            self.args, self.pipe, dataset, self.data_collator, per_replica, training
+        )
+
+    def get_train_dataloader(self) -> Any:
+        """This rank's share of the one-process trainer's training batches."""
+        if self.train_dataset is None:
+            raise ConfigError("training needs a train_dataset; pass train_dataset=")
+        return self._loader(self.train_dataset, self._train_batch_size, training=True)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """This rank's share of the evaluation batches, in order."""
+        data: Any = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(data, str):
+            named: Any = self.eval_dataset
+            data = named[data]
+        if data is None:
+            raise ConfigError("evaluation needs an eval_dataset; pass eval_dataset=")
+        return self._loader(data, self.args.per_device_eval_batch_size, training=False)
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """The sample-weighted mean of ``pipe.eval_step`` over the evaluation batches."""
+        total, count = 0.0, 0
+        self.stages.eval()
+        try:
+            sizes = list(dataloader.sizes())
+            for batch, size in zip(dataloader, sizes, strict=True):
+                total += float(self.pipe.eval_step(*self._split(batch))) * size
+                count += size
+        finally:
+            self.stages.train()
+        metrics = {f"{metric_key_prefix}_loss": total / count if count else float("nan")}
+        nothing: Any = None  # no predictions: the loss is all it reports
+        return EvalLoopOutput(
+            predictions=nothing, label_ids=None, metrics=metrics, num_samples=count
+        )
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``transformers.Trainer.train``; resuming from a checkpoint is not supported yet.
+
+        Raises:
+            ConfigError: ``resume_from_checkpoint`` was given.
+        """
+        if resume_from_checkpoint not in (None, False):
+            raise ConfigError(
+                "PipelineTrainer cannot resume_from_checkpoint yet; its checkpoints hold the "
+                "whole model (from_pretrained) and each rank's optimizer state under "
+                "checkpoint-N/pipeline (conveyor.load); start a new run from the model"
+            )
+        return super().train(None, *args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
+        the scheduler on rank 0."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        conveyor.save(
+            self.pipe, os.path.join(output_dir, "pipeline"), optimizer, step=self.state.global_step
+        )
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    # ------------------------------------------------------------------ saving
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on rank 0 (empty elsewhere), gathered from the
+        stages under the model's own names. A collective: call it on every rank.
+
+        Returns:
+            The state dict (CPU tensors) on rank 0, ``{}`` on the other ranks.
+        """
+        return gather_state_dict(self.pipe, self.whole)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the whole model (``from_pretrained`` loads it) on rank 0; every rank calls
+        it (the stages' weights are gathered)."""
+        state = self.whole_state_dict()
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
