@@ -22,7 +22,11 @@ def _threads_left() -> None:
             names.append(f.read().strip())
     workers = names.count("pt_gloo_runloop")
     rank = os.environ.get("RANK")
-    print(f"rank {rank}: gloo workers after the exit hooks: {workers}", flush=True)
+    # One write of the whole line: the two ranks share the pipe, and print's text and
+    # newline, written apart, can interleave with the other rank's line.
+    sys.stdout.flush()
+    line = f"rank {rank}: gloo workers after the exit hooks: {workers}\n"
+    os.write(sys.stdout.fileno(), line.encode())
 
 
 atexit.register(_threads_left)  # before conveyor registers its hook, so it runs after it

@@ -11,22 +11,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import conveyor
 from tests import distributed
-from tests.models import assert_close
+from tests.helpers import assert_close, grads_of, lm_loss, merge_tied, mse, params_of, tied_names
 from tests.zoo import Deep, Net, Skip, TinyGPT, net_sequence
 
 Batch = tuple[Any, torch.Tensor]
-
-
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, y)
-
-
-def _lm(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
 
 
 def _annotate(blocks: nn.ModuleList, stages: int, style: str) -> None:
@@ -57,19 +48,19 @@ class WideSkip(Skip):
 def build(kind: str, stages: int) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     """A fresh model of ``kind`` split into ``stages`` (same weights every call)."""
     if kind == "skip":
-        return WideSkip(), _mse
+        return WideSkip(), mse
     if kind in ("attribute", "set_stage"):
         model = Deep(blocks=8)
         _annotate(model.blocks, stages, kind)
-        return model, _mse
+        return model, mse
     if kind == "sequence":
         net = Net()
         net.bn1.eval()  # batch statistics per micro-batch would differ from the whole batch
-        return net_sequence(net), _mse
+        return net_sequence(net), mse
     if kind == "gpt":
         gpt = TinyGPT(layers=8)
         _annotate(gpt.blocks, stages, "attribute")
-        return gpt, _lm
+        return gpt, lm_loss
     raise ValueError(kind)
 
 
@@ -100,11 +91,11 @@ def train(params: Any, step: Callable[[Any, Any], torch.Tensor], data: list[Batc
     out: Trace = []
     for x, y in data:
         loss = float(step(x, y))
-        grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        grads = grads_of(named)
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        out.append((loss, grads, {n: p.detach().clone() for n, p in named}))
+        out.append((loss, grads, params_of(named)))
     return out
 
 
@@ -149,7 +140,7 @@ def _accumulate(ctx: conveyor.Context, pp: int) -> dict[str, torch.Tensor]:
     pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=2, context=ctx)
     for x, y in batches("gpt", ACCUMULATE):
         pipe.train_step(x, y)
-    return {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return grads_of(pipe.named_parameters())
 
 
 def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
@@ -169,27 +160,7 @@ def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
 
 def _aliases(kind: str, stages: int) -> dict[str, str]:
     """Every name of a parameter -> its first name (a tied weight has two)."""
-    model, _ = build(kind, stages)
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(p), name)
-    return out
-
-
-def _merge_ranks(
-    parts: list[dict[str, torch.Tensor]], alias: dict[str, str], what: str
-) -> dict[str, torch.Tensor]:
-    """One dict from every rank's; the copies of a tied weight must be equal."""
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, value in part.items():
-            name = alias[name]
-            if name in out:
-                assert torch.equal(out[name], value), f"{what}: copies of {name} differ"
-            else:
-                out[name] = value
-    return out
+    return tied_names(build(kind, stages)[0])
 
 
 def _check(results: list[Results], pp: int) -> None:
@@ -203,9 +174,9 @@ def _check(results: list[Results], pp: int) -> None:
             what = f"{kind} {sched} pp={pp} step {i}"
             for rank_trace in got:
                 assert rank_trace[i][0] == pytest.approx(loss, rel=1e-5), what
-            got_grads = _merge_ranks([t[i][1] for t in got], alias, what)
+            got_grads = merge_tied([t[i][1] for t in got], alias, what)
             assert_close(got_grads, grads, what + " grads")
-            got_params = _merge_ranks([t[i][2] for t in got], alias, what)
+            got_params = merge_tied([t[i][2] for t in got], alias, what)
             assert_close(got_params, params, what + " params")
 
 
@@ -216,7 +187,7 @@ def _check_accumulated(parts: list[dict[str, torch.Tensor]], pp: int) -> None:
         loss_fn(model(x), y).backward()
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     what = f"gradients accumulated over 2 steps, pp={pp} on {len(parts)} processes"
-    assert_close(_merge_ranks(parts, _aliases("gpt", pp), what), want, what)
+    assert_close(merge_tied(parts, _aliases("gpt", pp), what), want, what)
 
 
 @pytest.fixture(scope="module")
@@ -231,10 +202,14 @@ def test_one_process_world(pp: int) -> None:
     _check_accumulated([accumulated], pp)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes(two_processes: list[tuple[Results, dict[str, torch.Tensor]]]) -> None:
     _check([configs for configs, _ in two_processes], 2)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_four_processes() -> None:
     results = distributed.run(_run, 4, 4)
     _check([configs for configs, _ in results], 4)
@@ -243,6 +218,8 @@ def test_four_processes() -> None:
     _check_accumulated(parts, 4)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_tied_gradients_accumulate_over_steps_without_zero_grad(
     two_processes: list[tuple[Results, dict[str, torch.Tensor]]],
 ) -> None:

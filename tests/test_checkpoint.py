@@ -14,16 +14,13 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 import conveyor
 import conveyor.checkpoint as ckpt
 from tests import distributed
-from tests.models import assert_close, mlp
+from tests.helpers import assert_close, lm_loss
+from tests.models import mlp
 from tests.zoo import TinyGPT
 
 BEFORE, AFTER = 2, 2  # steps before the save, steps after the load
 LR = 1e-2
 TIED = {"lm_head.weight": "tok_emb.weight"}  # the head's name for the tied embedding
-
-
-def _lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +38,7 @@ def _train(pipe: conveyor.Pipeline | nn.Module, opt: torch.optim.Optimizer, step
             shard = slice(ctx.dp_rank, None, ctx.dp_size)
             pipe.train_step(x[shard], y[shard])
         else:
-            _lm_loss(pipe(x), y).backward()
+            lm_loss(pipe(x), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -133,14 +130,14 @@ def _save_then_reload(rank: int, path: str) -> dict[str, Any]:
     """2 processes: train pp=2 1F1B, save; then load into interleaved-1F1B (4 stages on the
     same 2 processes: the tied weight on both) with wrong hyperparameters, and go on."""
     ctx = conveyor.init()
-    pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=2, context=ctx)
+    pipe = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=2, context=ctx)
     opt = _adamw(pipe)
     _train(pipe, opt, range(BEFORE))
     conveyor.save(pipe, path, opt, step=BEFORE)
     saved = (_params(pipe), _opt_state(pipe, opt))
 
     again = conveyor.Pipeline(
-        TinyGPT(), loss_fn=_lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
+        TinyGPT(), loss_fn=lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
     )
     opt2 = _adamw(again, wrong=True)
     step = conveyor.load(again, path, opt2)
@@ -169,6 +166,8 @@ def pp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[
     return path, distributed.run(_save_then_reload, 2, path)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_save_at_pp2_loads_anywhere_and_training_continues(
     pp2_checkpoint: tuple[str, list[Any]],
 ) -> None:
@@ -216,7 +215,7 @@ def test_save_at_pp2_loads_anywhere_and_training_continues(
     # 4 pipeline ranks x 2 chunks in one process.
     conveyor.init(pp=4)
     pipe = conveyor.Pipeline(
-        TinyGPT(), loss_fn=_lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
+        TinyGPT(), loss_fn=lm_loss, microbatches=4, schedule="interleaved-1f1b", chunks=2
     )
     opt = _adamw(pipe, wrong=True)
     assert conveyor.load(pipe, path, opt) == BEFORE
@@ -234,11 +233,11 @@ def _reshard_on_four(rank: int, path: str, dp_path: str) -> dict[str, Any]:
     for what in ("8 stages", "pp x dp"):
         if what == "8 stages":
             ctx = conveyor.init(pp=4)
-            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=4,
+            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=4,
                                      schedule="interleaved-1f1b", chunks=2, context=ctx)
         else:
             ctx = conveyor.init(pp=2, dp=2)
-            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=2, context=ctx)
+            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=2, context=ctx)
         opt = _adamw(pipe, wrong=True)
         step = conveyor.load(pipe, path, opt)
         held = ctx.pp_rank, ctx.dp_rank, pipe.schedule.stages_of(ctx.pp_rank)
@@ -249,6 +248,8 @@ def _reshard_on_four(rank: int, path: str, dp_path: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_pp2_checkpoint_loads_into_8_stages_and_pp_x_dp_on_4_processes(
     pp2_checkpoint: tuple[str, list[Any]], tmp_path: Path
 ) -> None:
@@ -358,7 +359,7 @@ def test_errors_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointError, match=r"no optimizer state.*load without"):
         conveyor.load(pipe, tmp_path, opt)
 
-    other = conveyor.Pipeline(TinyGPT(), loss_fn=_lm_loss, microbatches=2)
+    other = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=2)
     with pytest.raises(ckpt.CheckpointError, match=r"lacks \d+ entries .* different model"):
         conveyor.load(other, tmp_path)
     wider = conveyor.Pipeline(mlp(width=32), loss_fn=nn.functional.mse_loss, microbatches=2)

@@ -15,6 +15,7 @@ import pytest
 
 import conveyor
 from conveyor.cli.command import _build_parser, main
+from conveyor.schedules import SCHEDULE_NAMES, default_chunks
 from tests.test_simulate import DESIGN_EXAMPLE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,8 +130,7 @@ def test_demo_and_launch_get_their_arguments_untouched(
 
 
 @pytest.mark.parametrize(
-    ("name", "chunks"),
-    [("interleaved-1f1b", 2), ("looped-bfs", 2), ("zbv", 2), ("dualpipev", 2), ("1f1b", 1)],
+    ("name", "chunks"), [(name, default_chunks(name)) for name in SCHEDULE_NAMES]
 )
 def test_simulate_without_chunks_takes_the_schedules_own(
     name: str, chunks: int, capsys: pytest.CaptureFixture[str]

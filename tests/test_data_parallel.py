@@ -177,6 +177,8 @@ def _pp2_dp2(rank: int, trace: str) -> dict[str, Any]:
     return {"layout": layout, "bubble": pipe.measured_bubble(), **out}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_pp2_x_dp2_equals_the_unsplit_model_on_the_global_batch(tmp_path: Path) -> None:
     results = distributed.run(_pp2_dp2, 4, str(tmp_path / "trace.json"))
     assert [r["layout"] for r in results] == [
@@ -212,6 +214,8 @@ def _two_processes(rank: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_clip_grad_norm_on_two_ranks_and_pure_data_parallelism() -> None:
     results = distributed.run(_two_processes, 2)
     for name, config in CLIP_CONFIGS.items():

@@ -26,6 +26,7 @@ import conveyor.cli.launch
 import conveyor.context
 from conveyor.cli.command import main as cli_main
 from tests import distributed
+from tests.helpers import reset_context
 from tests.models import batch, mlp
 from tests.test_readme_snippets import readme_snippet
 
@@ -232,6 +233,8 @@ def _launched(rank: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_launch_edges_on_two_processes() -> None:
     results = distributed.run(_launched, 2, timeout=120)
     for rank, got in enumerate(results):
@@ -277,6 +280,8 @@ def _tp_errors(rank: int) -> list[str]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_tp_plan_error_reaches_every_rank_alike() -> None:
     results = distributed.run(_tp_errors, 4, timeout=180)
     assert all(r == results[0] for r in results), results
@@ -358,6 +363,8 @@ def test_rendezvous_summary_formats_torchs_errors() -> None:
     )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_c10d_peer_that_never_arrives_ends_with_the_summary(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
@@ -391,7 +398,7 @@ def test_the_use_snippet_is_seeded_and_prints_its_loss(
     code = readme_snippet(USE)
     printed = []
     for _ in range(2):
-        conveyor.context._current = None  # a fresh script
+        reset_context()  # a fresh script
         exec(compile(code, "README.md", "exec"), {})
         printed.append(capsys.readouterr().out)
     lines = printed[0].splitlines()

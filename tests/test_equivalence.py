@@ -8,7 +8,8 @@ import pytest
 
 import conveyor
 from tests import distributed
-from tests.models import assert_close, batch, merge, mlp, pipelined, reference
+from tests.helpers import assert_close, merge, mse, pipelined, reference
+from tests.models import batch, mlp
 
 # (schedule, chunks, micro-batches, batch size of each step): even splits, uneven ones,
 # batch sizes that change between steps, and fewer micro-batches than ranks.
@@ -41,16 +42,10 @@ def _run_all(rank: int, pp: int) -> dict[tuple[str, int, int], Any]:
     out = {}
     for name, chunks, m, sizes in CONFIGS:
         pipe = conveyor.Pipeline(
-            mlp(), loss_fn=_mse, microbatches=m, schedule=name, chunks=chunks, context=ctx
+            mlp(), loss_fn=mse, microbatches=m, schedule=name, chunks=chunks, context=ctx
         )
         out[(name, chunks, m)] = pipelined(pipe, _steps(sizes))
     return out
-
-
-def _mse(out: Any, target: Any) -> Any:
-    import torch.nn.functional as fn
-
-    return fn.mse_loss(out, target)
 
 
 def _check(results: list[dict[tuple[str, int, int], Any]]) -> None:
@@ -72,6 +67,8 @@ def test_single_process_world_one_stage() -> None:
     _check([_run_all(0, pp=1)])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_process_equals_unsplit_model(world: int) -> None:
     _check(distributed.run(_run_all, world, world))

@@ -89,6 +89,8 @@ def _init_wrong_world(rank: int) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_world_size_not_matching_stages() -> None:
     msgs = distributed.run(_init_wrong_world, 2)
     for msg in msgs:

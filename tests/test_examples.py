@@ -30,6 +30,8 @@ def losses(out: str) -> list[float]:
             if line.startswith("step")]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gpt_learns_in_one_process() -> None:
     out = run([sys.executable, "examples/gpt.py", *GPT_TINY])
     seen = losses(out)
@@ -43,6 +45,8 @@ def test_gpt_learns_in_one_process() -> None:
     assert "2 stages in one process (2 pipeline ranks simulated) (1f1b)" in out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
     out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "4",
                "examples/gpt.py", *GPT_TINY, "--depth", "8", "--schedule", "interleaved-1f1b",
@@ -51,6 +55,8 @@ def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
     assert len(losses(out)) >= 2 and "sample:" in out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     tiny = [sys.executable, "examples/hf_llama.py", *GPT_TINY, "--checkpoint", str(tmp_path),
@@ -64,6 +70,8 @@ def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
     assert (tmp_path / "latest").read_text().startswith("step-00000030-")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_resnet_on_random_data_under_launch() -> None:
     out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2",
                "examples/resnet.py", *RESNET_TINY])
@@ -100,6 +108,8 @@ def cifar_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_resnet_reads_cifar_binary_files(cifar_dir: Path) -> None:
     out = run([sys.executable, "examples/resnet.py", *RESNET_TINY, "--data", str(cifar_dir)])
     assert "CIFAR-10: 40 images" in out

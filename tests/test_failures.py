@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,6 +48,8 @@ def _faulty_run(rank: int, how: str, timeout: float, dp: int = 1, culprit: int =
     return "no error"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dead_rank_fails_the_others_with_its_name() -> None:
     (msg,) = distributed.run(_faulty_run, 2, "die", 60.0, expect=[0], timeout=120)
     seconds, text = msg.split("s ", 1)
@@ -58,6 +61,8 @@ def test_dead_rank_fails_the_others_with_its_name() -> None:
     )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stalled_rank_times_out_within_the_set_limit() -> None:
     (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120)
     seconds, text = msg.split("s ", 1)
@@ -66,6 +71,8 @@ def test_stalled_rank_times_out_within_the_set_limit() -> None:
     assert "waiting for gradients of B(stage 1, micro-batch 2)" in text, msg
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stalled_rank_under_data_parallelism_fails_every_other_rank() -> None:
     # Rank 3 (pipeline rank 1 of replica 1) hangs: its pipeline peer times out on the
     # transfer, the other replica on the gradient average; nobody waits forever.
@@ -118,17 +125,23 @@ def _bad_output_run(rank: int, kind: str) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
     (msg,) = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120)
     want = "stage 0 (micro-batch 0) output changed (output value 1 was 1, now 3)"
     assert msg.startswith(want), msg
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tensor_on_the_wrong_device_is_reported_with_stage_and_value() -> None:
     (msg,) = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
     assert msg.startswith("stage 0 (micro-batch 0) returned tensor 0 of its output on meta"), msg
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stalled_rank_is_named_when_waits_are_stream_ordered() -> None:
     # The CUDA path (waits without a time-out, a watchdog naming what is late), run on
     # gloo: the other rank still fails within the time-out, naming the rank and action.

@@ -132,6 +132,8 @@ def _between_steps(rank: int, what: str) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["dies", "save"])
 def test_a_rank_missing_between_steps_is_named(what: str) -> None:
     results = distributed.run(_between_steps, 2, what, expect=[0], timeout=120)
@@ -145,6 +147,8 @@ def test_a_rank_missing_between_steps_is_named(what: str) -> None:
         assert "rank 1" in text, text
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_is_one_attribute_away_and_fails_once(tmp_path: Path) -> None:
     script = (
         "import conveyor\n"
@@ -223,6 +227,8 @@ print("done", ctx.rank, flush=True)
 """
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_zero_bubble_run_exits_cleanly_every_time(tmp_path: Path) -> None:
     script = tmp_path / "zb.py"
     script.write_text(ZB_SCRIPT)

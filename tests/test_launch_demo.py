@@ -62,6 +62,8 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_launch_runs_two_ranks_with_one_thread_each(script: Path) -> None:
     proc = _launch(script, "--lr", "0.1")
     assert proc.returncode == 0, proc.stderr
@@ -72,6 +74,8 @@ def test_launch_runs_two_ranks_with_one_thread_each(script: Path) -> None:
     }
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_launch_keeps_the_users_omp_num_threads(script: Path) -> None:
     proc = _launch(script, OMP_NUM_THREADS="2", MALLOC_MMAP_THRESHOLD_="65536")
     assert proc.returncode == 0, proc.stderr
@@ -80,6 +84,8 @@ def test_launch_keeps_the_users_omp_num_threads(script: Path) -> None:
     assert all(v == "world=2 omp=2 threads=2 mmap=65536 args=[]" for v in ranks.values())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_failed_run_ends_with_a_short_summary(script: Path) -> None:
     words = " ".join(f"word{i}" for i in range(60))  # more than 3 summary lines hold
     proc = _launch(script, FAIL_RANK="1", FAIL_WITH=f"rank 1: stage 1 failed\n{words}")
@@ -149,6 +155,8 @@ def test_failure_summary_wraps_a_long_error_between_words() -> None:
     assert set(words) == {"supercalifragilistic", "..."}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_launch_main_in_process(
     script: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -159,6 +167,8 @@ def test_launch_main_in_process(
     assert ranks["0"] == ranks["1"] == "world=2 omp=1 threads=1 mmap=1073741824 args=['x']"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_demo_trains_two_stages_end_to_end() -> None:
     proc = subprocess.run(
@@ -228,6 +238,7 @@ def test_demo_checks_the_accuracy_in_the_launcher(
     assert code == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_demo_in_one_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

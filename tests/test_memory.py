@@ -11,20 +11,14 @@ from torch import nn
 
 import conveyor
 from conveyor.schedules import Action, B, F, Schedule, execution_order
-from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
+from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks, get_schedule
 from tests import distributed
 from tests.models import batch, mlp
 
-TWO_CHUNKS = ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev")
-SCHEDULES = [(name, 2 if name in TWO_CHUNKS else 1) for name in SCHEDULE_NAMES]
+# Every schedule of the registry at its own chunk count; both measuring tests check that a
+# report came back for each name.
+SCHEDULES = [(name, default_chunks(name)) for name in SCHEDULE_NAMES]
 M = 4
-
-
-def test_every_schedule_is_measured() -> None:
-    assert {name for name, _ in SCHEDULES} >= {
-        "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv",
-        "dualpipev", "zb-late", "zb-auto",
-    }
 
 
 def _measure(rank: int, pp: int) -> dict[str, Any]:
@@ -80,6 +74,8 @@ def _check(report: Any, name: str, rank: int | None) -> None:
         assert report.peak == pytest.approx(sum(report.forward.values()), rel=0.10)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_measured_peak_matches_the_schedule_on_two_ranks() -> None:
     results = distributed.run(_measure, 2, 2)
     for rank, reports in enumerate(results):

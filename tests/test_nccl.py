@@ -33,9 +33,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 import gpt  # noqa: E402  (examples/gpt.py: the GPT example, tied head, tensor-parallel plan)
 
 MODELS = ("plain", "skips", "tied")
-# FSDP2 warns that a graph-split stage returns a view; conveyor keeps stages gathered
-# through the step (no pre-backward unshard is needed), so the warning does not apply.
-pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    # FSDP2 warns that a graph-split stage returns a view; conveyor keeps stages gathered
+    # through the step (no pre-backward unshard is needed), so the warning does not apply.
+    pytest.mark.filterwarnings("ignore:FSDP2-wrapped module"),
+]
 
 
 def _model(kind: str, stages: int) -> nn.Module:

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from tests import distributed
+from tests.helpers import mse
 from tests.nccl_model import MODES, Record, Result, check, replay
 from tests.nccl_record import recording
 
@@ -267,17 +267,13 @@ def test_records_are_plain_data() -> None:
 # --- real gloo runs ----------------------------------------------------------------------
 
 
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, y)
-
-
 def _torch_1f1b(rank: int) -> list[Record]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)])
     stage = PipelineStage(layers[2 * rank : 2 * rank + 2], rank, 2, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_mse)
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=mse)
     x, y = torch.randn(8, 6), torch.randn(8, 6)
     with recording() as trace:
         if rank == 0:
@@ -327,6 +323,8 @@ def recorded() -> dict[str, Traces]:
     return {name: {r: run[name] for r, run in enumerate(runs)} for name in runs[0]}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_torch_schedule_1f1b_passes(recorded: dict[str, Traces]) -> None:
     t = recorded["1f1b"]
     check(t)
@@ -340,6 +338,8 @@ def _line(fn: Any, text: str) -> int:
     return start + next(i for i, line in enumerate(lines) if text in line)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_recv_before_send_program_is_flagged_at_its_lines(
     recorded: dict[str, Traces],
 ) -> None:
@@ -356,6 +356,8 @@ def test_recv_before_send_program_is_flagged_at_its_lines(
     assert f"rank 0 waits at tests/test_nccl_model.py:{waits} in _bad" in report
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_tensor_parallel_collectives_are_recorded(recorded: dict[str, Traces]) -> None:
     t = recorded["tp"]
     check(t)

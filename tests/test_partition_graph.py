@@ -18,6 +18,7 @@ from conveyor.partition import (
     split_model,
     stage_of,
 )
+from tests.helpers import max_rel_err as rel_err
 from tests.zoo import (
     Block,
     Deep,
@@ -55,9 +56,6 @@ def call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def loss_of(output: Any) -> torch.Tensor:

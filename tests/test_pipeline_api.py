@@ -11,16 +11,13 @@ from torch import nn
 import conveyor
 from conveyor.schedules import from_table, to_table
 from tests import distributed
+from tests.helpers import mse
 from tests.models import batch, mlp
-
-
-def _mse(out: Any, y: Any) -> Any:
-    return nn.functional.mse_loss(out, y)
 
 
 def _api(rank: int, pp: int) -> dict[str, Any]:
     ctx = conveyor.init(pp=pp)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=3, context=ctx)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=3, context=ctx)
     x, y = batch(10)
     return {
         "eval": pipe.eval_step(x, y).item(),
@@ -33,14 +30,16 @@ def _api(rank: int, pp: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(
+    "world", [1, pytest.param(2, marks=[pytest.mark.multiprocess, pytest.mark.slow])]
+)
 def test_eval_predict_and_state_dict(world: int) -> None:
     results = [_api(0, 2)] if world == 1 else distributed.run(_api, 2, 2)
     model = mlp()
     x, y = batch(10)
     with torch.no_grad():
         want_out = model(x)
-    want_loss = _mse(want_out, y).item()
+    want_loss = mse(want_out, y).item()
     names: list[str] = []
     for rank, r in enumerate(results):
         assert r["eval"] == pytest.approx(want_loss, rel=1e-6)
@@ -61,7 +60,7 @@ def test_eval_predict_and_state_dict(world: int) -> None:
 
 
 def test_load_state_dict_takes_this_ranks_part() -> None:
-    pipe = conveyor.Pipeline(mlp(seed=0), loss_fn=_mse, microbatches=2,
+    pipe = conveyor.Pipeline(mlp(seed=0), loss_fn=mse, microbatches=2,
                              context=conveyor.init(pp=2))
     other = mlp(seed=5)
     pipe.load_state_dict(other.state_dict())
@@ -81,11 +80,11 @@ def test_tuple_and_dict_inputs_are_unpacked_like_a_model_call() -> None:
     model = nn.Sequential(TwoInputs(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     a, b = torch.randn(6, 8), torch.randn(6, 8)
     y = torch.randn(6, 4)
-    want = _mse(model[1:](model[0](a, b)), y)
+    want = mse(model[1:](model[0](a, b)), y)
     want.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    pipe = conveyor.Pipeline(model, loss_fn=_mse, microbatches=3, balance=[2, 2],
+    pipe = conveyor.Pipeline(model, loss_fn=mse, microbatches=3, balance=[2, 2],
                              context=conveyor.init(pp=2))
     assert pipe.train_step((a, b), y).item() == pytest.approx(want.item(), rel=1e-6)
     for n, p in pipe.named_parameters():
@@ -96,31 +95,33 @@ def test_tuple_and_dict_inputs_are_unpacked_like_a_model_call() -> None:
 
 def test_a_schedule_read_back_from_its_table_drives_the_pipeline() -> None:
     ctx = conveyor.init(pp=2)
-    base = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule="gpipe", context=ctx)
+    base = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, schedule="gpipe", context=ctx)
     text = to_table(base.schedule)
     sched = from_table(text)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule=sched, context=ctx)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, schedule=sched, context=ctx)
     x, y = batch(4)
     assert pipe.train_step(x, y).item() == pytest.approx(base.train_step(x, y).item())
     with pytest.raises(conveyor.ConfigError, match="is for 2 ranks and 2 micro-batches"):
-        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=4, schedule=sched, context=ctx)
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=4, schedule=sched, context=ctx)
 
 
 def _auto(rank: int) -> tuple[str, float, dict[str, torch.Tensor]]:
     ctx = conveyor.init()
     x, y = batch(12)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=3, schedule="auto",
+    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=3, schedule="auto",
                              sample=(x, y), context=ctx)
     assert pipe.plan is not None and pipe.schedule.name == pipe.plan.schedule
     loss = pipe.train_step(x, y).item()
     return pipe.schedule.name, loss, {n: p.grad for n, p in pipe.named_parameters()}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_auto_schedule_plans_and_stays_exact() -> None:
     results = distributed.run(_auto, 2)
     model = mlp()
     x, y = batch(12)
-    want = _mse(model(x), y)
+    want = mse(model(x), y)
     want.backward()
     assert results[0][0] == results[1][0]  # every rank runs the same plan
     grads: dict[str, torch.Tensor] = {}
@@ -133,5 +134,5 @@ def test_auto_schedule_plans_and_stays_exact() -> None:
 
 def test_auto_schedule_needs_a_sample() -> None:
     with pytest.raises(conveyor.ConfigError, match=r"pass sample=\(inputs, targets\)"):
-        conveyor.Pipeline(mlp(), loss_fn=_mse, microbatches=2, schedule="auto",
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, schedule="auto",
                           context=conveyor.init(pp=2))

@@ -1,9 +1,13 @@
-"""Every Python snippet in the README runs: in one process, and in several where the README
-says so (the Use snippet under ``conveyor launch --nproc-per-node 2``, data x pipeline
-parallelism on 4 processes).
+"""Every Python snippet in the README and the docs site (``docs/**/*.md``) runs: in one
+process, and in several where the page says so (the Use snippet under ``conveyor launch
+--nproc-per-node 2``, data x pipeline parallelism on 4 processes).
 
-A snippet may use names the README introduced before it (``model``, ``pipe``, ``x``...);
-``SETUP`` gives each snippet exactly those, and a new snippet without an entry fails.
+A snippet may use names its page introduced before it (``model``, ``pipe``, ``x``...);
+``SETUP`` gives each snippet exactly those, keyed by how the snippet starts, and a new
+snippet without an entry fails. A snippet that only runs somewhere else (the FSDP x tensor
+parallel one needs 8 processes) has an empty entry and is named in ``ELSEWHERE``; one that
+is slower than a few seconds is listed in ``SLOW``. Blocks marked ``text``, ``bash`` or
+``json`` are not run. Identical snippets (the Use snippet is on two pages) run once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 from tests import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 _MLP = """
 import torch, conveyor
@@ -30,10 +35,13 @@ x, y = torch.randn(32, 8, 8), torch.randint(0, 10, (32,))
 loader = [(x, y)] * 2
 """
 
-# The first line of each snippet -> what the README defined before it.
+# How a snippet starts -> what its page defined before it ("" for a whole script).
 SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom torch import nn": "",
     "import torch, conveyor\nfrom transformers": "",
+    "from conveyor.schedules import": "",
+    "from conveyor.runtime.program import": "",
+    "# plan_me.py": "",
     "model.blocks[4].pipeline_stage = 1": """
 import functools, torch, conveyor
 from torch import nn
@@ -49,14 +57,15 @@ class Blocks(nn.Module):
 model, resnet = Blocks(), Net()
 """,
     "ctx = conveyor.init(pp=2, dp=2)": _MLP,
-    "conveyor.save(pipe, ": _MLP + """
+    "conveyor.save(pipe, ": _MLP
+    + """
 pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=4, balance=[3, 3])
 opt = torch.optim.AdamW(pipe.parameters())
 pipe.train_step(x, y); opt.step()
 step = 1
 """,
     "plan = conveyor.plan(": _MLP,
-    "pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule=\"1f1b\"": (
+    'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="1f1b"': (
         _MLP + "conveyor.init(pp=2)\n"
     ),
 }
@@ -64,47 +73,71 @@ step = 1
 # its 8-process world (``readme_snippet``), with a GPT of the example as ``model``.
 ELSEWHERE = "from torch.distributed.tensor.parallel import"
 SETUP[ELSEWHERE] = ""
-# Snippets the README runs on several processes, and how many.
-PROCESSES = {
-    "import torch, conveyor\nfrom torch import nn": 2,
-    "ctx = conveyor.init(pp=2, dp=2)": 4,
-}
+# The Use snippet (README and quick start); test_edges.py reads it by this start.
+USE = "import torch, conveyor\nfrom torch import nn\n\nctx = conveyor.init() "
+# Snippets the pages run on several processes (how they start), and how many.
+PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}
+# Snippets that take more than about 3 s in one process (importing transformers, export).
+SLOW = {"import torch, conveyor\nfrom transformers"}
+
+
+def _blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
 
 
 def snippets() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, re.S)
+    """Every Python snippet of the README, then of the docs pages, each once."""
+    return list(dict.fromkeys(code for page in PAGES for code in _blocks(page)))
+
+
+def _where(code: str) -> str:
+    """The first page that shows ``code``, for test ids."""
+    page = next(p for p in PAGES if code in _blocks(p))
+    return str(page.relative_to(ROOT))
 
 
 def _key(code: str) -> str:
     found = [k for k in SETUP if code.startswith(k)]
-    assert found, f"README snippet without a SETUP entry in {__file__}:\n{code}"
+    assert found, f"snippet without a SETUP entry in {__file__} ({_where(code)}):\n{code}"
     return max(found, key=len)
+
+
+def _slow(code: str) -> bool:
+    # not _key: a snippet without an entry must fail its test, not the collection of every
+    # module that imports this one
+    return any(code.startswith(k) for k in SLOW)
+
+
+def _processes(code: str) -> int | None:
+    return next((n for start, n in PROCESSES.items() if code.startswith(start)), None)
 
 
 def _run(rank: int, code: str, where: str) -> dict[str, Any]:
     """Execute ``code`` after its setup in a fresh namespace, in directory ``where``."""
     os.chdir(where)
     scope: dict[str, Any] = {}
-    exec(compile(SETUP[_key(code)] + "\n" + code, "README.md", "exec"), scope)
+    exec(compile(SETUP[_key(code)] + "\n" + code, "snippet.md", "exec"), scope)
     return {k: v for k, v in scope.items() if k in ("loss", "step")}
 
 
 def readme_snippet(start: str) -> str:
-    """The README snippet that begins with ``start``."""
+    """The snippet (README first, then the docs) that begins with ``start``."""
     return next(c for c in snippets() if c.startswith(start))
+
+
+def _param(code: str) -> Any:
+    marks = [pytest.mark.slow] if _slow(code) else []
+    name = f"{_where(code)}: {code.splitlines()[0][:40]}"
+    return pytest.param(code, marks=marks, id=name)
 
 
 @pytest.mark.parametrize(
     "code",
-    # data parallelism needs its 4 processes; the 8-process one runs in test_sharding.py
-    [c for c in snippets() if "dp=2" not in c and not c.startswith(ELSEWHERE)],
-    ids=lambda c: c.splitlines()[0][:40],
+    # those that need several processes run below; the 8-process one in test_sharding.py
+    [_param(c) for c in snippets() if _processes(c) is None and not c.startswith(ELSEWHERE)],
 )
 def test_snippet_runs_in_one_process(code: str, tmp_path: Path) -> None:
-    import conveyor.context as context
-
-    context._current = None  # each snippet starts as a fresh script would
+    # each snippet starts as a fresh script would: tests/conftest.py resets the context
     here = os.getcwd()
     try:
         _run(0, code, str(tmp_path))
@@ -112,17 +145,21 @@ def test_snippet_runs_in_one_process(code: str, tmp_path: Path) -> None:
         os.chdir(here)
 
 
-@pytest.mark.parametrize(
-    "code",
-    [c for c in snippets() if _key(c) in PROCESSES],
-    ids=lambda c: c.splitlines()[0][:40],
-)
-def test_snippet_runs_where_the_readme_says(code: str, tmp_path: Path) -> None:
-    if "dp=2" not in code:
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [_param(c) for c in snippets() if _processes(c)])
+def test_snippet_runs_where_the_page_says(code: str, tmp_path: Path) -> None:
+    processes = _processes(code)
+    if code.startswith(USE):
         # the Use snippet: plain init() under a 2-process launch is a 2-rank pipeline
         code = code.replace(
-            "ctx = conveyor.init()", "ctx = conveyor.init()\nassert ctx.pp_size == 2"
+            "ctx = conveyor.init()", "ctx = conveyor.init()\nassert ctx.pp_size == 2", 1
         )
-    results = distributed.run(_run, PROCESSES[_key(code)], code, str(tmp_path), timeout=180)
+    results = distributed.run(_run, processes, code, str(tmp_path), timeout=180)
     losses = {round(float(r["loss"]), 5) for r in results}
     assert len(losses) == 1  # the same loss on every rank
+
+
+def test_every_snippet_has_a_setup() -> None:
+    for code in snippets():
+        _key(code)

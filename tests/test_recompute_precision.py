@@ -202,6 +202,8 @@ def test_single_process_world() -> None:
     _check([_run_all(0, pp=2)], distributed_world=False)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_processes() -> None:
     _check(distributed.run(_run_all, 2, 2), distributed_world=True)
 

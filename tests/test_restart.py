@@ -17,7 +17,8 @@ from torch import nn
 
 import conveyor
 from conveyor.cli import demo
-from tests.models import assert_close, mlp
+from tests.helpers import assert_close
+from tests.models import mlp
 from tests.restart_train import batch, optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,8 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_killed_rank_restarts_and_the_run_ends_like_an_uninterrupted_one(
     tmp_path: Path,

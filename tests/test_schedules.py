@@ -341,7 +341,8 @@ def test_a_hand_edited_table_runs_in_a_pipeline_with_the_unsplit_gradients() -> 
     from torch import nn
 
     import conveyor
-    from tests.models import assert_close, batch, mlp
+    from tests.helpers import assert_close, grads_of
+    from tests.models import batch, mlp
 
     base = get_schedule("zb-h1", 2, 4)
     text = to_table(base)
@@ -368,8 +369,7 @@ def test_a_hand_edited_table_runs_in_a_pipeline_with_the_unsplit_gradients() -> 
     loss = pipe.train_step(x, y)
     assert isinstance(loss, torch.Tensor)
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
-    assert_close({n: p.grad for n, p in pipe.named_parameters() if p.grad is not None},
-                 {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+    assert_close(grads_of(pipe.named_parameters()), grads_of(model.named_parameters()),
                  "hand-edited zb-h1 grads")
     # Each rank's actions ran in the edited order.
     timings = pipe.last_step_timings()

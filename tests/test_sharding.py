@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import gpt  # noqa: E402  (examples/gpt.py: the GPT example and its tensor-parallel plan)
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 STEPS = 3
 Result = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 

@@ -43,6 +43,8 @@ def _check(path: Path, schedule: str, ranks: int) -> dict[str, object]:
     return trace
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_two_process_trace_has_every_action_in_order(tmp_path: Path, schedule: str) -> None:
     path = tmp_path / "trace.json"

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 
 def _verify(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2"]

@@ -16,6 +16,7 @@ from conveyor.schedules import (
     Action,
     Schedule,
     W,
+    default_chunks,
     dualpipev,
     get_schedule,
     gpipe,
@@ -38,10 +39,6 @@ ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
 
 
-def chunks_for(name: str) -> int:
-    return 2 if name in (*V_SCHEDULES, "looped-bfs") else 1
-
-
 def dualpipev_minimum(p: int) -> int:
     return 2 * p - 1
 
@@ -52,7 +49,7 @@ def dualpipev_minimum(p: int) -> int:
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(NEW), ranks, microbatches)
 def test_new_schedules_are_complete_valid_and_placed(name: str, p: int, m: int) -> None:
-    v = chunks_for(name)
+    v = default_chunks(name)
     if name == "dualpipev" and m < dualpipev_minimum(p):
         with pytest.raises(ConfigError, match=r"dualpipev needs microbatches >= 2\*ranks - 1"):
             get_schedule(name, p, m, v)
@@ -337,7 +334,7 @@ def test_one_chunk_zero_bubble_schedules_point_to_the_v_ones(name: str) -> None:
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_cli_simulates_every_name(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    v = chunks_for(name) if name != "interleaved-1f1b" else 2
+    v = default_chunks(name)
     argv = ["simulate", "--schedule", name, "--ranks", "4", "--microbatches", "8"]
     assert main([*argv, "--chunks", str(v), "--cost", "1,1,1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

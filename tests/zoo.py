@@ -1,4 +1,5 @@
-"""Models for the any-model tests: skips, pytrees, annotations, tied weights, sequences."""
+"""Models of every shape the partitioner meets: skips, pytrees, annotations, tied weights,
+sequences (models and their inputs only; comparisons and training runs are in helpers.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,166 @@
+"""What the tests share besides their models: losses, a gradient reader, error measures and
+comparisons, the unsplit-versus-pipelined training runs, and resetting conveyor's process
+context.
+
+Models and their data live apart: ``models.py`` (the small MLP and its batches), ``zoo.py``
+(models of every shape the partitioner meets), ``real_models.py`` (models as people bring
+them). Processes: ``distributed.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    import conveyor
+
+Named = Iterable[tuple[str, torch.Tensor]]
+Steps = list[tuple[torch.Tensor, torch.Tensor]]
+Run = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+# ---------------------------------------------------------------------------------- losses
+def mse(out: Any, target: Any) -> Any:
+    """Mean squared error, as a named function (spawned workers pickle it by name)."""
+    return F.mse_loss(out, target)
+
+
+def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of (batch, sequence, vocab) logits."""
+    return F.cross_entropy(out.reshape(-1, out.size(-1)), target.reshape(-1))
+
+
+# ------------------------------------------------------------------------------- gradients
+def grads_of(named: Named) -> dict[str, torch.Tensor]:
+    """A copy of every ``.grad`` by name, over ``(name, parameter)`` pairs (those without a
+    gradient are left out)."""
+    return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+
+
+def params_of(named: Named) -> dict[str, torch.Tensor]:
+    """A copy of every parameter by name."""
+    return {n: p.detach().clone() for n, p in named}
+
+
+# ------------------------------------------------------------------------------ error measures
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error in the 2-norm: ``|a - b| / |b|`` (over the whole tensor)."""
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error in the max-norm: the largest element difference over ``b``'s largest
+    magnitude."""
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def assert_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 1e-5
+) -> None:
+    """The same names, and every tensor within ``tol`` in :func:`rel_err`."""
+    assert set(got) == set(want), f"{what}: names {sorted(got)} != {sorted(want)}"
+    for name in want:
+        err = rel_err(got[name], want[name])
+        assert err < tol, f"{what}: {name} relative error {err:.2e}"
+
+
+def assert_close_to_largest(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 1e-5
+) -> None:
+    """The same names, and every tensor within ``tol`` of ``want`` in the max-norm, relative
+    to its own largest element or, where that is below it, to a thousandth of the largest
+    element of all of ``want``.
+
+    A gradient that is zero in exact arithmetic (attention's key bias) is rounding noise on
+    both sides, and one that is a near-cancelling sum (a batch norm bias) moves, summed in
+    another order (threads, micro-batches), by the rounding of summands of the model's
+    gradient scale: such tensors are measured against the model's largest gradient."""
+    assert set(got) == set(want), what
+    floor = 1e-3 * max(float(w.abs().max()) for w in want.values())
+    for n, w in want.items():
+        err = float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor)
+        assert err < tol, f"{what}: {n} relative error {err:.1e}"
+
+
+# --------------------------------------------------------------------- results of several ranks
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dict from every rank's; no name may come from two ranks."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        overlap = set(out) & set(part)
+        assert not overlap, f"parameters on two ranks: {overlap}"
+        out.update(part)
+    return out
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter -> its first name (a tied weight has several)."""
+    first: dict[int, str] = {}
+    return {
+        name: first.setdefault(id(p), name)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def merge_tied(
+    parts: list[dict[str, torch.Tensor]], alias: dict[str, str], what: str
+) -> dict[str, torch.Tensor]:
+    """One dict from every rank's, by first name (:func:`tied_names`); the copies of a tied
+    weight, on several ranks, must be equal."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            name = alias[name]
+            if name in out:
+                assert torch.equal(out[name], value), f"{what}: copies of {name} differ"
+            out[name] = value
+    return out
+
+
+# ------------------------------------------------------------------------- training runs
+def _sgd(
+    owner: Any, step: Callable[[torch.Tensor, torch.Tensor], float], steps: Steps, lr: float
+) -> Run:
+    """Losses per step, final grads and final parameters of ``owner`` (anything with
+    ``parameters`` and ``named_parameters``) under SGD; no update after the last step."""
+    opt = torch.optim.SGD(owner.parameters(), lr=lr)
+    losses = []
+    for i, (x, y) in enumerate(steps):
+        opt.zero_grad()
+        losses.append(step(x, y))
+        if i < len(steps) - 1:
+            opt.step()
+    return losses, grads_of(owner.named_parameters()), params_of(owner.named_parameters())
+
+
+def reference(model: nn.Module, steps: Steps, lr: float = 0.1) -> Run:
+    """Losses per step, final grads and final parameters of the unsplit model under SGD."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss.item()
+
+    return _sgd(model, step, steps, lr)
+
+
+def pipelined(pipe: conveyor.Pipeline, steps: Steps, lr: float = 0.1) -> Run:
+    """The same as :func:`reference`, through a pipeline (this rank's part)."""
+    return _sgd(pipe, lambda x, y: pipe.train_step(x, y).item(), steps, lr)
+
+
+# ------------------------------------------------------------------------------ process state
+def reset_context() -> None:
+    """Forget conveyor's process context, as a fresh script starts: the next
+    ``conveyor.current()`` or ``init()`` makes a new one. (Nothing to do where conveyor
+    was never imported.)"""
+    context = sys.modules.get("conveyor.context")
+    if context is not None:
+        context._current = None  # type: ignore[attr-defined]
