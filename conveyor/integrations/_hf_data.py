@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
+from conveyor.training.data import index_batches
 from conveyor.training.roles import Needs, needs, shard
 
 
@@ -88,16 +87,8 @@ class ReplicaLoader:
         Returns:
             Lists of sample indices.
         """
-        n = len(self.dataset)
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=gen).tolist()
-        else:
-            order = list(range(n))
-        size = self.batch_size
-        batches = [order[i : i + size] for i in range(0, n, size)]
-        if self.drop_last and batches and len(batches[-1]) < size:
-            batches.pop()
+        seed = self.seed + epoch if self.shuffle else None
+        batches = index_batches(len(self.dataset), self.batch_size, seed, self.drop_last)
         if len(batches) > 1 and len(batches[-1]) < self.smallest:
             tail = batches.pop()
             batches[-1] = batches[-1] + tail

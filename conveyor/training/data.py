@@ -86,6 +86,28 @@ def structure(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
+def index_batches(n: int, size: int, seed: int | None, drop_last: bool) -> list[list[int]]:
+    """One epoch's batches of sample indices.
+
+    Args:
+        n: samples in the dataset.
+        size: samples per batch.
+        seed: the seed of this epoch's shuffle; None keeps the dataset's order.
+        drop_last: leave out a last batch smaller than ``size``.
+
+    Returns:
+        Index lists of ``size`` (the last one maybe smaller), the same on every rank.
+    """
+    if seed is not None:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(n))
+    batches = [order[i : i + size] for i in range(0, n, size)]
+    if drop_last and batches and len(batches[-1]) < size:
+        batches.pop()
+    return batches
+
+
 class Batches:
     """The batches of one data source for one rank of a pipeline.
 
@@ -210,16 +232,8 @@ class Batches:
                     set_epoch(epoch)
             batches = [list(b) for b in self._sampler]
         else:
-            n = len(self.dataset)
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                order = torch.randperm(n, generator=gen).tolist()
-            else:
-                order = list(range(n))
-            size = self.batch_size
-            batches = [order[i : i + size] for i in range(0, n, size)]
-            if self.drop_last and batches and len(batches[-1]) < size:
-                batches.pop()
+            seed = self.seed * 1_000_003 + epoch if self.shuffle else None
+            batches = index_batches(len(self.dataset), self.batch_size, seed, self.drop_last)
         if batches and len(batches[-1]) < self.smallest:
             if self.evaluating and len(batches) > 1:
                 tail = batches.pop()
