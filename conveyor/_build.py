@@ -74,8 +74,7 @@ class RankParts:
         if targets is not None:
             return microbatch.batch_size(targets, "targets")
         if inputs is None:
-            what = "targets" if self.options.loss_fn is not None else "inputs"
-            microbatch.divide_for(None, 1, what, True, self.ctx.device)  # the usual error
+            raise microbatch.missing("targets" if self.options.loss_fn is not None else "inputs")
         return microbatch.batch_size(inputs, "inputs")
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -117,7 +117,7 @@ class Pipeline:
         self._model = model
         self._parts: RankParts | None = None
         self._last_train: StepRecord | None = None
-        self._sent_shapes: dict[int, list[str]] = {}  # as the last step saw them
+        self._last_record: StepRecord | None = None  # of any mode: the shapes sent
         first = None if sample is None else first_microbatch(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
@@ -143,7 +143,8 @@ class Pipeline:
         """The split (a :class:`~conveyor.partition.describe.SplitInfo`, which ``print(pipe)``
         shows): per stage its rank, modules, parameter count, tied weights, values sent."""
         parts = self._split("pipe.describe()")
-        return parts.description.with_shapes(self._sent_shapes)
+        shapes = self._last_record.sent_shapes if self._last_record is not None else {}
+        return parts.description.with_shapes(shapes)
 
     def __repr__(self) -> str:
         sched = self.schedule
@@ -187,7 +188,7 @@ class Pipeline:
         self, parts: RankParts, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0
     ) -> StepRecord:
         record = parts.run(mode, inputs, targets, loss_scale)
-        self._sent_shapes = record.sent_shapes
+        self._last_record = record
         if mode == "train":  # traces and measurements show the last training step
             self._last_train = record
         return record

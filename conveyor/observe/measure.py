@@ -84,8 +84,8 @@ def write_trace(
         parts = gathered
     if ctx.rank != 0:
         return
-    every = [Timing(*t) for part, _ in parts for t in part]
-    every_wait = [Timing(*w) for _, part in parts for w in part]
+    every = [t for part, _ in parts for t in part]
+    every_wait = [w for _, part in parts for w in part]
     simulated = simulate(schedule, cost=measured_costs(every, schedule.stages)).bubble
     info: dict[str, object] = {
         "schedule": schedule.name,

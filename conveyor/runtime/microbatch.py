@@ -59,12 +59,17 @@ def divide_for(
     """
     if value is None:
         if needed:
-            raise ConfigError(
-                f"this rank holds a stage that needs {what}, but got {what}=None; pass the "
-                f"batch on every rank (ranks without the first/last stage may pass None)"
-            )
+            raise missing(what)
         return None
     return [to_device(p, device) for p in divide(value, parts, what)]
+
+
+def missing(what: str) -> ConfigError:
+    """The error for a rank that holds a stage needing ``what`` but was given None."""
+    return ConfigError(
+        f"this rank holds a stage that needs {what}, but got {what}=None; pass the batch on "
+        f"every rank (ranks without the first/last stage may pass None)"
+    )
 
 
 def merge(outputs: list[Any]) -> Any:
