@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from conveyor._groups import Held, release_all
+from conveyor._groups import Held, forget_mesh_groups, release_all
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ def init(
         seconds,
         tp_rank=rank % tp,
         tp_size=tp,
-        _mesh=Held(mesh),
+        _mesh=Held(mesh, forget_mesh_groups),
         _groups=Held({name: mesh.get_group(name) for name in ("dp", "pp", "tp")}),
     )
     return _current

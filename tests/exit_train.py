@@ -1,4 +1,10 @@
-"""A short training whose process must exit 0 (tests/test_exit.py). Before anything else
+"""A short training whose process must exit 0 (tests/test_exit.py).
+
+    torchrun --nproc-per-node N tests/exit_train.py SCHEDULE LAYOUT [destroy]
+
+LAYOUT: ``pp`` (pp2, 2 processes), ``dp`` (pp2 x dp2, 4), ``fsdp`` (pp2 x dp2 with
+``fsdp=True``, 4), ``tp`` (pp2 x tp2 with a ``tp_plan``, 4) or ``3d`` (pp2 x dp2 x tp2 with
+both, 8). Before anything else
 it registers an exit handler that prints how many threads the process has once conveyor's
 exit hook has run (handlers run last-registered first): how many gloo worker threads are
 left, 2 per process group still alive.
@@ -48,13 +54,29 @@ def starve_other_threads() -> None:
                 os.setpriority(os.PRIO_PROCESS, int(tid), 19)
 
 
-def main(schedule: str, destroy: bool) -> None:
-    ctx = conveyor.init()
+LAYOUTS = {"pp": (1, 1), "dp": (2, 1), "fsdp": (2, 1), "tp": (1, 2), "3d": (2, 2)}
+"""dp and tp of each layout (pp is 2)."""
+
+
+def main(schedule: str, layout: str, destroy: bool) -> tuple[object, object]:
+    """Train 3 steps; returns the pipeline and optimizer, which the script keeps to its end
+    as a script holding them in globals does (FSDP's and DTensor's objects reach the mesh's
+    process groups through them)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dp, tp = LAYOUTS[layout]
+    ctx = conveyor.init(pp=2, dp=dp, tp=tp, timeout=60)
     starve_other_threads()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    options: dict[str, object] = {}
+    if layout in ("fsdp", "3d"):
+        options["fsdp"] = True
+    if tp > 1:  # each stage's two layers: columns, then rows
+        options["tp_plan"] = {"[02]": ColwiseParallel(), "[13]": RowwiseParallel()}
     pipe = conveyor.Pipeline(
-        model, loss_fn=nn.functional.mse_loss, microbatches=4, schedule=schedule, context=ctx
+        model, loss_fn=nn.functional.mse_loss, microbatches=4, schedule=schedule, context=ctx,
+        **options,  # type: ignore[arg-type]
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for _ in range(3):
@@ -64,11 +86,13 @@ def main(schedule: str, destroy: bool) -> None:
     starve_other_threads()  # threads started during training too
     bubble = pipe.measured_bubble()  # all-reduces (on tensors Python owns), as the demo does
     if ctx.rank == 0:
-        print(f"trained {schedule}: loss {float(loss):.4f}, bubble {bubble:.2f}", flush=True)
+        print(f"trained {schedule} {layout}: loss {float(loss):.4f}, bubble {bubble:.2f}")
+    sys.stdout.flush()
     if destroy:
         dist.barrier()
         dist.destroy_process_group()
+    return pipe, opt
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] == ["destroy"])
+    kept = main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["destroy"])

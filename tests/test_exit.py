@@ -1,9 +1,11 @@
 """A run that trained correctly exits 0: every process group is freed and its gloo worker
 threads joined at exit while the interpreter is alive (conveyor/_groups.py says why), with
-or without the script's own destroy_process_group(), also when those threads are starved
-(pinned to one CPU beside a busy process, at nice 19) as on a loaded machine. Before
-this, the mesh groups were freed only during interpreter finalization (10 threads per
-process alive after the exit hooks), where joining their workers could abort.
+or without the script's own destroy_process_group(), in every layout (pp, pp x dp, FSDP,
+tensor parallelism, all three), also when those threads are starved (pinned to one CPU
+beside a busy process, at nice 19) as on a loaded machine. Before this, the mesh groups
+were freed only during interpreter finalization (10 threads per process alive after the
+exit hooks), where joining their workers could abort; with FSDP or a tp_plan, the stages'
+FSDP mesh infos and DTensors still reached the mesh's groups (8 threads left).
 
 At most one group's 2 workers remain: torch itself keeps the default group alive once any
 optimizer was created (10 references from C++; also in a plain torch script), and a group
@@ -40,22 +42,28 @@ def pinned() -> Iterator[list[str]]:
         hog.wait()
 
 
-# Each schedule family (fused and split backward) and each way of ending (the script
-# destroys the default group itself, or leaves it to conveyor) once: every pairing runs the
-# same exit hook, and four runs of ~15 s would weigh on the suite's time.
-@pytest.mark.parametrize(
-    ("schedule", "destroy"), [("1f1b", True), ("zb-h1", False)], ids=["1f1b-own-destroy", "zb-h1"]
-)
-def test_a_finished_run_exits_0_with_every_thread_joined(
-    pinned: list[str], schedule: str, destroy: bool
-) -> None:
-    command = [*pinned, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [str(SCRIPT), schedule, *(["destroy"] if destroy else [])]
+# Every layout once (each adds its groups: dp, FSDP's mesh infos, TP's DTensors, all three),
+# each schedule family (fused and split backward) and each way of ending (the script
+# destroys the default group itself, or leaves it to conveyor) at least once.
+RUNS = {
+    "pp2-1f1b-own-destroy": ("1f1b", "pp", 2, True),
+    "pp2xdp2-zb-h1": ("zb-h1", "dp", 4, False),
+    "pp2xdp2-fsdp": ("1f1b", "fsdp", 4, False),
+    "pp2xtp2-tp_plan-zb-h1": ("zb-h1", "tp", 4, False),
+    "pp2xdp2xtp2-fsdp-tp_plan": ("1f1b", "3d", 8, False),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS), ids=list(RUNS))
+def test_a_finished_run_exits_0_with_every_thread_joined(pinned: list[str], run: str) -> None:
+    schedule, layout, processes, destroy = RUNS[run]
+    command = [*pinned, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+    command += [str(processes), str(SCRIPT), schedule, layout, *(["destroy"] if destroy else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert f"trained {schedule}" in done.stdout, done.stdout
-    for rank in (0, 1):
+    assert f"trained {schedule} {layout}" in done.stdout, done.stdout
+    for rank in range(processes):
         line = f"rank {rank}: gloo workers after the exit hooks: "
         left = [x for x in done.stdout.splitlines() if x.startswith(line)]
         assert left and int(left[0][len(line) :]) <= 2, done.stdout

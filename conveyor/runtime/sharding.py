@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor._groups import on_release
 from conveyor.errors import ConfigError
 
 
@@ -209,6 +210,28 @@ def _own_storage(module: nn.Module, args: Any, output: Any) -> Any:
     return pytree.tree_map(own, output)
 
 
+def _release_at_exit(stage: nn.Module) -> None:
+    """Let go of the process groups that FSDP keeps in ``stage``'s units' mesh infos when
+    conveyor's exit hook runs (``conveyor/_groups.py`` says why): the pipeline and the
+    optimizer the user's script holds reach them until interpreter finalization."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            state = fully_shard.state(module)  # type: ignore[attr-defined]
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                for info in (group.mesh_info, group.post_forward_mesh_info):
+                    if info is not None:
+                        on_release(info, _drop_groups)
+
+
+def _drop_groups(mesh_info: Any) -> None:
+    """An FSDP mesh info without its process groups (at exit)."""
+    for name in ("shard_process_group", "replicate_process_group", "reduce_scatter_process_group"):
+        if hasattr(mesh_info, name):
+            setattr(mesh_info, name, None)
+
+
 class Sharded:
     """FSDP2 over the ``dp`` mesh dimension for this rank's stages, gathered and reduced
     by the schedule (see the module doc)."""
@@ -228,6 +251,7 @@ class Sharded:
                 fully_shard(stage, mesh=mesh, reshard_after_forward=True)
             else:
                 fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+            _release_at_exit(stage)
         self._pending: dict[int, Any] = {}
 
     def begin(self, order: list[int], train: bool) -> None:
