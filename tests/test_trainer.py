@@ -119,6 +119,33 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
     assert done.losses == [] and done.start_step == 14
 
 
+def _by_epoch(checkpoint: Path | None = None, every: int | None = None) -> Trainer:
+    """A trainer whose learning rate halves after each epoch: a LambdaLR in the LRSchedule
+    callback (no lr_scheduler), so the schedule's position lives in the callback only."""
+    t = trainer(checkpoint=checkpoint, every=every)
+    t.lr_scheduler = None
+    halving = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda epoch: 0.5**epoch)
+    t.callbacks = [LRSchedule(halving, by="epoch")]
+    return t
+
+
+def test_resume_restores_a_callbacks_state(tmp_path: Path) -> None:
+    """The learning rate of a LambdaLR stepped by epoch is computed from the epochs it has
+    counted, which only the callback's saved state knows (a StepLR, which scales the
+    optimizer's restored rate, would hide a lost state)."""
+    data = TensorDataset(*samples(64))  # 4 steps of 16 per epoch
+    torch.manual_seed(7)
+    full = _by_epoch().fit(data, batch_size=16, max_steps=12)
+    assert full.learning_rates == [1e-2] * 4 + [5e-3] * 4 + [2.5e-3] * 4
+    torch.manual_seed(7)
+    _by_epoch(tmp_path, every=3).fit(data, batch_size=16, max_steps=6)  # stops in epoch 2
+    torch.manual_seed(123)
+    rest = _by_epoch(tmp_path, every=3).fit(data, batch_size=16, max_steps=12, resume=True)
+    assert rest.start_step == 6
+    assert rest.learning_rates == full.learning_rates[6:]  # 0.005, 0.005, then 0.0025
+    assert rest.losses == full.losses[6:]
+
+
 def test_epochs_shuffle_a_dataset_anew_and_drop_the_partial_batch() -> None:
     data = Recording(100)  # 6 full batches of 16, 4 samples left out each epoch
     history = trainer(pp=2).fit(data, batch_size=16, epochs=2)
@@ -272,34 +299,36 @@ def test_trainer_arguments_are_checked() -> None:
 
 
 # ---------------------------------------------------------------------- processes
-def _reads(rank: int, world: int, dp: int) -> dict[str, Any]:
-    conveyor.init(dp=dp)
+def _reads(rank: int, world: int, dp: int, n: int, batch: int, held: int) -> dict[str, Any]:
+    conveyor.init(dp=dp, timeout=45)
     torch.manual_seed(5)
     t = trainer(max_grad_norm=0.5)
-    data, held = Recording(96), Recording(40)
+    data, evals = Recording(n), Recording(held)
     history = t.fit(
-        data, batch_size=16, epochs=1, eval_data=held, metrics=["accuracy"], eval_every=3
+        data, batch_size=batch, epochs=1, eval_data=evals, metrics=["accuracy"], eval_every=3
     )
-    return {"seen": data.seen, "held": held.seen, "losses": history.losses,
+    return {"seen": data.seen, "held": evals.seen, "losses": history.losses,
             "evals": history.evals}  # fmt: skip
 
 
-def _reference(pp: int) -> tuple[list[float], list[dict[str, float]]]:
+def _reference(
+    pp: int, n: int, batch: int, held: int
+) -> tuple[list[float], list[dict[str, float]]]:
     """The same fit in one process (every stage here)."""
     context._current = None
     torch.manual_seed(5)
     t = trainer(pp=pp, max_grad_norm=0.5)
     h = t.fit(
-        TensorDataset(*samples(96)), batch_size=16, epochs=1, eval_data=TensorDataset(
-            *samples(40)), metrics=["accuracy"], eval_every=3,
+        TensorDataset(*samples(n)), batch_size=batch, epochs=1, eval_data=TensorDataset(
+            *samples(held)), metrics=["accuracy"], eval_every=3,
     )  # fmt: skip
     return h.losses, h.evals
 
 
 @pytest.mark.multiprocess
 def test_a_middle_rank_never_reads_the_data() -> None:
-    results = run_forked(_reads, 3, 3, 1)
-    losses, evals = _reference(3)
+    results = run_forked(_reads, 3, 3, 1, 96, 16, 40)
+    losses, evals = _reference(3, 96, 16, 40)
     for r in results:
         assert r["losses"] == pytest.approx(losses, rel=1e-5)
         assert r["evals"][-1]["accuracy"] == pytest.approx(evals[-1]["accuracy"], abs=1e-6)
@@ -312,17 +341,23 @@ def test_a_middle_rank_never_reads_the_data() -> None:
 
 @pytest.mark.multiprocess
 def test_data_parallel_replicas_read_their_share_of_each_global_batch() -> None:
-    results = run_forked(_reads, 4, 4, 2)  # pp 2 x dp 2: ranks 0, 1 | 2, 3
-    losses, evals = _reference(2)
+    """Global batches of 15 over 2 replicas (8 + 7), evaluation's last batch of 11 (6 + 5):
+    every sample read once per epoch and per evaluation, on the inputs' side (stage 0)
+    and the targets' side (stage 1), and the losses those of one process."""
+    results = run_forked(_reads, 4, 4, 2, 90, 15, 41)  # pp 2 x dp 2: ranks 0, 1 | 2, 3
+    losses, evals = _reference(2, 90, 15, 41)
     for r in results:  # the global batch's loss: the one-process run's
         assert r["losses"] == pytest.approx(losses, rel=1e-5)
         assert r["evals"][-1]["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-5)
+        assert r["evals"][-1]["accuracy"] == pytest.approx(evals[-1]["accuracy"], abs=1e-6)
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
     a, b = results[0]["seen"], results[2]["seen"]
-    assert len(a) == len(b) == 48 and sorted(a + b) == list(range(96))
+    assert len(a) == 48 and len(b) == 42 and sorted(a + b) == list(range(90))
     for step in range(6):  # step k: replica 0 the first 8 of the global batch, replica 1 the rest
-        assert set(a[8 * step : 8 * step + 8]).isdisjoint(b[8 * step : 8 * step + 8])
-    assert sorted(results[1]["held"] + results[3]["held"]) == sorted([*range(40)] * 2)
+        assert set(a[8 * step : 8 * step + 8]).isdisjoint(b[7 * step : 7 * step + 7])
+    for side in (0, 1):  # stage 0 reads for the inputs, stage 1 for the metrics' targets
+        held = results[side]["held"] + results[2 + side]["held"]
+        assert sorted(held) == sorted([*range(41)] * 2)
 
 
 @pytest.mark.multiprocess
