@@ -20,6 +20,7 @@ from torch import nn
 from conveyor._options import Options
 from conveyor.context import Context
 from conveyor.errors import ConfigError
+from conveyor.losses import model_token_loss
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
@@ -27,10 +28,13 @@ from conveyor.runtime import microbatch
 from conveyor.runtime.compute import Mode
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
 from conveyor.runtime.engine import Engine, StepRecord
+from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.sharding import Sharded, apply_tp
 from conveyor.runtime.shared import SharedParameters
+from conveyor.runtime.step_grads import GradientSync, StepGradients
+from conveyor.runtime.step_loss import Combined, combine, global_rows, loss_scale
 from conveyor.runtime.transport import guarded
-from conveyor.schedules import Schedule
+from conveyor.schedules import Action, Schedule
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,14 @@ class RankParts:
         stages: global stage index -> module, for the stages this process holds.
         description: the whole split, as ``print(pipe)`` shows it.
         shared: weights tied across stages, with the groups that sum their gradients.
-        data_parallel: gradient averaging over replicas (None without replicas, or with
-            FSDP, which averages itself).
+        data_parallel: gradient sums over replicas (None without replicas, or with
+            FSDP, which reduces itself).
         engine: runs steps of the schedule over ``stages``.
+        options: the pipeline's checked options.
+        ctx: the process's context.
+        grads: keeps gradients of earlier steps apart during a step.
+        counter: counts a micro-batch's ``labels`` for a model's own token loss
+            (``loss_fn=None``; see :func:`conveyor.losses.model_token_loss`).
     """
 
     stages: dict[int, nn.Module]
@@ -53,29 +62,73 @@ class RankParts:
     engine: Engine
     options: Options
     ctx: Context
+    grads: StepGradients
+    counter: microbatch.Counter | None = None
 
-    def run(self, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0) -> StepRecord:
-        """Divide a batch into micro-batches and run one step of them (see
-        :meth:`~conveyor.runtime.engine.Engine.run`)."""
-        m, device = self.options.microbatches, self.ctx.device
+    @property
+    def syncs(self) -> tuple[GradientSync, ...]:
+        """The reductions of a step's gradients over ranks, in the order they run: the
+        data-parallel sum, then the tied weights' sum (both linear in the gradient)."""
+        dp = (self.data_parallel,) if self.data_parallel is not None else ()
+        return (*dp, self.shared)
+
+    def needs(self, mode: Mode) -> microbatch.Needs:
+        """What this process reads of a batch: inputs where it holds the first stage,
+        targets where it holds the last and a ``loss_fn`` reads them."""
         last = self.engine.schedule.stages - 1
-        mb_inputs = microbatch.divide_for(inputs, m, "inputs", 0 in self.stages, device)
-        mb_targets = None
-        if mode != "predict" and self.options.loss_fn is not None:
-            mb_targets = microbatch.divide_for(targets, m, "targets", last in self.stages, device)
-        return self.engine.run(mode, mb_inputs, mb_targets, loss_scale)
+        reads_targets = mode != "predict" and self.options.loss_fn is not None
+        return microbatch.Needs(0 in self.stages, reads_targets and last in self.stages)
 
-    def shard_size(self, inputs: Any, targets: Any) -> int | None:
-        """This replica's batch size, on the rank holding the last stage when there are
-        replicas (None otherwise)."""
-        replicas = self.ctx.distributed and self.ctx.dp_size > 1
-        if not replicas or self.engine.schedule.stages - 1 not in self.stages:
-            return None
-        if targets is not None:
-            return microbatch.batch_size(targets, "targets")
-        if inputs is None:
-            raise microbatch.missing("targets" if self.options.loss_fn is not None else "inputs")
-        return microbatch.batch_size(inputs, "inputs")
+    def divide(self, mode: Mode, inputs: Any, targets: Any, cut: Any = None) -> MicroBatches:
+        """The step's :class:`~conveyor.runtime.microbatch.MicroBatches`: ``inputs`` /
+        ``targets`` divided, or the micro-batches ``cut`` by the user."""
+        m, needs = self.options.microbatches, self.needs(mode)
+        counter = self.counter if mode != "predict" else None
+        if cut is not None:
+            return microbatch.prepare_cut(cut, m, needs, self.ctx.device, counter)
+        return microbatch.prepare(inputs, targets, m, needs, self.ctx.device, counter)
+
+    def step(
+        self, mode: Mode, batch: MicroBatches, count: float | None = None
+    ) -> tuple[StepRecord, Combined]:
+        """One step over ``batch``: the loss of the whole (global) batch on every rank, and
+        with ``mode="train"`` that loss's gradient added to each local ``.grad``.
+
+        The arithmetic is :mod:`conveyor.runtime.step_loss`'s; the reductions over ranks
+        (:attr:`syncs`) act on this step's gradients alone. ``count``: divide by this
+        instead of the summed count. Collective in a distributed world.
+        """
+        if mode != "train":
+            record = self.engine.run(mode, batch)
+            return record, self._combine(record, count)
+        ctx, scale = self.ctx, None
+        if ctx.distributed and ctx.dp_size > 1:
+            # Every replica divides by the global batch's rows: the replicas then sum.
+            holds_last = self.engine.schedule.stages - 1 in self.stages
+            if holds_last and batch.rows is None:
+                raise microbatch.missing("targets" if self.options.loss_fn else "inputs")
+            rows = global_rows(batch.rows if holds_last else None, ctx)
+            scale = loss_scale(rows, ctx.dp_size if self.options.fsdp else 1)
+        self.grads.put_aside()
+        syncs = self.syncs
+        try:
+            for sync in syncs:
+                sync.begin()
+            record = self.engine.run(mode, batch, scale)
+            for sync in syncs:
+                sync.finish()
+            combined = self._combine(record, count)
+            self.grads.scale(combined.gradient_factor)
+        except BaseException:
+            for sync in syncs:
+                sync.abort()
+            self.grads.give_back()
+            raise
+        self.grads.add_back()
+        return record, combined
+
+    def _combine(self, record: StepRecord, count: float | None) -> Combined:
+        return combine(record.loss, self.ctx, self.engine.schedule.placement[-1], count)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters by their names in the model, a tied one once."""
@@ -183,6 +236,12 @@ def build(
         shared.rebind(stages)
     # Without FSDP, replicas average their gradients while the pipeline drains.
     dp = DataParallel(schedule, stages, ctx) if replicas and not options.fsdp else None
+    syncs: tuple[GradientSync, ...] = (dp, shared) if dp is not None else (shared,)
+
+    def after_action(action: Action) -> None:
+        for sync in syncs:
+            sync.after_action(action)
+
     engine = Engine(
         schedule,
         stages,
@@ -192,10 +251,15 @@ def build(
         autocast=options.autocast_dtype(),
         track_memory=options.track_memory,
         sharded=sharded,
-        on_action=dp.after_action if dp is not None else None,
+        on_action=after_action,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
     )
-    return RankParts(stages, description, shared, dp, engine, options, ctx)
+    params = (p for stage in stages.values() for p in stage.parameters())
+    token_loss = model_token_loss(model) if options.loss_fn is None else None
+    counter = token_loss.count if token_loss is not None else None
+    return RankParts(
+        stages, description, shared, dp, engine, options, ctx, StepGradients(params), counter
+    )
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,10 +27,9 @@ from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compute import LossFn, Mode
-from conveyor.runtime.data_parallel import batch_loss, replica_share
 from conveyor.runtime.engine import StepRecord
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.step_grads import StepGradients
+from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 
@@ -47,8 +46,13 @@ class Pipeline:
         model: the whole model, built the same on every rank. A layer list or
             ``nn.Sequential`` is cut into contiguous stages; any other model is captured as
             a graph (``torch.fx``, or ``torch.export`` on ``sample`` or the first batch).
-        loss_fn: ``(output, target) -> scalar``, the mean over a micro-batch; None when the
-            model computes its own loss (e.g. a transformers model given ``labels``).
+        loss_fn: ``(output, target) -> scalar``, the mean over a micro-batch's rows, or
+            ``-> (total, count)``, its summed loss and the items summed (e.g.
+            :class:`conveyor.losses.TokenCrossEntropy`): the step's loss is then
+            ``sum(total) / sum(count)`` over the whole batch. None when the model computes
+            its own loss (e.g. a transformers model given ``labels``; a language model's
+            token loss is then weighted by the tokens of each micro-batch, as one call on
+            the whole batch averages them).
         microbatches: micro-batches per step (>= 1).
         schedule: a schedule name (``gpipe``, ``1f1b``, ``interleaved-1f1b``,
             ``looped-bfs``, ``zb-h1``, ``zb-h2``, ``zb-late``, ``zb-auto``, ``zbv``,
@@ -125,7 +129,6 @@ class Pipeline:
 
     def _adopt(self, parts: RankParts) -> None:
         self._parts = parts
-        self._step_grads = StepGradients(self.parameters())
 
     def _split(self, what: str) -> RankParts:
         """This rank's parts; before a split made on the first batch, an error that says so."""
@@ -174,86 +177,97 @@ class Pipeline:
         return self._split("pipe.tied_copies()").shared.links()
 
     # ------------------------------------------------------------------ steps
-    def _begin(self, inputs: Any, targets: Any, predict: bool = False) -> RankParts:
-        """Checks of a step's arguments, and the split on the first batch if needed."""
-        if not predict:
+    def _begin(
+        self, mode: Mode, inputs: Any, targets: Any, cut: Any = None
+    ) -> tuple[RankParts, MicroBatches]:
+        """Checks of a step's arguments, the split on the first batch if needed, and the
+        step's micro-batches."""
+        if cut is not None:
+            if inputs is not None or targets is not None:
+                raise ConfigError(
+                    "pass either the batch (inputs, targets) or microbatches=[(inputs, "
+                    "targets), ...] cut by you, not both"
+                )
+            if isinstance(cut, (list, tuple)) and cut and isinstance(cut[0], tuple):
+                inputs = cut[0][0]  # the first micro-batch: a capture's sample
+        elif mode != "predict":
             check_step(self.loss_fn, inputs, targets)
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, inputs)
             self._adopt(build(self._model, self.schedule, self.options, self.context, sample))
         assert self._parts is not None
-        return self._parts
+        return self._parts, self._parts.divide(mode, inputs, targets, cut)
 
-    def _run(
-        self, parts: RankParts, mode: Mode, inputs: Any, targets: Any, loss_scale: float = 1.0
-    ) -> StepRecord:
-        record = parts.run(mode, inputs, targets, loss_scale)
+    def _record(self, record: StepRecord) -> None:
         self._last_record = record
-        if mode == "train":  # traces and measurements show the last training step
+        if record.mode == "train":  # traces and measurements show the last training step
             self._last_train = record
-        return record
 
-    def train_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        microbatches: Sequence[tuple[Any, Any]] | None = None,
+        count: float | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of one batch.
+
+        The loss is the whole (global) batch's: a scalar ``loss_fn`` result is a mean over
+        its micro-batch's rows, weighted by them; a pair ``(total, count)`` makes the loss
+        ``sum(total) / sum(count)`` over every micro-batch and replica (see
+        :mod:`conveyor.losses`).
 
         Args:
             inputs: a tensor, or a tuple (positional) / dict (keyword) of tensors, divided
                 on dim 0 into ``microbatches`` parts; None on ranks without the first stage.
             targets: the same for ``loss_fn``'s targets; None with ``loss_fn=None`` and on
                 ranks without the last stage.
+            microbatches: instead of ``inputs`` / ``targets``: ``[(inputs_0, targets_0),
+                ...]``, exactly the pipeline's ``microbatches`` of them, cut by you (each
+                with its own shapes, e.g. bucketed by length); the same list on every rank.
+            count: divide the summed loss by this instead of the summed count (or rows):
+                e.g. the tokens of every batch one optimizer step accumulates, over all
+                replicas. The same on every rank.
 
         Returns:
-            The batch loss (detached), the same on every rank; with data parallelism the
-            global batch's. Gradients are added to each local parameter's ``.grad``, like
-            ``loss.backward()`` (with data parallelism, the shard-size-weighted mean over
-            the replicas of this step's gradient).
+            The batch loss (detached, float32), the same on every rank; with data
+            parallelism the global batch's. Its gradient is added to each local
+            parameter's ``.grad``, like ``loss.backward()``.
 
         Raises:
-            ConfigError: bad inputs, in one sentence.
+            ConfigError: bad inputs, or a batch with nothing to average over, in one
+                sentence.
             PipelineError: a stage failed, or another rank died or stalled (named).
         """
-        parts = self._begin(inputs, targets)
-        dp = parts.data_parallel
-        size = parts.shard_size(inputs, targets)
-        # Reductions over ranks act on this step's gradients alone.
-        isolate = dp is not None or bool(parts.shared)
-        if isolate:
-            self._step_grads.put_aside()
-        try:
-            scale = 1.0
-            if dp is not None:
-                dp.begin(size)
-            elif self.options.fsdp and self.context.dp_size > 1:
-                # FSDP averages the replicas' gradients: weigh each replica's loss by its
-                # shard's share of the global batch (times the replicas) for uneven shards.
-                scale = replica_share(size, self.context) * self.context.dp_size
-            loss = self._run(parts, "train", inputs, targets, scale).loss
-            if dp is not None:
-                dp.wait()  # each .grad: this step's gradient, averaged over the replicas
-            if parts.shared:
-                parts.shared.reduce()
-        except BaseException:
-            if dp is not None:
-                dp.abort()
-            if isolate:
-                self._step_grads.give_back()
-            raise
-        if isolate:
-            self._step_grads.add_back()
-        return batch_loss(loss, size, self.context, self.schedule.placement[-1])
+        parts, batch = self._begin("train", inputs, targets, microbatches)
+        record, combined = parts.step("train", batch, count)
+        self._record(record)
+        return combined.loss
 
     @torch.no_grad()
-    def eval_step(self, inputs: Any, targets: Any) -> torch.Tensor:
+    def eval_step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        microbatches: Sequence[tuple[Any, Any]] | None = None,
+    ) -> torch.Tensor:
         """The batch loss without gradients.
 
+        Args:
+            inputs: as for :meth:`train_step`.
+            targets: as for :meth:`train_step`.
+            microbatches: as for :meth:`train_step`.
+
         Returns:
-            The loss on every rank (the global batch's with data parallelism); ``inputs``
-            and ``targets`` as for :meth:`train_step`.
+            The loss on every rank (the global batch's with data parallelism), combined
+            as :meth:`train_step` combines it.
         """
-        parts = self._begin(inputs, targets)
-        size = parts.shard_size(inputs, targets)
-        loss = self._run(parts, "eval", inputs, targets).loss
-        return batch_loss(loss, size, self.context, self.schedule.placement[-1])
+        parts, batch = self._begin("eval", inputs, targets, microbatches)
+        record, combined = parts.step("eval", batch)
+        self._record(record)
+        return combined.loss
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -263,8 +277,10 @@ class Pipeline:
             The whole batch's output on the rank holding the last stage, None elsewhere;
             ``inputs`` as for :meth:`train_step`.
         """
-        parts = self._begin(inputs, None, predict=True)
-        outputs = self._run(parts, "predict", inputs, None).outputs
+        parts, batch = self._begin("predict", inputs, None)
+        record = parts.engine.run("predict", batch)
+        self._record(record)
+        outputs = record.outputs
         return microbatch.merge(outputs) if outputs else None
 
     # ------------------------------------------------------------------ measurement

@@ -33,40 +33,6 @@ class Stages(nn.Module):
         return self
 
 
-class TokenLoss:
-    """A transformers model's token loss over a micro-batch, divided by its tokens counted
-    as ``transformers.Trainer`` counts them for ``num_items_in_batch`` (for causal LMs it
-    counts ``labels[..., 1:]`` only when it knows the model shifts them).
-
-    Args:
-        model: The model (its ``loss_function`` and ``config.vocab_size`` are used).
-        shifts: Whether the trainer counts the labels after the first position only.
-    """
-
-    def __init__(self, model: Any, shifts: bool) -> None:
-        self.model = model
-        self.shifts = shifts
-
-    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        """The loss of one micro-batch.
-
-        Args:
-            output: The model's output (with ``logits``).
-            labels: The micro-batch's labels.
-
-        Returns:
-            The summed token loss over the counted tokens.
-        """
-        counted = labels[..., 1:] if self.shifts else labels
-        loss: torch.Tensor = self.model.loss_function(
-            output.logits,
-            labels,
-            vocab_size=self.model.config.vocab_size,
-            num_items_in_batch=counted.ne(-100).sum(),
-        )
-        return loss
-
-
 def gather_state_dict(pipe: conveyor.Pipeline, model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (``{}`` elsewhere), from every stage.
 

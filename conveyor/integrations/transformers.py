@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
@@ -28,7 +29,8 @@ import conveyor
 from conveyor.context import in_torchrun
 from conveyor.errors import ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
-from conveyor.integrations._hf_model import Stages, TokenLoss, gather_state_dict
+from conveyor.integrations._hf_model import Stages, gather_state_dict
+from conveyor.losses import ModelTokenLoss
 
 INIT_KEYS = ("pp", "dp", "tp", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
@@ -115,11 +117,14 @@ class PipelineTrainer(Trainer):
         loss_name = getattr(getattr(model, "loss_function", None), "__name__", "")
         self._token_loss = bool(self.model_accepts_loss_kwargs) and loss_name in TOKEN_LOSSES
         sample = self._split(self._sample(options["microbatches"]))
+        self._loss = (
+            ModelTokenLoss(model, getattr(self, "_loss_shifts_labels", False))
+            if self._token_loss
+            else None
+        )
         self.pipe = conveyor.Pipeline(
             model,
-            loss_fn=TokenLoss(model, getattr(self, "_loss_shifts_labels", False))
-            if self._token_loss
-            else None,
+            loss_fn=self._loss,
             context=self.context,
             sample=sample,
             autocast=torch.bfloat16 if self.args.bf16 else None,
@@ -175,10 +180,15 @@ class PipelineTrainer(Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> torch.Tensor:
-        """One batch through the pipeline; its loss (divided by the accumulation steps,
-        as the plain trainer reports it). On the accumulation's last batch the summed
-        gradients are averaged over its batches."""
+        """One batch through the pipeline; its loss as the plain trainer reports it.
+
+        A token loss is divided by ``num_items_in_batch``, the tokens of every batch of the
+        accumulation over every replica (:meth:`get_batch_samples`): the summed gradients
+        are then the accumulated batches' token mean's, as the plain trainer's. Another loss
+        is divided by the accumulation steps."""
         model.train()
+        if num_items_in_batch is not None:
+            return self.pipe.train_step(*self._split(inputs), count=int(num_items_in_batch))
         loss = self.pipe.train_step(*self._split(inputs))
         steps = max(int(getattr(self, "current_gradient_accumulation_steps", 1)), 1)
         if steps > 1 and self.accelerator.sync_gradients:
@@ -191,15 +201,29 @@ class PipelineTrainer(Trainer):
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
     ) -> tuple[list[Any], Any]:
-        """The next ``num_batches`` batches; the pipeline weighs micro-batches itself, so no
-        token count is gathered."""
+        """The next ``num_batches`` batches and, for a token loss, the tokens they count
+        over every replica (None otherwise). Counted where the labels are read (the last
+        stage's ranks) and summed over the world: every rank calls this at the same point
+        of the loop, so the collective keeps NCCL's order."""
         batches: list[Any] = []
         for _ in range(num_batches):
             try:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        return batches, None
+        if self._loss is None:
+            return batches, None
+        ctx = self.context
+        speaks = not ctx.distributed or (
+            ctx.pp_rank == self.pipe.schedule.placement[-1] and ctx.tp_rank == 0
+        )
+        local = sum(
+            int(self._loss.count(b["labels"])) for b in batches if b and "labels" in b
+        ) if speaks else 0  # fmt: skip
+        count = torch.tensor([local], dtype=torch.int64, device=ctx.device)
+        if ctx.distributed:
+            dist.all_reduce(count)
+        return batches, int(count.item())
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self.pipe.clip_grad_norm_(self.args.max_grad_norm)

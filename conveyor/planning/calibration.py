@@ -179,8 +179,7 @@ def _run_reference(
     m = schedule.microbatches
     options = Options(loss_fn, m, schedule.chunks, list(balance))
     parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
-    size = parts.shard_size(inputs, targets)
-    dp = parts.data_parallel
+    batch = parts.divide("train", inputs, targets)
     steps: list[float] = []
     timings: list[Timing] = []
     for i in range(CALIBRATION_WARMUP + CALIBRATION_STEPS):
@@ -188,13 +187,7 @@ def _run_reference(
             p.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        if dp is not None:
-            dp.begin(size)
-        record = parts.run("train", inputs, targets)
-        if dp is not None:
-            dp.wait()
-        if parts.shared:
-            parts.shared.reduce()
+        record, _ = parts.step("train", batch)  # the step users run, reductions included
         dist.barrier()
         if i >= CALIBRATION_WARMUP:
             steps.append(time.perf_counter() - t0)

@@ -69,9 +69,11 @@ class Mailbox:
         self._box = {}
         self.waits = []
 
-    def agree(self, signature: int, size: int, has_inputs: bool) -> tuple[int, int]:
-        """The step's input signature and batch size as every pipeline rank sees them."""
-        return signature, size
+    def agree(self, header: torch.Tensor, has_inputs: bool) -> list[int]:
+        """The step's header (input signature, micro-batch rows and counts: int64) as every
+        pipeline rank sees it (the first stage's), read to the host: the step's one sync
+        before its work."""
+        return [int(v) for v in header.tolist()]
 
     def deliver(self, producer: Action, value: Any) -> None:
         """``producer``'s result (F output or B input gradients), for its consumer."""
@@ -138,14 +140,14 @@ class Remote(Mailbox):
         self._outgoing = None
         self._incoming = {}
 
-    def agree(self, signature: int, size: int, has_inputs: bool) -> tuple[int, int]:
+    def agree(self, header: torch.Tensor, has_inputs: bool) -> list[int]:
         holder = self.schedule.placement[0]
         if self.rank == holder and not has_inputs:
             raise PipelineError(
                 f"rank {self.rank} holds the first stage but got inputs=None; pass the batch "
                 f"on this rank"
             )
-        buf = torch.tensor([signature, size], dtype=torch.int64, device=self.device)
+        buf = header
         name = self.transport.name
         others = [name(r) for r in range(self.schedule.ranks) if r != self.rank]
         if self.rank == holder:
@@ -161,8 +163,7 @@ class Remote(Mailbox):
             f"{name(self.rank)}: starting a step ({doing})",
             suspect,
         )
-        values = buf.tolist()  # one host sync per step, not per micro-batch
-        return int(values[0]), int(values[1])
+        return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
 
     def deliver(self, producer: Action, value: Any) -> None:
         consumer = consumer_stage(producer, self.schedule.stages)

@@ -8,7 +8,7 @@ action's input and passes on what it returns. It keeps what a step needs between
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -28,11 +28,13 @@ from conveyor.runtime.recompute import (
     shape_only,
 )
 from conveyor.runtime.split_backward import WeightWork, backward_input
+from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
 
 Mode = Literal["train", "eval", "predict"]
-LossFn = Callable[[Any, Any], torch.Tensor] | None
+LossFn = Callable[[Any, Any], Any]
+"""``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
 
 
 def grad_leaves(value: Any) -> list[torch.Tensor]:
@@ -69,7 +71,7 @@ class StageCompute:
         stages: dict[int, nn.Module],
         last_stage: int,
         split_backward: bool,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         device: torch.device,
         *,
         recompute: frozenset[int],
@@ -93,30 +95,34 @@ class StageCompute:
         self._call = StageCaller()
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
-        self.begin("train", None, [], 1.0, frozenset())
+        self.begin("train", None, (), None, 1.0, frozenset())
 
     def begin(
         self,
         mode: Mode,
         targets: list[Any] | None,
-        shares: list[float],
-        loss_scale: float,
+        sizes: Sequence[int],
+        counts: Sequence[int] | None,
+        scale: float,
         adjacent: frozenset[tuple[int, int]],
     ) -> None:
-        """Start a step: ``shares`` weigh each micro-batch's loss by its part of the batch;
-        ``loss_scale`` multiplies the losses that are differentiated (not the reported)."""
+        """Start a step: ``sizes`` are the micro-batches' rows (a scalar loss is weighted
+        by them); ``counts``, the tokens a model's own token-averaged loss divides each
+        micro-batch's by (it is weighted by them); ``scale`` multiplies every micro-batch's
+        loss total before its backward (see :mod:`conveyor.runtime.step_loss`)."""
         self.mode: Mode = mode
         self.train = mode == "train"
         self.targets = targets
-        self.shares = shares
-        self.loss_scale = loss_scale
+        self.sizes = tuple(sizes)
+        self.counts = None if counts is None else tuple(counts)
+        self.scale = scale
         self.adjacent = adjacent
         self.saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.pending_w: dict[tuple[int, int], WeightWork] = {}
         # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
         self._stash: dict[tuple[int, int], tuple[Any, RngState]] = {}
         self.outputs: dict[int, Any] = {}
-        self.loss: torch.Tensor | None = None
+        self.loss: StepLoss | None = None
 
     def gathered(self, stage: int) -> None:
         """FSDP gathered ``stage``: its gathered tensors are what autograd sees this step,
@@ -153,9 +159,9 @@ class StageCompute:
                 in_leaves = grad_leaves(value)
         else:
             in_leaves = grad_leaves(value) if self.train else []
-        scaled: torch.Tensor | None = None
+        term: LossTerm | None = None
         if not self._plain:
-            out, scaled = self._forward_with_options(s, m, value)
+            out, term = self._forward_with_options(s, m, value)
         elif self.train and self.split_backward:
             with self._store.capture((s, m)):
                 out = self._call(s, self.stages[s], value, s == 0)
@@ -176,33 +182,31 @@ class StageCompute:
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
             )
             return None
-        if scaled is None:
-            scaled = self._scaled_loss(out, m)
-        total = scaled.detach() / self.loss_scale
-        self.loss = total if self.loss is None else self.loss + total
+        if term is None:
+            term = self._term(out, m)
+        if self.loss is None:
+            self.loss = StepLoss()
+        self.loss.add(term, self.sizes[m])
         if self.train:
             # A recomputed last stage keeps nothing: B recomputes the loss too.
             recomputed = self._stash and (s, m) in self._stash
-            self.saved[(s, m)] = (in_leaves, [] if recomputed else [scaled])
+            self.saved[(s, m)] = (in_leaves, [] if recomputed else [term.total * self.scale])
         return None
 
-    def _scaled_loss(self, out: Any, m: int) -> torch.Tensor:
-        """The micro-batch's loss times its share of the batch."""
+    def _term(self, out: Any, m: int) -> LossTerm:
+        """The micro-batch's loss as a pair (see :func:`~conveyor.runtime.step_loss.as_term`)."""
         if self.loss_fn is None:
-            loss = model_loss(out)
+            result: Any = model_loss(out)
+            if self.counts is not None:
+                return counted_term(result, self.counts[m])
         else:
             assert self.targets is not None
-            loss = self.loss_fn(out, self.targets[m])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise PipelineError(
-                f"loss_fn must return a scalar tensor (the mean loss of the micro-batch), got {got}"
-            )
-        return loss.reshape(()) * (self.shares[m] * self.loss_scale)
+            result = self.loss_fn(out, self.targets[m])
+        return as_term(result, self.sizes[m])
 
-    def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, torch.Tensor | None]:
+    def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, LossTerm | None]:
         """F under autocast and/or recompute; returns the output and, on the last stage
-        (outside predict), the scaled loss, computed under the same autocast."""
+        (outside predict), the loss term, computed under the same autocast."""
         recompute = self.train and s in self.recompute and (s, m) not in self.adjacent
         if recompute:
             self._stash[(s, m)] = (value, rng_state(self.device))
@@ -211,7 +215,7 @@ class StageCompute:
                     [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
                 )
         capture = self.train and self.split_backward and not recompute
-        scaled = None
+        term = None
         with contextlib.ExitStack() as stack:
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
@@ -221,8 +225,8 @@ class StageCompute:
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
             if s == self.last_stage and self.mode != "predict":
-                scaled = self._upcast(self._scaled_loss(out, m))
-        return out, scaled
+                term = self._term(out, m)
+        return out, term
 
     def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
         """B of a recompute stage: its forward again, from the kept input and RNG state;
@@ -236,7 +240,7 @@ class StageCompute:
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
             last = s == self.last_stage
-            outs = [self._upcast(self._scaled_loss(out, m))] if last else grad_leaves(out)
+            outs = [self._term(out, m).total * self.scale] if last else grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
         del self._stash[(s, m)]
         return outs
@@ -245,10 +249,6 @@ class StageCompute:
         """Whether B of (``stage``, ``microbatch``) is still to recompute its forward (after
         an error: whether that recompute failed)."""
         return (stage, microbatch) in self._stash
-
-    def _upcast(self, loss: torch.Tensor) -> torch.Tensor:
-        """A loss computed in the autocast dtype, in float32 (micro-batch losses add up)."""
-        return loss.float() if self.autocast is not None and loss.dtype == self.autocast else loss
 
     # ----------------------------------------------------------------- B and W
     def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:

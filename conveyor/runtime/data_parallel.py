@@ -1,10 +1,9 @@
 """Data x pipeline parallelism: average each step's gradients over the pipeline replicas.
 
 With ``conveyor.init(pp=P, dp=D)`` the world is D replicas of one P-rank pipeline; replica
-r trains on its own shard of the global batch. After a step, every stage's gradient must be
-the global batch's: ``sum_r (n_r / N) * g_r``, where ``g_r`` is replica r's gradient of its
-shard's mean loss, ``n_r`` its shard size and ``N`` the global batch size (with even shards,
-the plain mean over replicas).
+r trains on its own shard of the global batch. Each replica's losses are already divided
+by the global batch (:mod:`conveyor.runtime.step_loss`), so the global batch's gradient is
+the plain sum of the replicas' gradients.
 
 A stage's gradients are final once the last backward (or W) of that stage has run on this
 rank, usually well before the pipeline has drained: the engine reports every action to
@@ -24,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
-from conveyor.errors import PipelineError
 from conveyor.runtime.sharding import local_shard as _local
+from conveyor.runtime.step_grads import GradientSync
 from conveyor.runtime.transport import collective, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
@@ -43,14 +42,14 @@ class _Bucket:
     launched: bool = False
 
 
-class DataParallel:
-    """Averages one pipeline rank's gradients of each step over the data-parallel replicas.
+class DataParallel(GradientSync):
+    """Sums one pipeline rank's gradients of each step over the data-parallel replicas.
 
     Works on the step's own gradients: the caller puts earlier ones aside before
-    :meth:`begin` and adds them back after :meth:`wait`
+    :meth:`begin` and adds them back after :meth:`finish`
     (:class:`~conveyor.runtime.step_grads.StepGradients`). Tied parameters need no care
-    here: their cross-rank sum (``SharedParameters``) and this mean are both linear in the
-    step's gradient, so run the sum after :meth:`wait`.
+    here: their cross-rank sum (``SharedParameters``) and this sum are both linear in the
+    step's gradient, so run that sum after :meth:`finish`.
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], ctx: Context) -> None:
@@ -76,14 +75,11 @@ class DataParallel:
         self._final = {a: s for s, a in final.items()}
         self._active = False  # a step is running
         self._done: set[int] = set()
-        self._weight = 1.0
         self.launched_early = 0  # buckets started by after_action (the rest by wait)
 
     # ----------------------------------------------------------------- one step
-    def begin(self, size: int | None) -> None:
-        """Start a training step; ``size`` is this replica's batch size on the rank holding
-        the last stage, None elsewhere. Collective over the world."""
-        self._weight = replica_share(size, self._ctx)
+    def begin(self) -> None:
+        """Start a training step."""
         self._active = True
         self._done = set()
         for bucket in self._buckets:
@@ -121,16 +117,15 @@ class DataParallel:
             for i, p in enumerate(params):
                 if p.grad is None:
                     flat[n + i].zero_()
-            flat.mul_(self._weight)
             for p in params:
-                p.grad = None  # now in the buffer; wait() puts the mean back
+                p.grad = None  # now in the buffer; finish() puts the sum back
             work = dist.all_reduce(flat, group=self._ctx.dp_group, async_op=True)
             assert work is not None
             bucket.pending.append((work, flat, params))
 
     @torch.no_grad()
-    def wait(self) -> None:
-        """Finish the reductions: each ``.grad`` is this step's replica-weighted mean."""
+    def finish(self) -> None:
+        """Finish the reductions: each ``.grad`` is this step's sum over the replicas."""
         self._active = False
         for bucket in self._buckets:
             if not bucket.launched:
@@ -202,73 +197,6 @@ def _like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         values.view_as(local), param.device_mesh, param.placements, run_check=False
     )
-
-
-def replica_share(size: int | None, ctx: Context) -> float:
-    """This replica's share of the global batch; ``size`` is its batch size on the ranks
-    holding the last stage, None elsewhere. Collective over the world."""
-    sizes = torch.zeros(ctx.dp_size, dtype=torch.float64, device=ctx.device)
-    if size is not None:
-        sizes[ctx.dp_rank] = size
-    collective(
-        lambda: dist.all_reduce(sizes, async_op=True),
-        ctx.timeout,
-        f"rank {ctx.rank}: exchanging the replicas' batch sizes",
-        "another rank",
-    )
-    counts = sizes.tolist()
-    if min(counts) <= 0:
-        raise PipelineError(
-            f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a "
-            f"non-empty shard"
-        )
-    return float(counts[ctx.dp_rank] / sum(counts))
-
-
-def global_loss(loss: torch.Tensor | None, size: int | None, ctx: Context) -> torch.Tensor:
-    """The global batch's loss on every rank: replica losses weighted by shard size.
-
-    ``loss``/``size`` are given on the rank holding each replica's last stage (None
-    elsewhere). Collective over the world.
-    """
-    buf = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-    if loss is not None:
-        assert size is not None
-        buf[0] = loss.detach().to(torch.float64) * size
-        buf[1] = size
-    collective(
-        lambda: dist.all_reduce(buf, async_op=True),
-        ctx.timeout,
-        f"rank {ctx.rank}: combining the replicas' losses",
-        "another rank",
-    )
-    return (buf[0] / buf[1]).to(torch.float32)
-
-
-def batch_loss(
-    loss: torch.Tensor | None, size: int | None, ctx: Context, holder: int
-) -> torch.Tensor:
-    """The step's loss on every rank: the global batch's with replicas, else the one the
-    pipeline rank ``holder`` (the last stage's) computed. Collective in a distributed world.
-    """
-    if not ctx.distributed:
-        assert loss is not None
-        return loss
-    if ctx.dp_size > 1:
-        return global_loss(loss, size, ctx)
-    buf = (
-        loss.detach().to(torch.float32).reshape(1)
-        if loss is not None
-        else torch.zeros(1, dtype=torch.float32, device=ctx.device)
-    )
-    source = ctx.global_rank(holder)
-    collective(
-        lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
-        ctx.timeout,
-        f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
-        f"rank {source} or another pipeline rank",
-    )
-    return buf.reshape(())
 
 
 def _by_dtype(tensors: list[T]) -> list[list[T]]:

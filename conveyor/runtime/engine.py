@@ -21,10 +21,10 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
-from conveyor.runtime import microbatch
 from conveyor.runtime.channel import Mailbox, Remote
 from conveyor.runtime.compute import LossFn, Mode, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
+from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.program import (
     RankProgram,
     Step,
@@ -33,6 +33,7 @@ from conveyor.runtime.program import (
     single_process_program,
 )
 from conveyor.runtime.sharding import Sharded
+from conveyor.runtime.step_loss import StepLoss, loss_scale
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
 
@@ -43,8 +44,9 @@ __all__ = ["Engine", "LossFn", "Mode", "StepRecord", "model_loss"]
 class StepRecord:
     """What one step did on this process.
 
-    ``loss``: the sum of this process's micro-batch losses, each weighted by its share of
-    the batch (None where no last stage is held); ``outputs``: the last stage's micro-batch
+    ``loss``: the sums of this process's micro-batch loss totals, counts and rows (None
+    where no last stage is held; :func:`~conveyor.runtime.step_loss.combine` makes the
+    step's loss of them); ``outputs``: the last stage's micro-batch
     outputs (``predict``); ``timings``: (rank, kind, stage, micro-batch, start, end) per
     action, seconds from the step start, start once its inputs had arrived; ``waits``: the
     same for each wait on another rank (the producer's kind, stage and micro-batch);
@@ -53,7 +55,7 @@ class StepRecord:
     """
 
     mode: Mode
-    loss: torch.Tensor | None
+    loss: StepLoss | None
     outputs: list[Any]
     timings: list[Timing]
     waits: list[Timing]
@@ -68,7 +70,7 @@ class Engine:
         self,
         schedule: Schedule,
         stages: dict[int, nn.Module],
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         ctx: Context,
         *,
         recompute: frozenset[int] = frozenset(),
@@ -125,28 +127,21 @@ class Engine:
             self._programs[train] = program
         return program
 
-    def run(
-        self,
-        mode: Mode,
-        inputs: list[Any] | None,
-        targets: list[Any] | None,
-        loss_scale: float = 1.0,
-    ) -> StepRecord:
+    def run(self, mode: Mode, batch: MicroBatches, scale: float | None = None) -> StepRecord:
         """Run one step.
 
-        ``inputs``/``targets`` are per micro-batch (None where this process holds neither
-        the first nor the last stage, and targets always None when the model computes its
-        own loss). ``loss_scale`` multiplies every micro-batch's loss before its backward
-        (not the loss reported): FSDP's mean over replicas then weighs replicas by their
-        shard of the batch.
+        ``batch`` holds this process's micro-batches (inputs where it holds the first
+        stage, targets where it holds the last and a ``loss_fn`` reads them). ``scale``
+        multiplies every micro-batch's loss total before its backward (None: one over the
+        batch's rows; see :mod:`conveyor.runtime.step_loss`).
         """
         train = mode == "train"
         program = self.program(train)
-        signature, size = self._signature(inputs)
-        m = self.schedule.microbatches
-        shares = [(size // m + (1 if i < size % m else 0)) / size for i in range(m)]
+        signature, sizes, counts = self._signature(batch)
+        if scale is None:
+            scale = loss_scale(sum(sizes))
         compute, channel = self.compute, self.channel
-        compute.begin(mode, targets, shares, loss_scale, program.adjacent)
+        compute.begin(mode, batch.targets, sizes, counts, scale, program.adjacent)
         clock = time.perf_counter
         t0 = clock()  # after the signature broadcast: ranks start together
         channel.begin((signature, mode), t0)
@@ -183,7 +178,7 @@ class Engine:
                     self._weight_grads(steps[i:j])
                 else:
                     j = i + 1
-                    self._step(steps[i], inputs)
+                    self._step(steps[i], batch.inputs)
                 if action is not None and sharded is not None and program.final[action.stage] < j:
                     sharded.finish(action.stage, train)
                 i = j
@@ -303,20 +298,34 @@ class Engine:
             f"its traceback, above this one, shows the failing line"
         )
 
-    def _signature(self, inputs: list[Any] | None) -> tuple[int, int]:
-        """A number all ranks share that changes when micro-batch input shapes change, and
-        the batch size (micro-batch losses are weighted by their share of it)."""
-        signature = size = 0
-        if inputs is not None:
+    def _signature(
+        self, batch: MicroBatches
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...] | None]:
+        """What every pipeline rank learns from the first stage's batch at step start, in
+        one broadcast: a number that changes when micro-batch input shapes change, the
+        micro-batches' rows (a scalar loss is weighted by them), and the counts of a
+        model's own token loss (:attr:`MicroBatches.counts`)."""
+        m = self.schedule.microbatches
+        signature = 0
+        if batch.inputs is not None:
             shapes = [
                 (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
-                for mb in inputs
+                for mb in batch.inputs
                 for x in pytree.tree_leaves(mb)
             ]
             signature = zlib.crc32(repr(shapes).encode())
-            size = sum(microbatch.batch_size(mb, "inputs") for mb in inputs)
-        return self.channel.agree(signature, size, inputs is not None)
-
+        sizes = batch.sizes if batch.sizes is not None else (0,) * m
+        has_counts = batch.counts is not None
+        head = torch.tensor([signature, *sizes, int(has_counts)], dtype=torch.int64)
+        counts = (
+            batch.counts.to(torch.int64)
+            if batch.counts is not None
+            else torch.zeros(m, dtype=torch.int64, device=self.ctx.device)
+        )
+        header = torch.cat([head.to(self.ctx.device), counts.to(self.ctx.device)])
+        values = self.channel.agree(header, batch.inputs is not None)
+        agreed = tuple(values[1 : m + 1])
+        return values[0], agreed, tuple(values[m + 2 :]) if values[m + 1] else None
 
 
 def _is_weight_of(action: Action | None, stage: int) -> bool:

@@ -1,10 +1,15 @@
 """Divide a batch (tensor, tuple or dict of tensors) into micro-batches and merge back.
 
+:class:`MicroBatches` is a step's batch as the runtime reads it, made once per step by
+:func:`prepare` (a batch divided here) or :func:`prepare_cut` (micro-batches the user cut).
+
 ("Divide" is for batches; "split" means cutting a model into stages.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,3 +99,131 @@ def to_device(value: Any, device: torch.device) -> Any:
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value
     )
 
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a process passes to a step: the inputs (it holds the first stage), the targets
+    (it holds the last stage and a ``loss_fn`` reads them)."""
+
+    inputs: bool
+    targets: bool
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """One step's batch, divided: what each micro-batch is and how many rows it has.
+
+    ``inputs`` / ``targets``: per micro-batch, on the device (None where this process does
+    not read them); ``sizes``: rows per micro-batch, where this process got a batch (None
+    elsewhere: the engine shares the first stage's with every pipeline rank); ``counts``:
+    per micro-batch, the items a model's own token-averaged loss divides by (an integer
+    tensor, counted from the labels in the inputs; None for other losses).
+    """
+
+    inputs: list[Any] | None
+    targets: list[Any] | None
+    sizes: tuple[int, ...] | None
+    counts: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int | None:
+        """The rows of the whole batch (None where this process got no batch)."""
+        return None if self.sizes is None else sum(self.sizes)
+
+
+Counter = Callable[[torch.Tensor], torch.Tensor]
+
+
+def prepare(
+    inputs: Any,
+    targets: Any,
+    parts: int,
+    needs: Needs,
+    device: torch.device,
+    counter: Counter | None = None,
+) -> MicroBatches:
+    """A batch divided on dim 0 into ``parts`` micro-batches (sizes differ by at most one);
+    ``counter`` counts the items of each micro-batch's ``labels`` input, if given.
+
+    Raises:
+        ConfigError: a needed value is None, or the batch cannot be divided.
+    """
+    mb_inputs = divide_for(inputs, parts, "inputs", needs.inputs, device)
+    mb_targets = divide_for(targets, parts, "targets", needs.targets, device)
+    return _described(mb_inputs, mb_targets if needs.targets else None, None, counter)
+
+
+def _described(
+    inputs: list[Any] | None,
+    targets: list[Any] | None,
+    sizes: tuple[int, ...] | None,
+    counter: Counter | None,
+) -> MicroBatches:
+    given = inputs if inputs is not None else targets
+    if sizes is None and given is not None:
+        what = "inputs" if inputs is not None else "targets"
+        sizes = tuple(batch_size(mb, what) for mb in given)
+    counts = None
+    if counter is not None and inputs is not None and all(
+        isinstance(mb, Mapping) and isinstance(mb.get("labels"), torch.Tensor) for mb in inputs
+    ):
+        counts = torch.stack([counter(mb["labels"]) for mb in inputs])
+    return MicroBatches(inputs, targets, sizes, counts)
+
+
+def prepare_cut(
+    microbatches: Sequence[Any],
+    parts: int,
+    needs: Needs,
+    device: torch.device,
+    counter: Counter | None = None,
+) -> MicroBatches:
+    """Micro-batches the user cut, ``[(inputs_0, targets_0), ...]``, each with its own
+    shapes (e.g. bucketed by length).
+
+    Raises:
+        ConfigError: not a list of ``parts`` pairs, or a pair whose inputs and targets
+            hold different numbers of rows.
+    """
+    if not isinstance(microbatches, (list, tuple)) or len(microbatches) != parts:
+        got = len(microbatches) if isinstance(microbatches, (list, tuple)) else None
+        raise ConfigError(
+            f"microbatches= takes a list of exactly {parts} (inputs, targets) pairs (the "
+            f"pipeline's microbatches={parts}), got "
+            + (f"{got}" if got is not None else f"a {type(microbatches).__name__}")
+            + "; cut the batch into that many, or build the Pipeline with their count"
+        )
+    sizes: list[int] = []
+    mb_inputs: list[Any] = []
+    mb_targets: list[Any] = []
+    for i, pair in enumerate(microbatches):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ConfigError(
+                f"microbatches[{i}] is a {type(pair).__name__}; each micro-batch is a pair "
+                f"(inputs, targets) of tensors, tuples or dicts (targets None with "
+                f"loss_fn=None)"
+            )
+        x, y = pair
+        rows = [batch_size(v, f"microbatches[{i}] {w}") for v, w in ((x, "inputs"), (y, "targets"))
+                if v is not None]  # fmt: skip
+        if len(set(rows)) > 1:
+            raise ConfigError(
+                f"microbatches[{i}] holds {rows[0]} input rows but {rows[1]} target rows; "
+                f"pass targets for the same samples as the inputs"
+            )
+        if needs.inputs and x is None:
+            raise missing(f"microbatches[{i}] inputs")
+        if needs.targets and y is None:
+            raise missing(f"microbatches[{i}] targets")
+        if rows:
+            sizes.append(rows[0])
+        mb_inputs.append(None if x is None else to_device(x, device))
+        mb_targets.append(None if y is None else to_device(y, device))
+    known = len(sizes) == parts
+    return _described(
+        mb_inputs if needs.inputs else None,
+        mb_targets if needs.targets else None,
+        tuple(sizes) if known else None,
+        counter,
+    )

@@ -14,10 +14,11 @@ from torch import nn
 from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.runtime.sharding import local_shard
+from conveyor.runtime.step_grads import GradientSync
 from conveyor.runtime.transport import collective
 
 
-class SharedParameters:
+class SharedParameters(GradientSync):
     """Sums, over the ranks holding a copy, each step's gradient of a shared parameter.
 
     ``shared`` lists each tied parameter as its name in each stage using it, and those
@@ -98,6 +99,10 @@ class SharedParameters:
                 f"copying tied weights from rank {src}",
                 group,
             )
+
+    def finish(self) -> None:
+        """The step's gradients are final here: sum the tied ones (see :meth:`reduce`)."""
+        self.reduce()
 
     @torch.no_grad()
     def reduce(self) -> None:

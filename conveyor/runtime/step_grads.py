@@ -1,9 +1,11 @@
-"""One step's gradients apart from those accumulated before it.
+"""One step's gradients apart from those accumulated before it, and the interface of
+the reductions that act on them.
 
 ``.grad`` accumulates across steps, like ``backward()``. Reductions over ranks (tied
-weights' sum, the data-parallel mean) must act on this step's gradient only, so a step
-that reduces puts the earlier gradients aside first (``.grad`` = None, no copy) and adds
-them back afterwards: ``.grad = before + reduced step``.
+weights' sum, the data-parallel sum) and the step's final scaling (a pair loss's division
+by its count) must act on this step's gradient only, so a step puts the earlier gradients
+aside first (``.grad`` = None, no copy) and adds them back afterwards:
+``.grad = before + reduced, scaled step``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,28 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from conveyor.runtime.sharding import local_shard
+from conveyor.schedules import Action
+
+
+class GradientSync:
+    """A reduction of a step's gradients over ranks, plugged into the step: the step calls
+    :meth:`begin`, then :meth:`after_action` after every action of the schedule,
+    :meth:`finish` at the end (every rank at the same point: NCCL's order), or
+    :meth:`abort` when the step failed. The defaults do nothing."""
+
+    def begin(self) -> None:
+        """A training step starts."""
+
+    def after_action(self, action: Action) -> None:
+        """``action`` ran (a reduction may start as soon as a stage's gradients are final)."""
+
+    def finish(self) -> None:
+        """The step's actions are done: complete the reduction."""
+
+    def abort(self) -> None:
+        """The step failed: drop what is in flight."""
 
 
 class StepGradients:
@@ -38,6 +62,14 @@ class StepGradients:
             if p.grad is not None:
                 old.add_(p.grad)
             p.grad = old
+
+    @torch.no_grad()
+    def scale(self, factor: float) -> None:
+        """Multiply this step's gradients (between :meth:`put_aside` and
+        :meth:`add_back`) by ``factor``; nothing when it is 1."""
+        grads = [local_shard(p.grad) for p in self._params if p.grad is not None]
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
 
     def give_back(self) -> None:
         """After a failed step: the gradients from before it, as they were."""

@@ -94,22 +94,27 @@ def resolve(metrics: Mapping[str, Metric | str] | Sequence[str] | None) -> dict[
     return out
 
 
-def _loss(pipe: Pipeline, output: Any, targets: Any, size: int) -> float:
-    """The batch's mean loss from its output on the last stage."""
+def _loss(pipe: Pipeline, output: Any, targets: Any, size: int) -> tuple[float, float]:
+    """The batch's loss from its output on the last stage, as (total, count): a pair
+    ``loss_fn`` gives them, a scalar mean counts the rows (``size``)."""
     if pipe.loss_fn is not None:
-        return float(pipe.loss_fn(output, targets))
+        result = pipe.loss_fn(output, targets)
+        if isinstance(result, tuple):  # (total, count): token-weighted over the whole set
+            total, count = result
+            return float(total), float(count)
+        return float(result) * size, float(size)
     loss = output if isinstance(output, torch.Tensor) and output.dim() == 0 else None
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
     elif getattr(output, "loss", None) is not None:
         loss = output.loss
     if loss is None:
-        return float("nan")
+        return float("nan"), float(size)
     if loss.dim() == 0:
-        return float(loss)
-    # One loss per micro-batch: weigh each by its share of the samples, as train_step does.
+        return float(loss) * size, float(size)
+    # One loss per micro-batch: weigh each by its rows, as train_step weighs a mean.
     parts = torch.tensor([len(p) for p in torch.tensor_split(torch.arange(size), len(loss))])
-    return float((loss.detach().double().cpu() * parts).sum() / size)
+    return float((loss.detach().double().cpu() * parts).sum()), float(size)
 
 
 @contextlib.contextmanager
@@ -127,8 +132,9 @@ def evaluate(pipe: Pipeline, batches: Batches, metrics: dict[str, Metric]) -> di
     """Run ``batches`` through ``pipe`` and compute the loss and ``metrics``.
 
     Outputs exist on the rank holding the last stage (of each replica); there each metric is
-    averaged over the samples, then one all-reduce over the world gives every rank the
-    values over the whole evaluation data.
+    averaged over the samples and the loss as ``train_step`` combines it (a pair loss's
+    totals over its counts, a mean weighted by rows), then one all-reduce over the world
+    gives every rank the values over the whole evaluation data.
 
     Args:
         pipe: The pipeline.
@@ -139,8 +145,8 @@ def evaluate(pipe: Pipeline, batches: Batches, metrics: dict[str, Metric]) -> di
         ``{"loss": ..., name: ...}``, the same on every rank.
     """
     ctx = pipe.context
-    names = ["loss", *metrics]
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+    # [samples, loss total, loss count, metric sums...]
+    sums = torch.zeros(3 + len(metrics), dtype=torch.float64)
     with evaluation_mode(pipe):
         for inputs, targets, _ in batches.epoch(0):
             output = pipe.predict(inputs)
@@ -148,18 +154,23 @@ def evaluate(pipe: Pipeline, batches: Batches, metrics: dict[str, Metric]) -> di
                 continue
             truth = targets if targets is not None else inputs
             size = len(logits_of(output)) if truth is None else _batch_size(truth)
-            values = [_loss(pipe, output, targets, size)]
-            values += [float(fn(output, truth)) for fn in metrics.values()]
+            total, count = _loss(pipe, output, targets, size)
+            values = [float(fn(output, truth)) for fn in metrics.values()]
             sums[0] += size
-            sums[1:] += torch.tensor(values, dtype=torch.float64) * size
+            sums[1] += total
+            sums[2] += count
+            sums[3:] += torch.tensor(values, dtype=torch.float64) * size
     if ctx.distributed:
         if ctx.tp_rank != 0:  # tensor-parallel ranks of the last stage hold the same outputs
             sums.zero_()
         buf = sums.to(ctx.device)
         dist.all_reduce(buf)
         sums = buf.cpu()
-    count = float(sums[0])
-    return {n: float(sums[i + 1]) / count if count else float("nan") for i, n in enumerate(names)}
+    samples, counted = float(sums[0]), float(sums[2])
+    out = {"loss": float(sums[1]) / counted if counted else float("nan")}
+    for i, name in enumerate(metrics):
+        out[name] = float(sums[i + 3]) / samples if samples else float("nan")
+    return out
 
 
 def _batch_size(value: Any) -> int:

@@ -1,0 +1,216 @@
+"""How micro-batch and replica losses combine into the step's loss: the one place.
+
+A ``loss_fn`` returns either a scalar, the mean over the micro-batch's rows, or a pair
+``(total, count)``: the micro-batch's summed loss and how many items it summed (e.g. the
+tokens that are not ``ignore_index``). Both are read as a pair: a scalar ``L`` over ``n``
+rows is ``(L * n, n)``. The step's loss is ``sum(total) / sum(count)`` over every
+micro-batch of every data-parallel replica, and the gradients are that loss's.
+
+The arithmetic, in two halves that together make the division exact:
+
+- Before each backward, a micro-batch's ``total`` is multiplied by :func:`loss_scale`:
+  ``1 / rows``, the rows of the whole (global) batch, known from the batch at step start
+  (times the replicas under FSDP, whose reduction averages where the others sum).
+- After the step, the loss's own collective (:func:`combine`) carries the summed totals,
+  counts and rows to every rank; the step's gradients are then multiplied by
+  ``rows / count``. For a scalar loss count is rows, so that is exactly 1 and nothing
+  runs; for a pair it turns the division by rows into the division by the count.
+
+Counts are integers summed on the device (no host sync per micro-batch); the one sync of a
+step is :func:`combine`'s, which every member posts at the same point (NCCL's order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from conveyor.context import Context
+from conveyor.errors import ConfigError, PipelineError
+from conveyor.runtime.transport import collective
+
+
+class LossTerm(NamedTuple):
+    """One micro-batch's loss as a pair: ``total`` (float32 or wider, differentiable) and
+    ``items``, its count (an integer tensor, or a Python int)."""
+
+    total: torch.Tensor
+    items: torch.Tensor | int
+    pair: bool  # the loss_fn returned a pair (else a scalar weighted by rows)
+
+
+def as_term(result: Any, rows: int) -> LossTerm:
+    """A ``loss_fn`` (or model) result for a micro-batch of ``rows`` rows, as a pair.
+
+    Raises:
+        PipelineError: neither a scalar tensor nor a pair ``(total, count)`` with a scalar
+            total and an integer count.
+    """
+    if isinstance(result, tuple):
+        if len(result) != 2:
+            raise PipelineError(
+                f"loss_fn returned a tuple of {len(result)}; return a scalar (the mean over "
+                f"the micro-batch's rows) or a pair (total, count)"
+            )
+        total, count = result
+        _check_scalar(total, "the total of loss_fn's pair (total, count) must be a scalar tensor")
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1 or count.dtype.is_floating_point or count.is_complex():
+                raise PipelineError(
+                    f"the count of loss_fn's pair (total, count) must be an integer, got a "
+                    f"{count.dtype} tensor of shape {tuple(count.shape)}; count items with an "
+                    f"integer tensor, e.g. (labels != ignore_index).sum()"
+                )
+            count = count.reshape(())
+        elif isinstance(count, bool) or not isinstance(count, int):
+            raise PipelineError(
+                f"the count of loss_fn's pair (total, count) must be an integer, got "
+                f"{count!r}; count items with an int or an integer tensor, e.g. "
+                f"(labels != ignore_index).sum()"
+            )
+        return LossTerm(_wide(total.reshape(())), count, True)
+    _check_scalar(
+        result,
+        "loss_fn must return a scalar tensor (the mean loss of the micro-batch) or a pair "
+        "(total, count)",
+    )
+    return LossTerm(_wide(result.reshape(())) * rows, rows, False)
+
+
+def counted_term(mean: torch.Tensor, count: int) -> LossTerm:
+    """A model's own loss averaged over ``count`` tokens (transformers' token losses), as
+    a pair. A micro-batch without a counted token (its mean is NaN) adds nothing."""
+    _check_scalar(mean, "the model's loss must be a scalar tensor")
+    return LossTerm(torch.nan_to_num(_wide(mean.reshape(())), nan=0.0) * count, count, True)
+
+
+def _check_scalar(value: Any, rule: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise PipelineError(f"{rule}, got {got}")
+
+
+def _wide(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed in a half type (autocast), in float32: micro-batch totals add up."""
+    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+
+class StepLoss:
+    """The sums over this process's micro-batches of a step: total, count and rows."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count: torch.Tensor | int = 0
+        self.rows = 0
+        self._pair: bool | None = None
+
+    def add(self, term: LossTerm, rows: int) -> None:
+        """Add one micro-batch's term (detached).
+
+        Raises:
+            PipelineError: a pair on some micro-batches and a scalar on others.
+        """
+        if self._pair is not None and term.pair != self._pair:
+            raise PipelineError(
+                "loss_fn returned a pair (total, count) on some micro-batches and a scalar "
+                "on others; return the same kind for every micro-batch"
+            )
+        self._pair = term.pair
+        total = term.total.detach().to(torch.float64)
+        self.total = total if self.total is None else self.total + total
+        self.count = self.count + term.items
+        self.rows += rows
+
+
+def loss_scale(rows: int, fsdp_replicas: int = 1) -> float:
+    """What each micro-batch's total is multiplied by before its backward: one over the
+    global batch's ``rows``, times the replicas FSDP's averaging divides by."""
+    return fsdp_replicas / rows
+
+
+def global_rows(rows: int | None, ctx: Context) -> int:
+    """The rows of the global batch, from each replica's ``rows`` (given on the ranks
+    holding the last stage, None elsewhere). Collective over the world with replicas:
+    every rank posts it at the start of the step.
+
+    Raises:
+        PipelineError: a replica with an empty shard.
+    """
+    if not ctx.distributed or ctx.dp_size == 1:
+        assert rows is not None
+        return rows
+    sizes = torch.zeros(ctx.dp_size, dtype=torch.int64, device=ctx.device)
+    if rows is not None and ctx.tp_rank == 0:  # tensor-parallel ranks hold the same rows
+        sizes[ctx.dp_rank] = rows
+    collective(
+        lambda: dist.all_reduce(sizes, async_op=True),
+        ctx.timeout,
+        f"rank {ctx.rank}: exchanging the replicas' batch sizes",
+        "another rank",
+    )
+    counts = [int(c) for c in sizes.tolist()]
+    if min(counts) <= 0:
+        raise PipelineError(
+            f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a non-empty shard"
+        )
+    return sum(counts)
+
+
+class Combined(NamedTuple):
+    """The step's loss on every rank, and the factor its gradients still need."""
+
+    loss: torch.Tensor
+    gradient_factor: float
+
+
+def combine(
+    local: StepLoss | None, ctx: Context, holder: int, count: float | None = None
+) -> Combined:
+    """The step's loss, ``sum(total) / sum(count)`` over micro-batches and replicas, on
+    every rank, and ``rows / count``, what the step's gradients (scaled by one over the
+    rows before each backward) must still be multiplied by.
+
+    ``local`` is given on the ranks holding the last stage (None elsewhere); ``holder`` is
+    that pipeline rank. ``count``, if given, divides instead of the summed count (e.g. the
+    items of every batch one optimizer step accumulates). A collective in a distributed
+    world (a broadcast in the pipeline group, or an all-reduce over the world with
+    replicas), posted by every rank at the end of the step.
+
+    Raises:
+        ConfigError: the count is 0 (nothing to average over), on every rank.
+    """
+    buf = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    replicas = ctx.distributed and ctx.dp_size > 1
+    # Over replicas, one tensor-parallel rank of each speaks (they hold the same loss).
+    if local is not None and local.total is not None and (not replicas or ctx.tp_rank == 0):
+        buf[0] = local.total
+        buf[1] = local.count
+        buf[2] = local.rows
+    if replicas:
+        collective(
+            lambda: dist.all_reduce(buf, async_op=True),
+            ctx.timeout,
+            f"rank {ctx.rank}: combining the replicas' losses",
+            "another rank",
+        )
+    elif ctx.distributed:
+        source = ctx.global_rank(holder)
+        collective(
+            lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
+            ctx.timeout,
+            f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
+            f"rank {source} or another pipeline rank",
+        )
+    total, summed, rows = buf.tolist()  # the step's one host sync
+    divisor = summed if count is None else float(count)
+    if divisor <= 0:
+        raise ConfigError(
+            f"the step's loss divides by a count of {divisor:g}: no item to average over "
+            f"(every target is ignore_index?); give batches with at least one counted item"
+            if count is None
+            else f"count must be > 0, got {count!r}"
+        )
+    loss = torch.tensor(total / divisor, dtype=torch.float32, device=ctx.device)
+    return Combined(loss, rows / divisor)

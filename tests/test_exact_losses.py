@@ -1,0 +1,329 @@
+"""Token-averaged losses over padded, variable-length rows are the WHOLE batch's.
+
+The reference is always the unsplit model's loss over the whole (global) batch: the summed
+token loss divided by the batch's count of real tokens, never a mean of micro-batch means.
+Rows differ in real tokens by 12x, micro-batches and replica shares are uneven.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import conveyor
+from conveyor.errors import ConfigError, PipelineError
+from conveyor.losses import TokenCrossEntropy
+from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks
+from tests import distributed
+from tests.helpers import assert_close, grads_of, merge
+
+VOCAB, DIM, LENGTH = 13, 16, 12
+# Real (not ignore_index) tokens per row: 12x apart, and rows of one micro-batch differ.
+REAL = [12, 1, 8, 3, 10, 2, 6, 1, 9, 5]
+
+
+class Block(nn.Module):
+    """A layer with parameters (every stage of an automatic split gets some)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) + x
+
+
+def lm() -> nn.Sequential:
+    """A tiny language model as a layer list of 8 layers with parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, DIM), *[Block() for _ in range(6)],
+                         nn.Linear(DIM, VOCAB))  # fmt: skip
+
+
+def tokens(
+    rows: int = 10, seed: int = 0, length: int = LENGTH
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of ``rows`` rows; targets past each row's real tokens are -100."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (rows, length), generator=g)
+    y = torch.randint(0, VOCAB, (rows, length), generator=g)
+    for i in range(rows):
+        y[i, min(REAL[i % len(REAL)], length) :] = -100
+    return x, y
+
+
+def token_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean over real tokens: the unsplit model's loss on a whole batch."""
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+
+
+def reference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
+    """The unsplit model's loss and gradients over ALL ``pairs`` together: summed token
+    losses over the total count of real tokens."""
+    model = lm()
+    total = sum(
+        F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), reduction="sum")
+        for x, y in pairs
+    )
+    count = sum(int(y.ne(-100).sum()) for _, y in pairs)
+    loss = total / count
+    loss.backward()
+    return loss.item(), grads_of(model.named_parameters())
+
+
+def _every_schedule(pp: int, m: int) -> list[tuple[str, int]]:
+    names = [n for n in SCHEDULE_NAMES if not (n == "dualpipev" and m < 2 * pp - 1)]
+    return [(n, default_chunks(n)) for n in names]
+
+
+# ------------------------------------------------------------------- one process, every schedule
+@pytest.mark.parametrize("name,chunks", _every_schedule(2, 4))
+def test_pair_loss_is_the_whole_batch_token_mean(name: str, chunks: int) -> None:
+    """10 rows in 4 micro-batches (3, 3, 2, 2), pp=2 in one process: fails on a mean per
+    micro-batch weighted by rows (88% off on the worst gradient)."""
+    x, y = tokens()
+    want_loss, want_grads = reference([(x, y)])
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=4,
+                             schedule=name, chunks=chunks)  # fmt: skip
+    loss = pipe.train_step(x, y)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert_close(grads_of(pipe.named_parameters()), want_grads, name)
+
+
+def test_recompute_counts_each_micro_batch_once() -> None:
+    """The last stage's recompute runs the loss again at B: its total must not be added
+    to the step's loss twice, and its gradient must be the same."""
+    x, y = tokens()
+    want_loss, want_grads = reference([(x, y)])
+    conveyor.init(pp=2)
+    for name in ("1f1b", "zb-h1"):
+        pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=4,
+                                 schedule=name, recompute=True)  # fmt: skip
+        assert pipe.train_step(x, y).item() == pytest.approx(want_loss, rel=1e-6)
+        assert_close(grads_of(pipe.named_parameters()), want_grads, f"{name} recompute")
+
+
+def test_a_scalar_mean_per_micro_batch_is_weighted_by_rows() -> None:
+    """A scalar loss keeps its meaning (a mean over rows, weighted by rows): for token
+    losses that is NOT the whole batch's token mean, which is why the pair exists."""
+    x, y = tokens()
+    want_loss, _ = reference([(x, y)])
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=token_mean, microbatches=4)
+    got = pipe.train_step(x, y).item()
+    model = lm()
+    parts = zip(x.tensor_split(4), y.tensor_split(4), strict=True)
+    means = [token_mean(model(a), b).item() for a, b in parts]
+    rows = [3, 3, 2, 2]
+    assert got == pytest.approx(sum(v * r for v, r in zip(means, rows, strict=True)) / 10, rel=1e-6)
+    assert abs(got - want_loss) > 1e-3  # the data make the two clearly differ
+
+
+def test_label_smoothing_and_shift_match_cross_entropy() -> None:
+    out = torch.randn(3, 7, VOCAB)
+    _, y = tokens(3, length=7)
+    total, count = TokenCrossEntropy(label_smoothing=0.1)(out, y)
+    want = F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1), label_smoothing=0.1)
+    assert count.dtype == torch.int64 and int(count) == int(y.ne(-100).sum())
+    assert (total / count).item() == pytest.approx(want.item(), rel=1e-6)
+    total, count = TokenCrossEntropy(shift=True)(out, y)
+    want = F.cross_entropy(out[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1))
+    assert (total / count).item() == pytest.approx(want.item(), rel=1e-6)
+
+
+# --------------------------------------------------------------- micro-batches cut by the user
+def test_microbatches_cut_by_length_are_exact() -> None:
+    """Bucketed by length: each micro-batch has its own sequence length and rows."""
+    cut = [tokens(3, seed=1, length=12), tokens(1, seed=2, length=4),
+           tokens(4, seed=3, length=7), tokens(2, seed=4, length=10)]  # fmt: skip
+    want_loss, want_grads = reference(cut)
+    conveyor.init(pp=2)
+    for name in ("1f1b", "zbv"):
+        pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=4,
+                                 schedule=name, chunks=default_chunks(name))  # fmt: skip
+        assert pipe.train_step(microbatches=cut).item() == pytest.approx(want_loss, rel=1e-6)
+        assert_close(grads_of(pipe.named_parameters()), want_grads, name)
+        assert pipe.eval_step(microbatches=cut).item() == pytest.approx(want_loss, rel=1e-6)
+
+
+def test_bad_microbatches_get_one_sentence() -> None:
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    x, y = tokens(4)
+    with pytest.raises(ConfigError, match="exactly 2"):
+        pipe.train_step(microbatches=[(x, y)])
+    with pytest.raises(ConfigError, match="not both"):
+        pipe.train_step(x, y, microbatches=[(x, y), (x, y)])
+    with pytest.raises(ConfigError, match="pair"):
+        pipe.train_step(microbatches=[(x, y), [x, y]])
+    with pytest.raises(ConfigError, match="3 target rows"):
+        pipe.train_step(microbatches=[(x, y[:3]), (x, y)])
+
+
+# ------------------------------------------------------------------------------ accumulation
+def test_accumulated_steps_divide_by_the_count_of_all_of_them() -> None:
+    """Two batches, one optimizer step: ``count=`` (every batch's tokens) makes the
+    accumulated gradient that of the two batches' token mean."""
+    first, second = tokens(6, seed=5), tokens(4, seed=6)
+    want_loss, want_grads = reference([first, second])
+    count = int(first[1].ne(-100).sum() + second[1].ne(-100).sum())
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    losses = [pipe.train_step(*first, count=count), pipe.train_step(*second, count=count)]
+    assert sum(v.item() for v in losses) == pytest.approx(want_loss, rel=1e-6)
+    assert_close(grads_of(pipe.named_parameters()), want_grads, "accumulated")
+
+
+# --------------------------------------------------------------------------------- bad input
+def test_a_batch_with_nothing_to_count_raises_and_leaves_gradients() -> None:
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    x, y = tokens(4)
+    pipe.train_step(x, y)
+    before = grads_of(pipe.named_parameters())
+    with pytest.raises(ConfigError, match="no item to average over"):
+        pipe.train_step(x, torch.full_like(y, -100))
+    after = grads_of(pipe.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def _float_count(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total, count = TokenCrossEntropy()(out, y)
+    return total, count.float()
+
+
+def test_a_count_that_is_not_an_integer_is_refused() -> None:
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=_float_count, microbatches=2)
+    with pytest.raises(PipelineError, match="must be an integer"):
+        pipe.train_step(*tokens(4))
+
+
+def test_pairs_and_scalars_mixed_in_one_step_are_refused() -> None:
+    calls = [0]
+
+    def mixed(out: torch.Tensor, y: torch.Tensor) -> Any:
+        calls[0] += 1
+        return TokenCrossEntropy()(out, y) if calls[0] % 2 else token_mean(out, y)
+
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=mixed, microbatches=2)
+    with pytest.raises(PipelineError, match=r"pair .* on some micro-batches and a scalar"):
+        pipe.train_step(*tokens(4))
+
+
+# --------------------------------------------------------------- a transformers causal LM
+def _llama_batch() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from tests.real_models import VOCAB as V
+    from tests.real_models import llama
+
+    model, _, _ = llama(layers=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V, (6, 10), generator=g)
+    labels = ids.clone()
+    for i, real in enumerate([10, 2, 7, 1, 9, 4]):
+        labels[i, real:] = -100
+    return model, {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.slow
+def test_transformers_causal_lm_loss_is_the_whole_batch() -> None:
+    """loss_fn=None: ``model(**batch).loss`` of the whole padded batch, gradients too
+    (25% off with micro-batch means weighted by rows)."""
+    model, batch = _llama_batch()
+    want = model(**batch).loss
+    want.backward()
+    want_grads = grads_of(model.named_parameters())
+    model.zero_grad()
+    conveyor.init(pp=2)
+    for name in ("1f1b", "zb-h1"):
+        for p in model.parameters():
+            p.grad = None
+        pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=4, schedule=name)
+        assert pipe.train_step(batch, None).item() == pytest.approx(want.item(), rel=1e-5)
+        assert_close(grads_of(pipe.named_parameters()), want_grads, name, tol=1e-4)
+
+
+# ------------------------------------------------------------------------- several processes
+def _pipelines(rank: int, pp: int, dp: int, fsdp: bool, names: list[str]) -> dict[str, Any]:
+    """Per schedule: this rank's loss and gradients on its replica's uneven share (global
+    batches of 10 rows in 4 micro-batches, 9 rows over 2 replicas)."""
+    ctx = conveyor.init(pp=pp, dp=dp, timeout=60)
+    x, y = tokens(10 if dp == 1 else 9)
+    if dp > 1:
+        share = slice(0, 5) if ctx.dp_rank == 0 else slice(5, 9)
+        x, y = x[share], y[share]
+    out = {}
+    for name in names:
+        pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), schedule=name,
+                                 microbatches=4 if dp == 1 else 2, chunks=default_chunks(name),
+                                 context=ctx, fsdp=fsdp)  # fmt: skip
+        loss = pipe.train_step(x, y).item()
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in pipe.named_parameters()
+            if p.grad is not None
+        }
+        out[name] = (loss, grads if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {})
+    return out
+
+
+def _check(results: list[dict[str, Any]], rows: int, names: list[str]) -> None:
+    want_loss, want_grads = reference([tokens(rows)])
+    for name in names:
+        for loss, _ in (r[name] for r in results):
+            assert loss == pytest.approx(want_loss, rel=1e-6), name
+        assert_close(merge([r[name][1] for r in results]), want_grads, name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_every_schedule() -> None:
+    names = [n for n, _ in _every_schedule(2, 4)]
+    _check(distributed.run(_pipelines, 2, 2, 1, False, names, timeout=200), 10, names)
+
+
+FAMILIES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
+def test_pp2_dp2_uneven_replicas(fsdp: bool) -> None:
+    """9 rows over 2 replicas (5 / 4) with different token counts: the replicas' losses
+    and gradients combine into the global batch's (dropping FSDP's replica weighting, or
+    weighting replicas by rows, is off by percents here)."""
+    names = [n for n in FAMILIES if n != "dualpipev"]  # m = 2 per replica
+    _check(distributed.run(_pipelines, 4, 2, 2, fsdp, names, timeout=200), 9, names)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_four_pipeline_ranks() -> None:
+    names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
+    _check(distributed.run(_pipelines, 4, 4, 1, False, names, timeout=200), 10, names)
+
+
+# ------------------------------------------------------------------------------ the Trainer
+def test_trainer_fits_and_evaluates_token_weighted() -> None:
+    """``fit`` with a pair loss: the step's loss is its global batch's token mean, and the
+    evaluation loss is the token mean over the WHOLE evaluation set, not a mean of the
+    batches' means (4 evaluation batches of 3, 3, 3 and 1 rows)."""
+    x, y = tokens(10)
+    want, _ = reference([(x, y)])
+    data = torch.utils.data.TensorDataset(x, y)
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    history = conveyor.Trainer(pipe, torch.optim.SGD(pipe.parameters(), lr=0.0)).fit(
+        data, batch_size=10, epochs=1, eval_data=torch.utils.data.DataLoader(data, batch_size=3)
+    )
+    assert history.losses == [pytest.approx(want, rel=1e-6)]  # one batch: all 10 rows
+    assert history.evals[-1]["loss"] == pytest.approx(want, rel=1e-6)  # lr 0: same model
+    model = lm()
+    means = [token_mean(model(a), b).item() for a, b in zip(x.split(3), y.split(3), strict=True)]
+    assert abs(sum(means) / len(means) - want) > 1e-2  # batch means would be far off
