@@ -14,7 +14,7 @@ from conveyor.schedules import (
     interleaved_1f1b,
 )
 
-TWO = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"}
+TWO = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev", "v-half", "v-min"}
 
 
 def test_default_chunks_of_every_name() -> None:

@@ -4,9 +4,9 @@ A :class:`Schedule` is one program of actions (:class:`Action`) per pipeline ran
 the placement of stages on ranks. :func:`get_schedule` builds a named one
 (:data:`SCHEDULE_NAMES`); the generators (:func:`gpipe`, :func:`one_f_one_b`,
 :func:`interleaved_1f1b`, :func:`looped_bfs`, :func:`zb_h1`, :func:`zb_h2`,
-:func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`zero_bubble_auto`) can also be
-called directly; :func:`validate` checks any schedule, and :func:`to_table` /
-:func:`from_table` write and read one as text.
+:func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`v_half`, :func:`v_min`,
+:func:`zero_bubble_auto`) can also be called directly; :func:`validate` checks any
+schedule, and :func:`to_table` / :func:`from_table` write and read one as text.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from conveyor.schedules.registry import (
     get_schedule,
 )
 from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
+from conveyor.schedules.v_shape import v_half, v_min
 from conveyor.schedules.zbv import zbv
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 
@@ -65,6 +66,8 @@ __all__ = [
     "one_f_one_b",
     "save_schedule",
     "to_table",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "zb_h1",

@@ -13,6 +13,7 @@ from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
 from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
+from conveyor.schedules.v_shape import v_half, v_min
 from conveyor.schedules.zbv import zbv
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 
@@ -59,6 +60,9 @@ _REGISTRY: dict[str, ScheduleSpec] = {
     "zb-late": ScheduleSpec(lambda p, m, v: zb_late(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zbv": ScheduleSpec(lambda p, m, v: zbv(p, m), chunks=2, hint=_V_HINT, default=2),
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), chunks=2, hint=_V_HINT, default=2),
+    # The controllable-memory V schedules: about 1/2 and 1/3 of 1F1B's activations.
+    "v-half": ScheduleSpec(lambda p, m, v: v_half(p, m), chunks=2, hint=_V_HINT, default=2),
+    "v-min": ScheduleSpec(lambda p, m, v: v_min(p, m), chunks=2, hint=_V_HINT, default=2),
     # Unit costs and a cap of p micro-batches; the planner calls zero_bubble_auto with
     # measured costs.
     "zb-auto": ScheduleSpec(lambda p, m, v: zero_bubble_auto(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
