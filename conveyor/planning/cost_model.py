@@ -6,6 +6,10 @@ one unit across a stage boundary is kept while the simulated step gets shorter. 
 time is the simulated makespan with the profiled per-stage (F, B, W) and transfer time,
 plus a fixed per-action overhead; the memory per rank is parameters + gradients + the
 activations the schedule holds at its peak.
+
+With ``recompute`` (the planner's way out when no schedule fits) a stage keeps only its
+input from F until B and re-runs its forward at B: B costs F more, and B holds the stage's
+whole activations for its own duration (fused backward) or until W (split backward).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Candidate:
         predicted_step: Seconds per training step.
         peak_memory: Bytes per rank.
         fits: Whether every rank is within the memory limit.
+        recompute: Whether every stage recomputes its forward at B.
     """
 
     schedule: str
@@ -49,15 +54,35 @@ class Candidate:
     predicted_step: float
     peak_memory: tuple[int, ...]
     fits: bool
+    recompute: bool = False
 
 
-def peak_memory(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> list[int]:
+def stage_inputs(prof: Profile, balance: Sequence[int]) -> list[int]:
+    """Bytes of each stage's input for one micro-batch: what recompute keeps from F to B.
+
+    Stage 0's input is the caller's batch, which it holds anyway: counted 0.
+
+    Args:
+        prof: The per-unit bytes.
+        balance: Units per stage.
+
+    Returns:
+        Bytes per stage.
+    """
+    ends = [sum(balance[: s + 1]) for s in range(len(balance))]
+    return [0] + [prof.layers[end - 1].output for end in ends[:-1]]
+
+
+def peak_memory(
+    schedule: Schedule, prof: Profile, balance: Sequence[int], recompute: bool = False
+) -> list[int]:
     """Bytes per rank at the schedule's peak, walked action by action.
 
     Args:
         schedule: What runs.
         prof: The per-unit bytes.
         balance: Units per stage.
+        recompute: Count what recompute keeps (module docstring) instead.
 
     Returns:
         Per rank: parameters and their gradients (no optimizer state) plus the most
@@ -68,27 +93,36 @@ def peak_memory(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> li
     """
     params = prof.parameter_bytes(balance)
     acts = prof.activation_bytes(balance)
-    release = W if schedule.split_backward else B
+    kept = stage_inputs(prof, balance) if recompute else acts
+    split = schedule.split_backward
     out = []
     for rank, program in enumerate(schedule.actions):
         held = peak = 0
         for a in program:
             if a.kind == F:
-                held += acts[a.stage]
+                held += kept[a.stage]
+            elif a.kind == B and recompute:
+                # The forward runs again: its activations live through B (and until W).
+                held += acts[a.stage] - kept[a.stage]
                 peak = max(peak, held)
-            elif a.kind == release:
-                held -= acts[a.stage]
+                held -= 0 if split else acts[a.stage]
+            elif a.kind == (W if split else B):
+                held -= acts[a.stage] if recompute else kept[a.stage]
+            peak = max(peak, held)
         out.append(peak + 2 * sum(params[s] for s in schedule.stages_of(rank)))
     return out
 
 
-def predict_step(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> float:
+def predict_step(
+    schedule: Schedule, prof: Profile, balance: Sequence[int], recompute: bool = False
+) -> float:
     """Simulated seconds of one training step.
 
     Args:
         schedule: What runs.
         prof: The per-unit times and the link.
         balance: Units per stage.
+        recompute: Charge every B its stage's forward again.
 
     Returns:
         The simulated makespan, :data:`ACTION_OVERHEAD` charged to every F and B.
@@ -97,22 +131,26 @@ def predict_step(schedule: Schedule, prof: Profile, balance: Sequence[int]) -> f
         ConfigError: ``balance`` does not cover the profiled units.
     """
     costs = [
-        (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD, w)
+        (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD + (f if recompute else 0.0), w)
         for f, b, w in prof.costs(balance, schedule.split_backward)
     ]
     return simulate(schedule, costs, prof.comm(balance)).makespan
 
 
-def balanced(schedule: Schedule, prof: Profile, limit: float | None) -> list[int]:
+def balanced(
+    schedule: Schedule, prof: Profile, limit: float | None, recompute: bool = False
+) -> list[int]:
     """Time min-max balance within the memory limit, then refined by simulation.
 
     The limit is applied per stage; a rank with several stages is checked after, and its
-    stages get an equal share of the limit when together they exceed it.
+    stages get an equal share of the limit when together they exceed it. With
+    ``recompute`` the time balance is refined under the limit directly.
 
     Args:
         schedule: What runs.
         prof: The per-unit times and bytes.
         limit: Bytes per rank, or None for no limit.
+        recompute: Whether every stage recomputes its forward at B.
 
     Returns:
         Units per stage (it may still not fit: see :func:`evaluate`).
@@ -122,7 +160,7 @@ def balanced(schedule: Schedule, prof: Profile, limit: float | None) -> list[int
     """
     times = prof.times(schedule.split_backward)
     stages = schedule.stages
-    if limit is None:
+    if limit is None or recompute:
         start = min_max_balance(times, stages)
     else:
         memory = _stage_memory(schedule, prof)
@@ -133,11 +171,15 @@ def balanced(schedule: Schedule, prof: Profile, limit: float | None) -> list[int
         if not _fits(peak_memory(schedule, prof, start), limit) and schedule.chunks > 1:
             with contextlib.suppress(ConfigError):  # keep the per-stage split
                 start = balance_within(times, stages, memory, limit / schedule.chunks)
-    return refine(schedule, prof, start, limit)
+    return refine(schedule, prof, start, limit, recompute)
 
 
 def refine(
-    schedule: Schedule, prof: Profile, balance: Sequence[int], limit: float | None = None
+    schedule: Schedule,
+    prof: Profile,
+    balance: Sequence[int],
+    limit: float | None = None,
+    recompute: bool = False,
 ) -> list[int]:
     """Move single units across stage boundaries while the simulated step gets shorter.
 
@@ -149,6 +191,7 @@ def refine(
         prof: The per-unit times and bytes.
         balance: Units per stage to start from.
         limit: Bytes per rank every accepted move must stay within, or None.
+        recompute: Whether every stage recomputes its forward at B.
 
     Returns:
         Units per stage, never slower than ``balance``.
@@ -157,7 +200,7 @@ def refine(
         ConfigError: ``balance`` does not cover the profiled units.
     """
     best = list(balance)
-    best_time = predict_step(schedule, prof, best)
+    best_time = predict_step(schedule, prof, best, recompute)
     for _ in range(4 * len(best)):
         improved = False
         for k in range(len(best) - 1):
@@ -167,9 +210,10 @@ def refine(
                 cand[k + 1] -= d
                 if min(cand) < 1:
                     continue
-                if limit is not None and not _fits(peak_memory(schedule, prof, cand), limit):
+                peaks = peak_memory(schedule, prof, cand, recompute)
+                if limit is not None and not _fits(peaks, limit):
                     continue
-                t = predict_step(schedule, prof, cand)
+                t = predict_step(schedule, prof, cand, recompute)
                 if t < best_time * (1 - 1e-6):
                     best, best_time, improved = cand, t, True
         if not improved:
@@ -178,7 +222,11 @@ def refine(
 
 
 def evaluate(
-    schedule: Schedule, prof: Profile, limit: float | None, overhead: float = 0.0
+    schedule: Schedule,
+    prof: Profile,
+    limit: float | None,
+    overhead: float = 0.0,
+    recompute: bool = False,
 ) -> Candidate:
     """Balance ``schedule`` for ``prof`` and predict its step time and memory.
 
@@ -187,6 +235,7 @@ def evaluate(
         prof: The per-unit times and bytes (calibrated, if calibration ran).
         limit: Bytes per rank, or None for no limit.
         overhead: Seconds added to the predicted step (a calibration's leftover).
+        recompute: Whether every stage recomputes its forward at B.
 
     Returns:
         The candidate, marked whether it fits ``limit``.
@@ -194,16 +243,17 @@ def evaluate(
     Raises:
         ConfigError: The schedule has more stages than there are units.
     """
-    bal = balanced(schedule, prof, limit)
-    peaks = peak_memory(schedule, prof, bal)
+    bal = balanced(schedule, prof, limit, recompute)
+    peaks = peak_memory(schedule, prof, bal, recompute)
     return Candidate(
         schedule=schedule.name,
         chunks=schedule.chunks,
         microbatches=schedule.microbatches,
         balance=tuple(bal),
-        predicted_step=predict_step(schedule, prof, bal) + overhead,
+        predicted_step=predict_step(schedule, prof, bal, recompute) + overhead,
         peak_memory=tuple(peaks),
         fits=_fits(peaks, limit),
+        recompute=recompute,
     )
 
 
@@ -243,4 +293,5 @@ __all__ = [
     "peak_memory",
     "predict_step",
     "refine",
+    "stage_inputs",
 ]

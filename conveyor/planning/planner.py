@@ -6,6 +6,9 @@ Every schedule that can run (stages = ranks x chunks <= profiled units) is balan
 predicted (:func:`conveyor.planning.cost_model.evaluate`), from the profile calibrated by
 short real runs in a distributed world (:mod:`conveyor.planning.calibration`). The fastest
 candidate that fits the memory limit wins, or the simplest of those within :data:`TIE` of it.
+Under a tight limit the V schedules ``v-half`` and ``v-min`` (a half and a third of 1F1B's
+activations) are often the fastest that fit; when no schedule fits, every one is tried
+again with recompute (each stage keeps only its input and re-runs its forward at B).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from conveyor.planning.profiler import profile, units
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
-from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
+from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks, get_schedule
 
 # Candidates predicted within this fraction of the fastest are a tie: measurement noise is
 # larger than that, so the simplest of them is chosen (the same one on every run).
@@ -61,6 +64,8 @@ class Plan:
         memory_limit: The limit planned for, bytes per rank.
         profile: The (calibrated) measurements the choice was made on.
         calibration: Of the chosen schedule's family, if calibration ran.
+        recompute: Whether the plan recomputes every stage's forward at B (chosen only
+            when nothing fits without): pass it as ``Pipeline(recompute=...)``.
     """
 
     schedule: str
@@ -74,6 +79,7 @@ class Plan:
     memory_limit: float | None = None
     profile: Profile | None = None
     calibration: Calibration | None = None
+    recompute: bool = False
 
     def table(self) -> str:
         """The ranked alternatives as a markdown table.
@@ -87,12 +93,13 @@ class Plan:
             "| chosen |",
             "|---:|---|---:|---:|---|---:|---|---|---|",
         ]
-        mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance))
+        mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance), self.recompute)
         for i, c in enumerate(self.alternatives, 1):
             peak = ", ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
-            chosen = (c.schedule, c.chunks, c.microbatches, c.balance) == mine
+            chosen = (c.schedule, c.chunks, c.microbatches, c.balance, c.recompute) == mine
+            name = f"{c.schedule} + recompute" if c.recompute else c.schedule
             lines.append(
-                f"| {i} | {c.schedule} | {c.chunks} | {c.microbatches} | "
+                f"| {i} | {name} | {c.chunks} | {c.microbatches} | "
                 f"{list(c.balance)} | {c.predicted_step * 1e3:.2f} | {peak} | "
                 f"{'yes' if c.fits else 'no'} | {'yes' if chosen else ''} |"
             )
@@ -197,6 +204,8 @@ def plan(
                 fitted = cal.apply(prof) if cal else prof
                 cand = evaluate(built, fitted, memory_limit, cal.overhead if cal else 0.0)
                 rows.append((cand, built, fitted, cal))
+    if rows and memory_limit is not None and not any(r[0].fits for r in rows):
+        rows += _with_recompute(rows, memory_limit)
     if not rows:
         raise ConfigError(
             f"no schedule can run {ranks} ranks on a model of {n_units} units with "
@@ -208,7 +217,8 @@ def plan(
         least = min(rows, key=lambda r: max(r[0].peak_memory))[0]
         raise ConfigError(
             f"no configuration fits memory_limit={memory_limit:.4g} bytes per rank; the "
-            f"smallest needs {max(least.peak_memory):.4g} ({least.schedule}, "
+            f"smallest needs {max(least.peak_memory):.4g} ({least.schedule}"
+            f"{' with recompute' if least.recompute else ''}, "
             f"{least.microbatches} micro-batches): raise the limit or use more ranks"
         )
     return Plan(
@@ -223,7 +233,20 @@ def plan(
         memory_limit=memory_limit,
         profile=best_prof,
         calibration=best_cal,
+        recompute=best.recompute,
     )
+
+
+def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
+    """Every candidate again with recompute (zb-auto's, fitted to no limit, left out)."""
+    out = []
+    for cand, built, prof, cal in rows:
+        if cand.schedule == "zb-auto":
+            continue
+        overhead = cal.overhead if cal else 0.0
+        again = evaluate(built, prof, limit, overhead, recompute=True)
+        out.append((again, built, prof, cal))
+    return out
 
 
 def plan_pipeline(
@@ -259,9 +282,8 @@ def plan_pipeline(
 
 
 def _chunk_options(name: str) -> tuple[int, ...]:
-    return {"gpipe": (1,), "interleaved-1f1b": (2,), "looped-bfs": (2,)}.get(
-        name, (2,) if name in ("zbv", "dualpipev") else (1,)
-    )
+    """The chunk counts tried: the schedule's own (2 for the interleaved and V ones)."""
+    return (default_chunks(name),)
 
 
 def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Schedule | None:
