@@ -9,8 +9,10 @@ Inside one worker process::
 and in the parent ``nccl_model.check(dict(enumerate(traces)))``.
 
 Covered: ``isend``/``irecv``/``send``/``recv``, ``batch_isend_irecv`` (one batch id per
-call), the process-group collectives (including the object collectives, recorded once at
-the outermost call), the functional collectives behind DTensor (the
+call; like NCCL, which coalesces the group, it returns ONE work for the whole group, done
+when every op of it is, where gloo returns one per op: so the runtime's handling of NCCL's
+answer runs under the replay too), the process-group collectives (including the object
+collectives, recorded once at the outermost call), the functional collectives behind DTensor (the
 ``torch.ops._c10d_functional`` ops, seen by a TorchDispatchMode, and their
 ``wait_tensor``), and every ``Work.wait`` on a returned work (a thin proxy). Blocking calls
 (``send``, ``recv``, ``async_op=False``) are recorded as the op followed by its wait.
@@ -198,6 +200,31 @@ for _name in dir(dist.Work):
         setattr(_Work, _name, _forward(_name))
 
 
+class _Coalesced(_Work):
+    """The one work NCCL returns for a ``batch_isend_irecv`` group: waiting for it waits for
+    every op of the group (recorded as one wait on all of them); it is completed when they
+    all are. Other methods go to the first op's work."""
+
+    def __init__(self, works: list[dist.Work], seqs: tuple[int, ...]) -> None:
+        super().__init__(works[0], seqs)
+        self._works = works
+        self._done: set[int] = set()  # gloo's works: a second wait waits for another message
+
+    def wait(self, timeout: Any = None) -> bool:
+        rec = _active
+        if rec is not None and not rec.busy():
+            rec.add_wait(self._seqs, timeout is not None)
+        for i, work in enumerate(self._works):
+            if i not in self._done:
+                if not (work.wait() if timeout is None else work.wait(timeout)):
+                    return False
+                self._done.add(i)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 def _wrap(work: Any, seqs: tuple[int, ...]) -> Any:
     return _Work(work, seqs) if isinstance(work, dist.Work) else work
 
@@ -312,7 +339,8 @@ def _batch(original: Callable[..., Any]) -> Callable[..., Any]:
             )
             for op in p2p_op_list
         )
-        return [_wrap(w, seqs) for w in works]
+        real = [w for w in works if isinstance(w, dist.Work)]
+        return [_Coalesced(real, seqs)] if real else works
 
     return wrapper
 

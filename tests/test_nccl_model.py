@@ -312,9 +312,32 @@ def _tensor_parallel(rank: int) -> list[Record]:
     return trace
 
 
+def _one_work_per_group(rank: int) -> list[Record]:
+    """A batch_isend_irecv group answered as NCCL answers it (one work), then a conveyor
+    step, whose transport must take that one work for every op of each group."""
+    import conveyor
+
+    other = 1 - rank
+    with recording() as trace:
+        send = dist.P2POp(dist.isend, torch.ones(4), other)
+        works = dist.batch_isend_irecv([send, dist.P2POp(dist.irecv, torch.zeros(4), other)])
+        assert len(works) == 1, works
+        works[0].wait()
+        assert works[0].is_completed()
+        ctx = conveyor.init(pp=2, timeout=45)
+        torch.manual_seed(0)
+        pipe = conveyor.Pipeline(
+            nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), loss_fn=mse, microbatches=4,
+            schedule="1f1b", context=ctx,
+        )  # fmt: skip
+        pipe.train_step(torch.randn(8, 6), torch.randn(8, 6))
+    return trace
+
+
 def _programs(rank: int) -> dict[str, list[Record]]:
     dist.init_process_group("gloo")
-    return {"1f1b": _torch_1f1b(rank), "bad": _bad(rank), "tp": _tensor_parallel(rank)}
+    return {"1f1b": _torch_1f1b(rank), "bad": _bad(rank), "tp": _tensor_parallel(rank),
+            "coalesced": _one_work_per_group(rank)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +389,22 @@ def test_tensor_parallel_collectives_are_recorded(recorded: dict[str, Traces]) -
     assert names.count("_c10d_functional.all_reduce") >= 2
     assert names.count("wait_tensor") >= 2
     assert "scatter" in names  # distributing the weights
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_work_per_batch_group_as_nccl_returns_it(recorded: dict[str, Traces]) -> None:
+    """The recorder answers batch_isend_irecv with one work, as NCCL does, and a conveyor
+    step runs through that: each group's ops are waited as one."""
+    t = recorded["coalesced"]
+    check(t)
+    for recs in t.values():
+        groups: dict[int, set[int]] = {}
+        for rec in recs:
+            if rec.batch is not None:
+                groups.setdefault(rec.batch, set()).add(rec.seq)
+        assert len(groups) >= 4  # the hand-made group, then the step's transfers
+        waited = [set(rec.waits_on) for rec in recs if rec.kind == "wait"]
+        for members in groups.values():  # each group waited for, and only as a whole
+            assert members in waited
+            assert all(w == members or w.isdisjoint(members) for w in waited)
