@@ -41,6 +41,7 @@ a real execution with unit costs and the ranks' programs cannot deadlock, for an
 
 from __future__ import annotations
 
+import bisect
 from typing import Literal
 
 from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, v_placement
@@ -134,16 +135,22 @@ def _squeeze(timelines: list[Slots], last_stage: int) -> None:
     length = max(at.values()) + 1
     held = [_held(timeline, length) for timeline in timelines]
     cap = max(max(h) for h in held)
+    # Per rank, its free slots in increasing order: the only places an action can move to.
+    free = [[s for s in range(length) if s not in timeline] for timeline in timelines]
     for action in sorted(at, key=lambda a: (at[a], rank_of[a])):
         rank, now = rank_of[action], at[action]
-        timeline, counts = timelines[rank], held[rank]
+        timeline, counts, holes = timelines[rank], held[rank], free[rank]
         earliest = max((at[need] + 1 for need in _needs(action, last_stage)), default=0)
-        for slot in range(earliest, now):
-            if slot in timeline or (action.kind == F and max(counts[slot:now]) >= cap):
+        first = bisect.bisect_left(holes, earliest)
+        for i in range(first, bisect.bisect_left(holes, now)):
+            slot = holes[i]
+            if action.kind == F and max(counts[slot:now]) >= cap:
                 continue
             del timeline[now]
             timeline[slot] = action
             at[action] = slot
+            del holes[i]
+            bisect.insort(holes, now)
             if action.kind != B:  # an earlier F holds one more, an earlier W one less
                 step = 1 if action.kind == F else -1
                 for between in range(slot, now):
