@@ -66,6 +66,10 @@ ROWS = [
     Row("zb-late", 1, None),
     Row("zbv", 2, "ScheduleZBVZeroBubble", 2),
     Row("dualpipev", 2, "ScheduleDualPipeV", 2),
+    # The controllable-memory V schedules: torch has neither. At 2 processes their
+    # formulas, (p+2)//2 and (p+4)//3, give 2 micro-batches, 1F1B's own peak.
+    Row("v-half", 2, None),
+    Row("v-min", 2, None),
 ]
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
