@@ -1,10 +1,19 @@
-"""Run a function on N real processes (gloo, one thread each) and collect results."""
+"""Run a function on N real processes (gloo, one thread each) and collect results.
+
+A regression that makes ranks wait for each other forever must fail within a minute and
+say which rank waited for what: every worker runs with ``$CONVEYOR_TIMEOUT`` =
+:data:`CONVEYOR_TIMEOUT` seconds (unless the test's ``env`` or this process sets it), so
+``conveyor.init()`` without a ``timeout`` raises conveyor's own ``PipelineError`` ("rank R:
+ACTION waiting for ... from rank Q") well before the harness's limit, which is above it; a
+rank that still gives no answer is named by the harness.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import queue as queues
 import socket
 import traceback
 from collections.abc import Callable
@@ -13,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+CONVEYOR_TIMEOUT = 45.0
+"""Seconds a worker's conveyor waits on a peer by default (conveyor's own default: 300)."""
 
 
 def free_port() -> int:
@@ -30,6 +42,7 @@ def _worker(
     queue: Any,
     env: dict[str, str],
 ) -> None:
+    os.environ.setdefault("CONVEYOR_TIMEOUT", f"{CONVEYOR_TIMEOUT:g}")
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -53,6 +66,25 @@ def _worker(
                 dist.destroy_process_group()
 
 
+def answer(
+    queue: Any, timeout: float, waiting: list[int], results: dict[int, Any], errors: dict[int, str]
+) -> tuple[int, str, Any]:
+    """The next ``(rank, status, value)`` a worker put on ``queue``; if none comes within
+    ``timeout`` seconds, an AssertionError naming the ranks of ``waiting`` that have not
+    answered and the errors the others reported."""
+    try:
+        got: tuple[int, str, Any] = queue.get(timeout=timeout)
+    except queues.Empty:
+        silent = [r for r in waiting if r not in results and r not in errors]
+        told = "".join(f"\nrank {r}: {e}" for r, e in sorted(errors.items()))
+        limit = os.environ.get("CONVEYOR_TIMEOUT", f"{CONVEYOR_TIMEOUT:g}")
+        raise AssertionError(
+            f"rank(s) {silent} gave no result within {timeout:g} s (the harness's limit; "
+            f"conveyor's time-out in the workers: {limit} s){told}"
+        ) from None
+    return got
+
+
 def run(
     fn: Callable[..., Any],
     world: int,
@@ -64,8 +96,11 @@ def run(
 ) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` processes; returns results by rank.
 
-    Raises if any rank fails (unless ``allow_errors``, then the error text is the result).
-    With ``expect``, only those ranks are waited for (others are killed afterwards).
+    Raises if any rank fails (unless ``allow_errors``, then the error text is the result),
+    or, naming the silent ranks and the others' errors, when a rank gives no answer within
+    ``timeout`` seconds (keep it above the workers' conveyor time-out, so that conveyor's
+    named error comes first). With ``expect``, only those ranks are waited for (others are
+    killed afterwards).
     """
     waiting = list(range(world)) if expect is None else expect
     ctx = mp.get_context("spawn")
@@ -81,7 +116,7 @@ def run(
     errors: dict[int, str] = {}
     try:
         for _ in waiting:
-            rank, status, value = queue.get(timeout=timeout)
+            rank, status, value = answer(queue, timeout, waiting, results, errors)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:

@@ -26,6 +26,7 @@ from conveyor.training import (
     TensorBoard,
     Trainer,
 )
+from tests import distributed
 from tests.trainer_forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,7 +301,8 @@ def test_trainer_arguments_are_checked() -> None:
 
 # ---------------------------------------------------------------------- processes
 def _reads(rank: int, world: int, dp: int, n: int, batch: int, held: int) -> dict[str, Any]:
-    conveyor.init(dp=dp, timeout=45)
+    ctx = conveyor.init(dp=dp)  # the harness's time-out ($CONVEYOR_TIMEOUT), not 300 s
+    assert ctx.timeout == distributed.CONVEYOR_TIMEOUT, ctx.timeout
     torch.manual_seed(5)
     t = trainer(max_grad_norm=0.5)
     data, evals = Recording(n), Recording(held)

@@ -22,7 +22,8 @@ from tests import distributed
 def run_forked(fn: Any, world: int, *args: Any, timeout: float = 200) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` forked processes; returns the results by rank.
 
-    Raises if a rank fails or none answers within ``timeout`` seconds."""
+    Raises if a rank fails or one gives no answer within ``timeout`` seconds (the workers'
+    conveyor time-out is :data:`tests.distributed.CONVEYOR_TIMEOUT`, below it)."""
     if torch.distributed.is_initialized():  # a forked group would be this one's: spawn
         return list(distributed.run(fn, world, *args, timeout=timeout))
     ctx = mp.get_context("fork")
@@ -36,8 +37,9 @@ def run_forked(fn: Any, world: int, *args: Any, timeout: float = 200) -> list[An
         p.start()
     results: dict[int, Any] = {}
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
+        ranks = list(range(world))
+        for _ in ranks:
+            rank, status, value = distributed.answer(queue, timeout, ranks, results, {})
             assert status == "ok", f"rank {rank}: {value}"
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
