@@ -25,6 +25,7 @@ from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.runtime import microbatch
+from conveyor.runtime.compiled import CompileStats, compile_stages
 from conveyor.runtime.compute import Mode
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
 from conveyor.runtime.engine import Engine, StepRecord
@@ -53,6 +54,7 @@ class RankParts:
         grads: keeps gradients of earlier steps apart during a step.
         counter: counts a micro-batch's ``labels`` for a model's own token loss
             (``loss_fn=None``; see :func:`conveyor.losses.model_token_loss`).
+        compiled: compiled stages' graphs and compile time (None: eager stages).
     """
 
     stages: dict[int, nn.Module]
@@ -64,6 +66,7 @@ class RankParts:
     ctx: Context
     grads: StepGradients
     counter: microbatch.Counter | None = None
+    compiled: CompileStats | None = None
 
     @property
     def syncs(self) -> tuple[GradientSync, ...]:
@@ -71,6 +74,12 @@ class RankParts:
         data-parallel sum, then the tied weights' sum (both linear in the gradient)."""
         dp = (self.data_parallel,) if self.data_parallel is not None else ()
         return (*dp, self.shared)
+
+    def compile_note(self) -> str:
+        """Lines for ``print(pipe)``: per stage held here, what compiling it cost."""
+        if self.compiled is None:
+            return ""
+        return "".join(f"\n  stage {s} {self.compiled.describe(s)}" for s in sorted(self.stages))
 
     def needs(self, mode: Mode) -> microbatch.Needs:
         """What this process reads of a batch: inputs where it holds the first stage,
@@ -228,6 +237,10 @@ def build(
             [n for n, _ in model.named_modules()] if isinstance(model, nn.Module) else []
         )
         apply_tp(stages, options.tp_plan, names, ctx.mesh["tp"], every=all_stages)
+    keywords = options.compile_keywords()
+    # torchtitan's order: tensor parallel, then compile (inside each FSDP unit), then FSDP.
+    split = schedule.split_backward
+    compiled = None if keywords is None else compile_stages(stages, keywords, split)
     if options.fsdp:
         assert ctx.mesh is not None
         _check_ties_for_fsdp(ties, schedule.placement)
@@ -254,11 +267,14 @@ def build(
         on_action=after_action,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
     )
+    if compiled is not None:
+        engine.compute.use_compiled(compiled)
     params = (p for stage in stages.values() for p in stage.parameters())
     token_loss = model_token_loss(model) if options.loss_fn is None else None
     counter = token_loss.count if token_loss is not None else None
     return RankParts(
-        stages, description, shared, dp, engine, options, ctx, StepGradients(params), counter
+        stages, description, shared, dp, engine, options, ctx, StepGradients(params), counter,
+        compiled,
     )
 
 

@@ -17,6 +17,7 @@ from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.partition.annotations import annotated_stages
 from conveyor.runtime import microbatch
+from conveyor.runtime.compiled import compile_keywords
 from conveyor.runtime.compute import LossFn
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.schedules import Schedule, validate
@@ -40,6 +41,7 @@ class Options:
     recompute: bool | Iterable[int] = False
     autocast: torch.dtype | None = None
     track_memory: bool = False
+    compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -51,6 +53,7 @@ class Options:
                 f"loss_fn must be a function (output, target) -> scalar tensor, or None when "
                 f"the model computes its own loss; got {type(self.loss_fn).__name__}"
             )
+        self.compile_keywords()
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(
@@ -101,6 +104,10 @@ class Options:
             )
         self.recompute_stages(schedule.stages)
         self.autocast_dtype()
+
+    def compile_keywords(self) -> dict[str, Any] | None:
+        """The :func:`torch.compile` keywords stages compile with (None: eager)."""
+        return compile_keywords(self.compile)
 
     def recompute_stages(self, stages: int) -> frozenset[int]:
         """The global indices of the stages whose forward is re-run at B."""

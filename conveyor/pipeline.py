@@ -17,15 +17,16 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, first_microbatch, held_stages, shared_sample
-from conveyor._options import Options, check_step, make_schedule, pipeline_ranks
+from conveyor._options import Options, make_schedule, pipeline_ranks
+from conveyor._pipeline_text import not_split, pipeline_repr, step_inputs, step_memory
 from conveyor.context import Context, current
-from conveyor.errors import ConfigError
 from conveyor.observe.measure import pipeline_bubble, write_trace
 from conveyor.partition.capture import NeedsSample
 from conveyor.partition.describe import SplitInfo
 from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
+from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn, Mode
 from conveyor.runtime.engine import StepRecord
 from conveyor.runtime.memory import MemoryReport
@@ -78,6 +79,9 @@ class Pipeline:
             under ``torch.autocast``; parameters and gradients keep their dtype.
         track_memory: measure each training step's activation memory
             (:meth:`last_step_memory`; a Python call per tensor autograd saves).
+        compile: True or a dict of :func:`torch.compile` keywords: each rank's stages run
+            compiled, per block where the split has blocks, whole for a captured graph,
+            on every schedule (docs/guide/compile.md).
 
     Raises:
         ConfigError: an option that cannot work, in one sentence that says what to do.
@@ -100,10 +104,11 @@ class Pipeline:
         recompute: bool | Iterable[int] = False,
         autocast: torch.dtype | None = None,
         track_memory: bool = False,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
         options = Options(loss_fn, microbatches, chunks, balance, fsdp, tp_plan, sample,
-                          recompute, autocast, track_memory)
+                          recompute, autocast, track_memory, compile)
         self.plan: Plan | None = None
         if schedule == "auto":
             self.plan = plan_pipeline(model, ctx, options, memory_limit)
@@ -125,20 +130,12 @@ class Pipeline:
         first = None if sample is None else first_microbatch(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
-            self._adopt(build(model, self.schedule, options, ctx, first))
-
-    def _adopt(self, parts: RankParts) -> None:
-        self._parts = parts
+            self._parts = build(model, self.schedule, options, ctx, first)
 
     def _split(self, what: str) -> RankParts:
         """This rank's parts; before a split made on the first batch, an error that says so."""
         if self._parts is None:
-            raise ConfigError(
-                f"{what} needs the split, which is made on the first batch: "
-                f"{type(self._model).__name__} is captured with torch.export on a sample; run "
-                f"a train_step first, or pass sample=(inputs, targets) to Pipeline to split "
-                f"it at construction"
-            )
+            raise not_split(what, self._model)
         return self._parts
 
     # ------------------------------------------------------------------ the split
@@ -150,15 +147,14 @@ class Pipeline:
         return parts.description.with_shapes(shapes)
 
     def __repr__(self) -> str:
-        sched = self.schedule
-        where = "" if self.context.distributed else ", in one process"
-        head = (
-            f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
-            f"{sched.stages} stages, {self.microbatches} micro-batches{where})"
-        )
-        if self._parts is None:
-            return head + "\nnot split yet: the model is captured on the first batch"
-        return head + "\n" + str(self.describe())
+        split = "" if self._parts is None else str(self.describe())
+        distributed = self.context.distributed
+        return pipeline_repr(self.schedule, self.microbatches, distributed, self._parts, split)
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """Compiled stages' graphs and compile time on this rank (None: eager stages)."""
+        return self._parts.compiled if self._parts is not None else None
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -182,19 +178,10 @@ class Pipeline:
     ) -> tuple[RankParts, MicroBatches]:
         """Checks of a step's arguments, the split on the first batch if needed, and the
         step's micro-batches."""
-        if cut is not None:
-            if inputs is not None or targets is not None:
-                raise ConfigError(
-                    "pass either the batch (inputs, targets) or microbatches=[(inputs, "
-                    "targets), ...] cut by you, not both"
-                )
-            if isinstance(cut, (list, tuple)) and cut and isinstance(cut[0], tuple):
-                inputs = cut[0][0]  # the first micro-batch: a capture's sample
-        elif mode != "predict":
-            check_step(self.loss_fn, inputs, targets)
+        sample = step_inputs(mode, self.loss_fn, inputs, targets, cut)
         if self._parts is None:
-            sample = shared_sample(self.context, self.schedule, self.microbatches, inputs)
-            self._adopt(build(self._model, self.schedule, self.options, self.context, sample))
+            sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
+            self._parts = build(self._model, self.schedule, self.options, self.context, sample)
         assert self._parts is not None
         return self._parts, self._parts.divide(mode, inputs, targets, cut)
 
@@ -309,12 +296,7 @@ class Pipeline:
             ConfigError: without ``track_memory=True``, or before any training step.
         """
         self._split("pipe.last_step_memory()")
-        if not self.options.track_memory:
-            raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
-        record = self._last_train
-        if record is None or record.memory is None:
-            raise ConfigError("no training step has run yet; call train_step first")
-        return record.memory
+        return step_memory(self.options.track_memory, self._last_train)
 
     def measured_bubble(self) -> float:
         """The bubble of the last training step over all pipeline ranks (of this replica):

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import PipelineError
 from conveyor.partition.describe import shape_of
 from conveyor.runtime.call import StageCaller
+from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.recompute import (
@@ -77,8 +78,10 @@ class StageCompute:
         recompute: frozenset[int],
         autocast: torch.dtype | None,
         meter: ActivationMeter | None,
+        compiled: CompileStats | None = None,
     ) -> None:
         self.stages = stages
+        self.compiled = compiled  # compiled stages: their compile time and graphs
         self.last_stage = last_stage
         self.split_backward = split_backward
         self.loss_fn = loss_fn
@@ -91,7 +94,9 @@ class StageCompute:
         self.params: dict[int, list[torch.Tensor]] = {
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
-        self._store = LinearWeightStore([p for ps in self.params.values() for p in ps])
+        self._store = LinearWeightStore(
+            [p for ps in self.params.values() for p in ps], opaque=compiled is not None
+        )
         self._call = StageCaller()
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
@@ -124,6 +129,12 @@ class StageCompute:
         self.outputs: dict[int, Any] = {}
         self.loss: StepLoss | None = None
 
+    def use_compiled(self, stats: CompileStats) -> None:
+        """The stages were compiled (:func:`~conveyor.runtime.compiled.compile_stages`):
+        route their linear layers as compiled code needs and count compile time."""
+        self.compiled = stats
+        self._store.opaque = True
+
     def gathered(self, stage: int) -> None:
         """FSDP gathered ``stage``: its gathered tensors are what autograd sees this step,
         so the split backward and the meter work on them."""
@@ -148,6 +159,16 @@ class StageCompute:
     def forward(self, action: Action, value: Any) -> Any:
         """F of ``action``: ``value`` is the stage input (the micro-batch for stage 0);
         returns the output to pass on, or None on the last stage."""
+        with self._timing(action.stage):
+            return self._forward(action, value)
+
+    def _timing(self, stage: int) -> contextlib.AbstractContextManager[None]:
+        """Compiled stages: count the compile time spent in the block as ``stage``'s."""
+        if self.compiled is None:
+            return contextlib.nullcontext()
+        return self.compiled.timing(stage)
+
+    def _forward(self, action: Action, value: Any) -> Any:
         s, m = action.stage, action.microbatch
         if s == 0:
             in_leaves: list[torch.Tensor] = []
@@ -254,12 +275,20 @@ class StageCompute:
     def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
         """B of ``action`` given the gradients of its outputs (None on the last stage);
         returns the input gradients to pass on, or None on the first stage."""
+        with self._timing(action.stage):
+            return self._backward(action, grads)
+
+    def _backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
         s, m = action.stage, action.microbatch
         in_leaves, outs = self.saved.pop((s, m))
         if self._stash and (s, m) in self._stash:
             outs = self._rerun(s, m)
         if self.split_backward:
-            got, work = backward_input(outs, grads, in_leaves, self.params[s])
+            store = self._store
+            got, work = backward_input(
+                outs, grads, in_leaves, self.params[s],
+                lambda keep: store.collecting((s, m) if keep else None),
+            )
             self.pending_w[(s, m)] = work
             # Free what only B needed (W holds its own references) before anything else.
             del outs
@@ -277,8 +306,9 @@ class StageCompute:
 
     def weight_grads(self, stage: int, microbatches: list[int]) -> None:
         """W of ``stage`` for ``microbatches``, run together (a GEMM per weight)."""
-        for m in microbatches:
-            self.pending_w.pop((stage, m)).run()
+        with self._timing(stage):
+            for m in microbatches:
+                self.pending_w.pop((stage, m)).run()
         self._store.flush([(stage, m) for m in microbatches])
 
     def leftovers(self) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ dtype and W's GEMM runs in it, its result added to the parameter's own-dtype gra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,8 @@ import torch
 from torch.autograd.graph import Node
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+
+from conveyor.runtime.opaque_linear import OpaqueCapture, is_opaque, sink
 
 Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 # What autocast casts to its lower precision (float64 is left alone).
@@ -66,9 +69,10 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 def is_deferred(node: Node) -> bool:
-    """Whether ``node`` is the backward of a deferred linear (its weight edges carry no
-    gradient: W adds it from the store)."""
-    return getattr(node, "_forward_cls", None) is _DeferredLinear
+    """Whether ``node`` is the backward of a deferred linear, eager or
+    :mod:`~conveyor.runtime.opaque_linear` (its weight edges carry no gradient: W adds it
+    from the store)."""
+    return getattr(node, "_forward_cls", None) is _DeferredLinear or is_opaque(node)
 
 
 class _Capture(TorchFunctionMode):
@@ -100,9 +104,13 @@ class _Capture(TorchFunctionMode):
 class LinearWeightStore:
     """(X, dY) of deferred linear calls per (stage, micro-batch), until W."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], opaque: bool = False) -> None:
+        """``opaque``: the stages are compiled; linear calls go through
+        :class:`~conveyor.runtime.opaque_linear.OpaqueCapture` and their (X, dY) reach
+        the slot that :meth:`collecting` opens during B and W."""
         self._params = {id(p) for p in params}
         self._slots: dict[tuple[int, int], list[Entry]] = {}
+        self.opaque = opaque
 
     def add_params(self, params: list[torch.Tensor]) -> None:
         """Defer linear calls on ``params`` too (FSDP's gathered parameters)."""
@@ -112,8 +120,20 @@ class LinearWeightStore:
     def capture(self, key: tuple[int, int]) -> Iterator[None]:
         """Within this block, linear calls on the stage's parameters are deferred."""
         slot = self._slots.setdefault(key, [])
-        with _Capture(self._params, slot):
+        with OpaqueCapture() if self.opaque else _Capture(self._params, slot):
             yield
+
+    def collecting(self, key: tuple[int, int] | None) -> contextlib.AbstractContextManager[Any]:
+        """Within this block, compiled stages' linear backwards keep (X, dY) for ``key``'s
+        W (None: they keep nothing); a no-op for eager stages."""
+        if not self.opaque:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(sink(None if key is None else self._slots.setdefault(key, [])))
+        # B keeps the graph for W: compiled backwards must not donate their buffers (the
+        # check reads this flag when the backward runs).
+        stack.enter_context(torch._functorch.config.patch(donated_buffer=False))
+        return stack
 
     def kept(self, key: tuple[int, int]) -> list[torch.Tensor]:
         """The inputs and output gradients kept for ``key``'s W."""

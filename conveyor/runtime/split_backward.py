@@ -9,18 +9,39 @@ computed twice and B + W costs about one ordinary backward.
 When a parameter's branch joins the input path at more than one place (a weight used
 twice in one stage), replaying from each join would count the shared path twice; then
 W falls back to a plain backward into the parameters (correct, just slower).
+
+Compiled stages (``Pipeline(compile=...)``): a compiled region's backward is one node that
+computes every gradient of the region at once, so a parameter whose join is such a node
+gets its gradient in B, from that same call (replaying the node in W would run the whole
+region's backward twice). Linear weights are not among them: their GEMMs stay outside the
+compiled graphs (:mod:`conveyor.runtime.opaque_linear`) and hand (X, dY) to the store while
+a ``collect`` block is open; B and W open it except where a replay would add twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from conveyor.runtime.deferred_linear import is_deferred
+
+Collect = Callable[[bool], contextlib.AbstractContextManager[Any]]
+"""``collect(True)`` keeps compiled linears' (X, dY) for W, ``collect(False)`` drops them."""
+
+
+def _no_collect(keep: bool) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def is_compiled(node: Node) -> bool:
+    """Whether ``node`` is the backward of a compiled region (AOTAutograd's)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def _grad_node(t: torch.Tensor) -> Node | None:
@@ -46,9 +67,16 @@ class WeightWork:
     from_outputs: (
         tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]] | None
     ) = None
+    collect: Collect = _no_collect
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` and drop everything held."""
+        with self.collect(True):
+            self._run()
+        self.joins = []
+        self.from_outputs = None
+
+    def _run(self) -> None:
         for node, grads, params in self.joins:
             edges = [GradientEdge(node, k) for k, g in enumerate(grads) if g is not None]
             values = [g for g in grads if g is not None]
@@ -57,8 +85,6 @@ class WeightWork:
         if self.from_outputs is not None:
             outs, out_grads, params = self.from_outputs
             torch.autograd.backward(outs, out_grads, retain_graph=True, inputs=params)
-        self.joins = []
-        self.from_outputs = None
 
 
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -103,9 +129,12 @@ def backward_input(
     grads: list[torch.Tensor] | None,
     inputs: list[torch.Tensor],
     params: list[torch.Tensor],
+    collect: Collect = _no_collect,
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """B: gradients of ``inputs``; returns them and the :class:`WeightWork` for W."""
-    work = WeightWork()
+    """B: gradients of ``inputs``; returns them and the :class:`WeightWork` for W.
+
+    ``collect``: the store's sink for compiled linears (module doc)."""
+    work = WeightWork(collect=collect)
     if not outputs:
         return [None] * len(inputs), work
     wanted = [x for x in inputs if x.requires_grad]
@@ -121,12 +150,16 @@ def backward_input(
     on_input_path, _ = _upward(input_nodes, parents, set())
     by_join: dict[Node, list[torch.Tensor]] = defaultdict(list)
     from_outputs: list[torch.Tensor] = []
+    in_b: list[torch.Tensor] = []  # joined at a compiled node: computed by B's call
     shared = False
     for p in params:
         node = _grad_node(p)
         if node is None or node not in parents:
             continue  # unused by this stage's graph
         reached, joins = _upward([node], parents, on_input_path)
+        if any(is_compiled(j) for j in joins):
+            in_b.append(p)
+            continue
         sources = len(joins) + (1 if any(r in reached for r in roots) else 0)
         if sources > 1:
             shared = True
@@ -136,8 +169,12 @@ def backward_input(
         else:
             from_outputs.append(p)
     if shared:
-        # Shared branch: replay the whole backward into the parameters in W.
-        got = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+        # Shared branch: replay the whole backward into the parameters in W (which keeps
+        # the compiled linears' (X, dY); B keeps none, or they would count twice).
+        with collect(False):
+            got = torch.autograd.grad(
+                outputs, wanted, grads, retain_graph=True, allow_unused=True
+            )
         work.from_outputs = (outputs, grads, params)
         return _place(inputs, wanted, got), work
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -146,10 +183,18 @@ def backward_input(
         for join in by_join
     ]
     try:
-        got = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+        with collect(True):
+            got = torch.autograd.grad(
+                outputs, [*wanted, *in_b], grads, retain_graph=True, allow_unused=True
+            )
     finally:
         for h in handles:
             h.remove()
+    got, own = got[: len(wanted)], got[len(wanted) :]
+    with torch.no_grad():
+        for p, g in zip(in_b, own, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
     work.joins = [(join, captured[join], ps) for join, ps in by_join.items() if join in captured]
     if from_outputs:
         work.from_outputs = (outputs, grads, from_outputs)

@@ -1,0 +1,130 @@
+"""Linear layers whose weight gradients stay out of compiled graphs (split backward).
+
+A compiled region's backward is one autograd node: B (input gradients) would run it
+whole, weight GEMMs included, and W would have nothing left to do. Under a split backward
+with ``Pipeline(compile=...)``, :class:`OpaqueCapture` therefore routes ``F.linear`` on
+parameters through the custom op ``conveyor::linear``, which ``torch.compile`` treats as
+one opaque call. Its backward is the op ``conveyor::linear_dx``: it returns only
+``dX = dY W`` (to the weight and bias it returns no gradient) and hands ``(W, b, X, dY)``
+to the sink that is open at that moment, a :class:`~conveyor.runtime.deferred_linear.
+LinearWeightStore` slot; W then adds ``dYᵀ X`` with one GEMM over its micro-batches, as
+for eager stages. The side effect cannot be dropped by the compiler: ``dX`` is used.
+
+A linear whose input needs no gradient (its ``dX`` would be unused, so the compiler could
+drop the op) stays an ordinary ``F.linear``; its weight gradient is then computed with the
+rest of the compiled backward, in B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+_ATEN_LINEAR = torch.ops.aten.linear.default
+NODE_NAME = "GeneratedBackwardFor_conveyor_linear_defaultBackward"
+
+_sink: list[list[Entry] | None] = [None]
+
+
+@contextmanager
+def sink(slot: list[Entry] | None) -> Iterator[None]:
+    """Within this block, ``conveyor::linear_dx`` appends its ``(W, b, X, dY)`` to
+    ``slot`` (None: to nothing, e.g. while a replay must not add twice)."""
+    before = _sink[0]
+    _sink[0] = slot
+    try:
+        yield
+    finally:
+        _sink[0] = before
+
+
+@torch.library.custom_op("conveyor::linear", mutates_args=())
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None
+) -> torch.Tensor:
+    if cast is not None:
+        weight = weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
+    return F.linear(x, weight, bias).contiguous()
+
+
+@_linear.register_fake
+def _linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("conveyor::linear_dx", mutates_args=())
+def _linear_dx(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    slot = _sink[0]
+    if slot is not None:
+        slot.append((weight, bias, x.detach(), dy.detach()))
+    return dy @ weight.to(dy.dtype)
+
+
+@_linear_dx.register_fake
+def _linear_dx_fake(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return dy.new_empty((*dy.shape[:-1], weight.shape[1]))
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    x, weight, bias = ctx.saved_tensors
+    return torch.ops.conveyor.linear_dx(dy, x, weight, bias), None, None, None
+
+
+_linear.register_autograd(_backward, setup_context=_setup)
+
+
+def is_opaque(node: Any) -> bool:
+    """Whether the autograd ``node`` is an eager ``conveyor::linear`` (its weight edges
+    carry no gradient: W adds it from the store)."""
+    name = getattr(node, "name", None)
+    return callable(name) and name() == NODE_NAME
+
+
+def _trainable(t: Any) -> bool:
+    return type(t) is nn.Parameter and t.requires_grad
+
+
+class OpaqueCapture(TorchFunctionMode):
+    """Routes ``F.linear`` (and ATen's linear) on parameters whose input needs a gradient
+    through ``conveyor::linear`` (see the module doc); traced by ``torch.compile``."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (
+                isinstance(x, torch.Tensor)
+                and x.requires_grad
+                and _trainable(weight)
+                and (bias is None or _trainable(bias))
+            ):
+                device = x.device.type
+                if not torch.is_autocast_enabled(device):
+                    return torch.ops.conveyor.linear(x, weight, bias, None)
+                cast = torch.get_autocast_dtype(device)
+                if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
+                    return torch.ops.conveyor.linear(x.to(cast), weight, bias, cast)
+        return func(*args, **kwargs)
