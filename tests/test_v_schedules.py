@@ -412,3 +412,39 @@ def test_exact_on_two_processes() -> None:
 def test_exact_on_four_processes_with_fsdp_and_tensor_parallelism() -> None:
     layouts = ((4, 1, 1, False), (2, 2, 1, True), (2, 1, 2, False))
     _check_exact(distributed.run(_exact, 4, layouts, timeout=300))
+
+
+def test_conveyor_plan_shows_memory_and_fits_the_v_schedules_under_a_limit(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conveyor.cli.plan import main as plan_main
+    from conveyor.planning.planner import plan
+
+    script = tmp_path / "model.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])\n"
+        "    return model, torch.randn(64, 32), torch.randn(64, 32), nn.functional.mse_loss\n"
+    )
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    free = plan(model, x, y, nn.functional.mse_loss, 4, microbatch_counts=[16],
+                schedules=["zbv", "v-half"])  # fmt: skip
+    need = {c.schedule: max(c.peak_memory) for c in free.alternatives}
+    assert need["v-half"] < need["zbv"]
+    limit = str(need["v-half"])
+    assert plan_main([str(script), "--ranks", "4", "--memory-limit", limit]) == 0
+    out = capsys.readouterr().out
+    assert "peak MB/rank" in out
+    # Every micro-batch count is tried, each with its own micro-batch size: at 16, the
+    # count the limit was taken at, zbv does not fit and v-half does.
+    rows = {
+        line.split("|")[2].strip(): line
+        for line in out.splitlines()
+        if line.startswith("| ") and "| 2 | 16 |" in line
+    }
+    assert "| no |" in rows["zbv"] and "| yes |" in rows["v-half"]
+    chosen = out.split("peak memory per rank (MB) ", 1)[1].split("\n", 1)[0]
+    assert max(float(v) for v in chosen.split(", ")) <= need["v-half"] / 2**20 + 0.05
