@@ -139,4 +139,4 @@ def test_every_schedule_and_model_is_deadlock_free_under_nccl_rules(layout: str)
             check(traces)
         except AssertionError as exc:
             raise AssertionError(f"{layout}, {key}:\n{exc}") from None
-    assert len(refused) <= 2, refused
+    assert len(refused) <= 4, refused  # zbv, dualpipev, v-half, v-min with the tied GPT
