@@ -6,7 +6,7 @@ with ``Pipeline(compile=...)``, :class:`OpaqueCapture` therefore routes ``F.line
 parameters through the custom op ``conveyor::linear``, which ``torch.compile`` treats as
 one opaque call. Its backward is the op ``conveyor::linear_dx``: it returns only
 ``dX = dY W`` (to the weight and bias it returns no gradient) and hands ``(W, b, X, dY)``
-to the sink that is open at that moment, a :class:`~conveyor.runtime.deferred_linear.
+(copies) to the sink that is open at that moment, a :class:`~conveyor.runtime.deferred_linear.
 LinearWeightStore` slot; W then adds ``dYᵀ X`` with one GEMM over its micro-batches, as
 for eager stages. The side effect cannot be dropped by the compiler: ``dX`` is used.
 
@@ -69,7 +69,9 @@ def _linear_dx(
 ) -> torch.Tensor:
     slot = _sink[0]
     if slot is not None:
-        slot.append((weight, bias, x.detach(), dy.detach()))
+        # Copies: compiled code (inductor) reuses a buffer once its last use in the graph
+        # is done, and that use is this call, so a kept alias would be overwritten.
+        slot.append((weight, bias, x.detach().clone(), dy.detach().clone()))
     return dy @ weight.to(dy.dtype)
 
 

@@ -1,0 +1,277 @@
+"""Compiled stages (``Pipeline(compile=...)``): exact on every schedule, the split backward
+included; compiled code really ran; few recompiles.
+
+Most tests compile with ``backend="aot_eager"``: dynamo and AOTAutograd exactly as with
+inductor (the graphs, the custom linear ops, the compiled backward nodes B and W meet),
+without inductor's C++ builds, which take tens of seconds on two cores. One test runs
+inductor itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conveyor
+from conveyor.errors import ConfigError
+from conveyor.runtime.compiled import compile_stages, frames_compiled
+from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.split_backward import backward_input
+from conveyor.schedules import SCHEDULE_NAMES, default_chunks
+from tests import distributed
+from tests.helpers import assert_close_to_largest, grads_of
+
+EAGER_GRAPHS = {"backend": "aot_eager"}
+
+
+class Block(nn.Module):
+    """Pre-norm attention (``scaled_dot_product_attention``) and MLP, each with a skip."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def model(blocks: int = 4) -> nn.Sequential:
+    """A layer list: an input projection, ``blocks`` blocks and a head."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), *[Block() for _ in range(blocks)], nn.Linear(16, 4))
+
+
+def batch(length: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(length)
+    return torch.randn(rows, length, 8, generator=g), torch.randn(rows, length, 4, generator=g)
+
+
+def unsplit_grads(net: nn.Module, lengths: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    """The eager unsplit model's gradients of each step (SGD between steps)."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = []
+    for t in lengths:
+        opt.zero_grad()
+        x, y = batch(t)
+        F.mse_loss(net(x), y).backward()
+        out.append(grads_of(net.named_parameters()))
+        opt.step()
+    return out
+
+
+def pipe_grads(pipe: conveyor.Pipeline, lengths: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    """The same steps through ``pipe`` (this rank's parameters)."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    out = []
+    for t in lengths:
+        opt.zero_grad()
+        x, y = batch(t)
+        pipe.train_step(x, y)
+        out.append(grads_of(pipe.named_parameters()))
+        opt.step()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compile_option_is_checked() -> None:
+    with pytest.raises(ConfigError, match="compile must be True, False or a dict"):
+        conveyor.Pipeline(model(1), loss_fn=F.mse_loss, microbatches=2, compile="yes")
+    with pytest.raises(ConfigError, match=r"which torch\.compile does not take"):
+        conveyor.Pipeline(model(1), loss_fn=F.mse_loss, microbatches=2, compile={"speed": 2})
+
+
+@pytest.mark.slow
+def test_b_leaves_linear_weight_gemms_to_w() -> None:
+    """B of a compiled block computes no linear weight gradient (the block's layer norms
+    get theirs in B, from the same compiled call); W adds the rest: together the eager
+    gradients."""
+    eager = Block()
+    block = copy.deepcopy(eager)
+    compile_stages({0: block}, EAGER_GRAPHS, split_backward=True)
+    x, g = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 5, 16)
+    params = list(block.parameters())
+    store = LinearWeightStore(params, opaque=True)
+    with store.capture((0, 0)):
+        out = block(x)
+    assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
+    got, work = backward_input(
+        [out], [g], [x], params, lambda keep: store.collecting((0, 0) if keep else None)
+    )
+    assert all(m.weight.grad is None for m in (block.qkv, block.proj, block.fc1, block.fc2))
+    assert block.ln1.weight.grad is not None
+    assert len(store.kept((0, 0))) == 8  # (X, dY) of the four linears
+    work.run()
+    store.flush([(0, 0)])
+    xe = x.detach().requires_grad_()
+    eager(xe).backward(g)
+    assert got[0] is not None and torch.allclose(got[0], xe.grad, atol=1e-6)
+    for (name, p), q in zip(block.named_parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
+SPLIT = [s for s in SCHEDULE_NAMES if s.startswith(("zb", "v-")) or s in ("zbv", "dualpipev")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", *SPLIT])
+def test_every_schedule_exact_over_two_lengths(schedule: str) -> None:
+    """Two steps whose sequence lengths differ: within 1e-4 of the eager unsplit model."""
+    net = model()
+    want = unsplit_grads(copy.deepcopy(net), (5, 7))
+    frames = frames_compiled()
+    pipe = conveyor.Pipeline(
+        net,
+        loss_fn=F.mse_loss,
+        microbatches=4,
+        schedule=schedule,
+        chunks=default_chunks(schedule),
+        context=conveyor.init(pp=2),
+        compile=EAGER_GRAPHS,
+    )
+    got = pipe_grads(pipe, (5, 7))
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close_to_largest(g, w, f"{schedule} step {step}", tol=1e-4)
+    assert frames_compiled() > frames  # the compiled code ran
+    stats = pipe.compile_stats
+    assert stats is not None and sum(map(len, stats.graphs.values())) >= 2  # Linear, Block
+    assert "compiled:" in repr(pipe)
+
+
+@pytest.mark.slow
+def test_at_most_two_graphs_per_unit_over_four_lengths() -> None:
+    """A new length compiles once more, dynamic; the next lengths reuse it."""
+    from torch._dynamo.utils import counters
+
+    before = int(counters["stats"]["unique_graphs"])
+    pipe = conveyor.Pipeline(
+        nn.Sequential(*[Block() for _ in range(4)]),
+        loss_fn=F.mse_loss,
+        microbatches=2,
+        schedule="zb-h1",
+        context=conveyor.init(pp=2),
+        compile=EAGER_GRAPHS,
+    )
+    lengths = (5, 7, 9, 12)
+    for t in lengths:
+        x = torch.randn(2, t, 16)
+        pipe.train_step(x, torch.randn(2, t, 16))
+    stats = pipe.compile_stats
+    assert stats is not None
+    for s in (0, 1):
+        graphs = sum(stats.graphs.get(s, {}).values())
+        assert stats.recompiles(s) <= 2 and graphs <= 2, (s, stats.graphs)
+    assert int(counters["stats"]["unique_graphs"]) - before <= 2  # one Block code, 2 graphs
+    assert "recompile(s)" in repr(pipe) and " s" in repr(pipe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["recompute", "autocast"])
+def test_recompute_and_autocast(option: str) -> None:
+    """Recompute: the unsplit model's gradients; autocast: the eager pipeline's."""
+    extra: dict[str, Any] = (
+        {"recompute": True} if option == "recompute" else {"autocast": torch.bfloat16}
+    )
+    net = model(2)
+    if option == "recompute":
+        want = unsplit_grads(copy.deepcopy(net), (5, 7))
+    else:
+        eager = conveyor.Pipeline(
+            copy.deepcopy(net),
+            loss_fn=F.mse_loss,
+            microbatches=4,
+            schedule="zb-h1",
+            context=conveyor.init(pp=2),
+            **extra,
+        )
+        want = pipe_grads(eager, (5, 7))
+    pipe = conveyor.Pipeline(
+        net,
+        loss_fn=F.mse_loss,
+        microbatches=4,
+        schedule="zb-h1",
+        context=conveyor.init(pp=2),
+        compile=EAGER_GRAPHS,
+        **extra,
+    )
+    tol = 1e-4 if option == "recompute" else 2e-2  # bf16 rounds in other orders
+    for step, (g, w) in enumerate(zip(pipe_grads(pipe, (5, 7)), want, strict=True)):
+        assert_close_to_largest(g, w, f"{option} step {step}", tol=tol)
+
+
+@pytest.mark.slow
+def test_inductor_zero_bubble_exact() -> None:
+    """Inductor itself (C++ on CPU), the custom linear ops inside its code, zb-h1."""
+    net = nn.Sequential(Block(), Block())
+    torch.manual_seed(0)
+    want_net = copy.deepcopy(net)
+    pipe = conveyor.Pipeline(
+        net,
+        loss_fn=F.mse_loss,
+        microbatches=2,
+        schedule="zb-h1",
+        context=conveyor.init(pp=2),
+        compile={"dynamic": True},  # one graph for both lengths
+    )
+    for t in (5, 7):
+        x, y = torch.randn(2, t, 16), torch.randn(2, t, 16)
+        for p in [*want_net.parameters(), *net.parameters()]:
+            p.grad = None
+        F.mse_loss(want_net(x), y).backward()
+        pipe.train_step(x, y)
+        assert_close_to_largest(
+            grads_of(net.named_parameters()),
+            grads_of(want_net.named_parameters()),
+            f"inductor length {t}",
+            tol=1e-4,
+        )
+    assert frames_compiled() > 0
+
+
+def _rank_run(rank: int, world: int, schedule: str) -> tuple[list[Any], int, int]:
+    ctx = conveyor.init()
+    pipe = conveyor.Pipeline(
+        model(),
+        loss_fn=F.mse_loss,
+        microbatches=4,
+        schedule=schedule,
+        chunks=default_chunks(schedule),
+        context=ctx,
+        compile=EAGER_GRAPHS,
+    )
+    grads = pipe_grads(pipe, (5, 7))
+    stats = pipe.compile_stats
+    assert stats is not None
+    return grads, frames_compiled(), max(stats.recompiles(s) for s in pipe.held_stages)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world", "schedule"), [(2, "dualpipev"), (4, "zb-h1")])
+def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str) -> None:
+    """2 and 4 processes: every rank ran compiled code; together the unsplit gradients."""
+    want = unsplit_grads(model(), (5, 7))
+    results = distributed.run(_rank_run, world, world, schedule)
+    for step in range(2):
+        got: dict[str, torch.Tensor] = {}
+        for grads, _, _ in results:
+            got.update(grads[step])
+        assert_close_to_largest(got, want[step], f"{schedule} x{world} step {step}", tol=1e-4)
+    assert all(frames > 0 for _, frames, _ in results), [f for _, f, _ in results]
+    assert all(recompiles <= 2 for _, _, recompiles in results)
