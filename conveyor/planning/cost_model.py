@@ -160,9 +160,10 @@ def balanced(
     """
     times = prof.times(schedule.split_backward)
     stages = schedule.stages
-    if limit is None or recompute:
-        start = min_max_balance(times, stages)
-    else:
+    start = min_max_balance(times, stages)
+    # Only a time balance that does not fit is traded for one that does (the per-stage
+    # limit below can miss a split that fits its rank as a whole).
+    if limit is not None and not recompute and not _fits(peak_memory(schedule, prof, start), limit):
         memory = _stage_memory(schedule, prof)
         try:
             start = balance_within(times, stages, memory, limit)
