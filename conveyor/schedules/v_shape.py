@@ -153,8 +153,7 @@ def _squeeze(timelines: list[Slots], last_stage: int) -> None:
             bisect.insort(holes, now)
             if action.kind != B:  # an earlier F holds one more, an earlier W one less
                 step = 1 if action.kind == F else -1
-                for between in range(slot, now):
-                    counts[between] += step
+                counts[slot:now] = [c + step for c in counts[slot:now]]
             break
 
 
