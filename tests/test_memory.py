@@ -17,6 +17,7 @@ from conveyor.schedules import Action, B, F, Schedule, execution_order
 from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks, get_schedule
 from tests import distributed
 from tests.models import batch, mlp
+from tests.trainer_forked import run_forked
 
 # Every schedule of the registry at its own chunk count; both measuring tests check that a
 # report came back for each name.
@@ -169,7 +170,7 @@ def test_measured_peak_matches_the_schedule_on_two_ranks() -> None:
 @pytest.mark.slow
 def test_recompute_memory_on_four_ranks() -> None:
     """Each rank's own order decides what is adjacent: on 1f1b the last rank's every F."""
-    results = distributed.run(_recompute, 4, 4, timeout=90)
+    results = run_forked(_recompute, 4, 4, timeout=90)  # forked: no 4 fresh imports of torch
     for rank, reports in enumerate(results):
         _check_recompute(reports, 4, rank)
     last = results[3]["1f1b", True].forward
