@@ -33,7 +33,8 @@ what :func:`conveyor.simulate.simulate` shows best (F = B = W = 1, p = 2..16, m 
    This fills the warm-up the way the paper's squeeze does.
 3. Cool-down: after a rank's last F, it runs a B as soon as one is ready and a W only
    while no B is (B is on the critical path, W is not). With no F left this cannot raise
-   the peak, and it halves V-Half's bubble (p=8, m=32: 0.081 instead of 0.107).
+   the peak, and it cuts V-Half's bubble by a quarter to a half (p=8, m=32: 0.081
+   instead of 0.107; p=4, m=16: 0.050 instead of 0.086).
 
 Every step moves actions only to free slots after what they wait for, so the slot order is
 a real execution with unit costs and the ranks' programs cannot deadlock, for any m >= 1.
