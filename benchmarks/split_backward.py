@@ -6,12 +6,17 @@ runtime's path: linear layers' weight gradients deferred to W, the rest split by
 ordinary backwards and of B + W alternate (single calls alternating would measure each
 evicting the other's 32 MB of weights and gradients from cache); medians are printed.
 
-    python benchmarks/split_backward.py [--repeats 100]
+``--compiled``: the same stage compiled as ``Pipeline(compile=True)`` compiles it (inductor,
+per layer), B + W of the compiled stage against one backward of the same compiled stage
+without the split (its linears inside the compiled graphs).
+
+    python benchmarks/split_backward.py [--repeats 100] [--compiled]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -22,6 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from conveyor.partition.sequential import SequentialStage
+from conveyor.runtime.compiled import compile_stages
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.split_backward import backward_input
 
@@ -29,11 +36,19 @@ from conveyor.runtime.split_backward import backward_input
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--compiled", action="store_true", help="compiled stages (inductor)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    stage = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())])
-    params = list(stage.parameters())
+    layers = [m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())]
+    stage: nn.Module = nn.Sequential(*layers)
+    split_stage = stage
+    if args.compiled:  # two compiled copies of the same layers: with and without the split
+        stage = SequentialStage(*layers)
+        split_stage = SequentialStage(*copy.deepcopy(layers))
+        compile_stages({0: stage}, {}, split_backward=False)
+        compile_stages({0: split_stage}, {}, split_backward=True)
+    params = list(split_stage.parameters())
     x = torch.randn(8, 1024, requires_grad=True)
     g = torch.randn(8, 1024)
 
@@ -43,13 +58,15 @@ def main() -> None:
         out.backward(g)
         return time.perf_counter() - t
 
-    store = LinearWeightStore(params)
+    store = LinearWeightStore(params, opaque=args.compiled)
 
     def split() -> tuple[float, float]:
         with store.capture((0, 0)):
-            out = stage(x)
+            out = split_stage(x)
         t = time.perf_counter()
-        _, work = backward_input([out], [g], [x], params)
+        _, work = backward_input(
+            [out], [g], [x], params, lambda keep: store.collecting((0, 0) if keep else None)
+        )
         b = time.perf_counter()
         work.run()
         store.flush([(0, 0)])
@@ -70,8 +87,9 @@ def main() -> None:
                 bs.append(b)
                 ws.append(w)
     f, b, w = (statistics.median(v) * 1e3 for v in (full, bs, ws))
+    what = "compiled (inductor) " if args.compiled else ""
     print(
-        f"ordinary backward {f:.2f} ms | B {b:.2f} ms + W {w:.2f} ms = {b + w:.2f} ms "
+        f"{what}ordinary backward {f:.2f} ms | B {b:.2f} ms + W {w:.2f} ms = {b + w:.2f} ms "
         f"({(b + w) / f:.3f} of ordinary)"
     )
 

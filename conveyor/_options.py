@@ -82,6 +82,12 @@ class Options:
                 "tp_plan shards layers over tensor-parallel ranks; start them with "
                 "conveyor.init(pp=P, tp=T) on P x T processes, T >= 2"
             )
+        if self.tp_plan is not None and self.compile_keywords() is not None:
+            raise ConfigError(
+                "compile does not take tp_plan yet: tracing tensor-parallel (DTensor) stages "
+                "through conveyor's compiled linear layers fails in AOTAutograd; use "
+                "compile=False with tp_plan, or compile with fsdp / dp and no tensor parallelism"
+            )
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ConfigError(
                 "tp_plan must map module-name patterns to torch ParallelStyles, e.g. "

@@ -275,3 +275,13 @@ def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str) -
         assert_close_to_largest(got, want[step], f"{schedule} x{world} step {step}", tol=1e-4)
     assert all(frames > 0 for _, frames, _ in results), [f for _, f, _ in results]
     assert all(recompiles <= 2 for _, _, recompiles in results)
+
+
+def test_tensor_parallel_is_refused() -> None:
+    """Refused where the plan is checked, before any process waits on another."""
+    from conveyor._options import Options
+
+    options = Options(None, 2, tp_plan={"*.fc1": object()}, compile=True)
+    ctx = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
+    with pytest.raises(ConfigError, match="compile does not take tp_plan yet"):
+        options.check_context(ctx)  # type: ignore[arg-type]
