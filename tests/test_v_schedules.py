@@ -34,8 +34,8 @@ from conveyor.schedules import (
 )
 from conveyor.schedules.v_shape import PERIOD, block_offsets
 from conveyor.simulate import simulate
-from tests import distributed
 from tests.models import batch, mlp
+from tests.trainer_forked import run_forked
 
 V = ("v-half", "v-min")
 TARGET_PEAK = {"v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
@@ -205,7 +205,7 @@ def _model_peak(actions: tuple[Action, ...], report: Any) -> int:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_measured_memory_on_four_processes() -> None:
-    results = distributed.run(_measure, 4, 4, timeout=120)
+    results = run_forked(_measure, 4, 4, timeout=120)  # forked: no fresh imports of torch
     peaks = {}
     for name in MEASURED:
         schedule = get_schedule(name, 4, M)
@@ -404,14 +404,14 @@ def test_exact_in_one_process(pp: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_exact_on_two_processes() -> None:
-    _check_exact(distributed.run(_exact, 2, ((2, 1, 1, False),), timeout=180))
+    _check_exact(run_forked(_exact, 2, ((2, 1, 1, False),), timeout=180))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_exact_on_four_processes_with_fsdp_and_tensor_parallelism() -> None:
     layouts = ((4, 1, 1, False), (2, 2, 1, True), (2, 1, 2, False))
-    _check_exact(distributed.run(_exact, 4, layouts, timeout=300))
+    _check_exact(run_forked(_exact, 4, layouts, timeout=300))
 
 
 def test_conveyor_plan_shows_memory_and_fits_the_v_schedules_under_a_limit(
