@@ -168,10 +168,16 @@ def test_at_most_two_graphs_per_unit_over_four_lengths() -> None:
         context=conveyor.init(pp=2),
         compile=EAGER_GRAPHS,
     )
-    lengths = (5, 7, 9, 12)
-    for t in lengths:
+    from conveyor.observe.progress import Progress
+
+    progress = Progress(pipe, total=4, every=0)
+    lines = []
+    for t in (5, 7, 9, 12):
         x = torch.randn(2, t, 16)
-        pipe.train_step(x, torch.randn(2, t, 16))
+        lines.append(progress.step(pipe.train_step(x, torch.randn(2, t, 16)), 2))
+    progress.close()
+    # the progress line says which steps compiled: the first two lengths, not the others
+    assert ["compiling" in line for line in lines] == [True, True, False, False], lines
     stats = pipe.compile_stats
     assert stats is not None
     for s in (0, 1):
@@ -284,4 +290,4 @@ def test_tensor_parallel_is_refused() -> None:
     options = Options(None, 2, tp_plan={"*.fc1": object()}, compile=True)
     ctx = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
     with pytest.raises(ConfigError, match="compile does not take tp_plan yet"):
-        options.check_context(ctx)  # type: ignore[arg-type]
+        options.check_context(ctx)

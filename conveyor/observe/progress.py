@@ -19,7 +19,8 @@ class Progress:
     loss, so a log gets the lines only. The other ranks print nothing. With several
     processes the lines give the measured pipeline bubble (a collective, hence every
     rank calls); one process runs the stages one after another, so there is no bubble to
-    measure and the lines say so once.
+    measure and the lines say so once. With compiled stages, a step that compiled (the
+    first, a new sequence length) prints its line with the seconds compiling took.
 
     Args:
         pipe: The pipeline being trained.
@@ -49,6 +50,7 @@ class Progress:
         terminal = sys.stderr.isatty()
         self.bar = tqdm(total=total, desc=desc, unit="step", disable=not (self.shown and terminal))
         self._step_start = time.perf_counter()
+        self._compiled = 0.0  # compile seconds so far (compiled stages)
 
     def step(self, loss: Any, items: int) -> str:
         """Record one step: its loss, time, throughput and (with several processes) bubble.
@@ -68,6 +70,12 @@ class Progress:
             f"step {self.count:5d}  loss {value:.4f}  {seconds * 1e3:.1f} ms/step  "
             f"{items / seconds:.0f} samples/s"
         )
+        stats, compiled = getattr(self.pipe, "compile_stats", None), False
+        if stats is not None and stats.total_seconds() > self._compiled + 0.05:
+            compiled = True
+            # the step compiled (its first, a new length): say how much of it that was
+            spent, self._compiled = stats.total_seconds() - self._compiled, stats.total_seconds()
+            line += f"  compiling {spent:.1f} s"
         if self.parallel:
             bubble = self.pipe.measured_bubble()
             line += f"  bubble {bubble:.2f}"
@@ -75,7 +83,8 @@ class Progress:
         else:
             self.bar.set_postfix(loss=f"{value:.4f}", refresh=False)
         self.bar.update()
-        if self.shown and self.every and (self.count % self.every == 0 or self._first):
+        due = self.count % self.every == 0 or self._first or compiled if self.every else False
+        if self.shown and due:
             if self._first and not self.parallel:
                 line += "  (one process runs the stages one after another: no bubble to measure)"
             self.bar.write(line)
