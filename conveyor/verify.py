@@ -7,6 +7,11 @@ every gradient with the unsplit model trained on this rank's device. Prints one 
 schedule on rank 0 and exits 1 if any differs by more than ``--tolerance`` (relative to
 the largest value of each gradient) or if a step fails; a hang becomes a
 :class:`~conveyor.errors.PipelineError` naming the rank and action within ``--timeout``.
+
+``--compile [BACKEND]`` adds a compiled pass (``Pipeline(compile=...)``, inductor unless
+another backend is named): every schedule again with compiled stages, within
+``--compile-tolerance`` (compilers round differently), and fails where a rank ran no
+compiled code.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import conveyor
+from conveyor.runtime.compiled import frames_compiled
 from conveyor.schedules import SCHEDULE_NAMES, default_chunks
 
 
@@ -89,8 +95,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max().item() / scale) if scale > 0 else float((a - b).abs().max())
 
 
-def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, float]:
-    """Worst relative difference of ``name`` against the unsplit model, and ms per step."""
+def _check(
+    name: str, ctx: conveyor.Context, microbatches: int, backend: str | None = None
+) -> tuple[float, float]:
+    """Worst relative difference of ``name`` against the unsplit model, and ms per step;
+    with ``backend``, compiled stages (worst is infinite where none compiled here)."""
     chunks = default_chunks(name)
     depth = 2 * ctx.pp_size * chunks
     torch.manual_seed(0)
@@ -103,7 +112,9 @@ def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, 
         schedule=name,
         chunks=chunks,
         context=ctx,
+        compile=False if backend is None else {"backend": backend},
     )
+    frames = frames_compiled()
     worst, elapsed = 0.0, 0.0
     reference_params = dict(reference.named_parameters())
     for step, size in enumerate((4 * microbatches, 3 * microbatches + 1)):
@@ -131,6 +142,8 @@ def _check(name: str, ctx: conveyor.Context, microbatches: int) -> tuple[float, 
         out = pipe.predict(x)
         if out is not None:
             worst = max(worst, _relative(out, reference(x)))
+    if backend is not None and frames_compiled() == frames:
+        worst = float("inf")  # no compiled code ran on this rank
     return worst, elapsed * 1000 / 2
 
 
@@ -139,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Args:
         argv: Command-line arguments (default: ``sys.argv[1:]``): ``--schedules``,
-            ``--microbatches``, ``--tolerance``, ``--timeout``.
+            ``--microbatches``, ``--tolerance``, ``--timeout``, ``--compile [BACKEND]``,
+            ``--compile-tolerance``.
 
     Returns:
         The exit code: 0 if every schedule matches the unsplit model, else 1.
@@ -161,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest relative difference accepted (default: 1e-5)")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds before a stalled rank is reported (default: 120)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None,
+                        metavar="BACKEND", help="also a pass with compiled stages")
+    parser.add_argument("--compile-tolerance", type=float, default=1e-4,
+                        help="largest relative difference of the compiled pass (1e-4)")
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
     torch.backends.cudnn.allow_tf32 = False
@@ -170,17 +188,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conveyor.verify: {setup}, pp={ctx.pp_size} dp={ctx.dp_size}", flush=True)
     microbatches = args.microbatches or 2 * ctx.pp_size
     failed = False
-    for name in args.schedules.split(","):
-        worst, ms = _check(name.strip(), ctx, microbatches)
+    passes = [(None, args.tolerance)]
+    if args.compile is not None:
+        passes.append((args.compile, args.compile_tolerance))
+    for (backend, tolerance), name in (
+        (p, n) for p in passes for n in args.schedules.split(",")
+    ):
+        worst, ms = _check(name.strip(), ctx, microbatches, backend)
         if ctx.distributed:
             buf = torch.tensor([worst], dtype=torch.float64, device=ctx.device)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
             worst = float(buf.item())
-        ok = worst <= args.tolerance
+        ok = worst <= tolerance
         failed |= not ok
         if ctx.rank == 0:
             verdict = "ok" if ok else "DIFFERS"
-            print(f"  {name:<18} {verdict:<8} max relative difference {worst:.1e}  "
+            label = name if backend is None else f"{name} compiled"
+            print(f"  {label:<27} {verdict:<8} max relative difference {worst:.1e}  "
                   f"{ms:8.1f} ms/step", flush=True)
     if ctx.rank == 0:
         print("conveyor.verify: " + ("FAILED" if failed else "every schedule matches"))

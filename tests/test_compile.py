@@ -291,3 +291,38 @@ def test_tensor_parallel_is_refused() -> None:
     ctx = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
     with pytest.raises(ConfigError, match="compile does not take tp_plan yet"):
         options.check_context(ctx)
+
+
+@pytest.mark.slow
+def test_graph_captured_stages_compile_whole_and_verify_has_a_compiled_pass(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A model split as a graph (skips across every cut) compiles each stage whole, exact
+    under zbv; ``conveyor.verify --compile`` reports its compiled pass."""
+    from conveyor import verify
+
+    torch.manual_seed(0)
+    net = verify.SkipNet(depth=4, width=8, inputs=8, outputs=4)
+    reference = copy.deepcopy(net)
+    pipe = conveyor.Pipeline(
+        net,
+        loss_fn=F.mse_loss,
+        microbatches=2,
+        schedule="zbv",
+        chunks=2,
+        context=conveyor.init(pp=2),
+        compile=EAGER_GRAPHS,
+    )
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    pipe.train_step(x, y)
+    F.mse_loss(reference(x), y).backward()
+    assert_close_to_largest(
+        grads_of(net.named_parameters()),
+        grads_of(reference.named_parameters()),
+        "zbv",
+        tol=1e-4,
+    )
+    stats = pipe.compile_stats
+    assert stats is not None and all(u == ["(whole stage)"] for u in stats.units.values())
+    assert verify.main(["--schedules", "zb-h1", "--compile", "aot_eager"]) == 0
+    assert "zb-h1 compiled" in capsys.readouterr().out
