@@ -12,7 +12,7 @@ from conveyor.errors import ConfigError, ConveyorError, PipelineError, ScheduleE
 from conveyor.partition.balance import balance
 
 if TYPE_CHECKING:
-    from conveyor import checkpoint
+    from conveyor import checkpoint, losses
     from conveyor.checkpoint import CheckpointError, load, load_model_state, save
     from conveyor.context import Context, init
     from conveyor.partition.annotations import set_stage
@@ -36,6 +36,7 @@ __all__ = [
     "init",
     "load",
     "load_model_state",
+    "losses",
     "plan",
     "profile",
     "save",
@@ -63,8 +64,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "checkpoint":  # conveyor.checkpoint.exists(...) without importing it first
-        return importlib.import_module("conveyor.checkpoint")
+    if name in ("checkpoint", "losses"):  # conveyor.losses.X without importing it first
+        return importlib.import_module(f"conveyor.{name}")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

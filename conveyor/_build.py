@@ -10,7 +10,7 @@ first stage's to every rank.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from conveyor._options import Options
 from conveyor.context import Context
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, PipelineError
 from conveyor.losses import model_token_loss
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
@@ -33,7 +33,7 @@ from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.sharding import Sharded, apply_tp
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import GradientSync, StepGradients
-from conveyor.runtime.step_loss import Combined, combine, global_rows, loss_scale
+from conveyor.runtime.step_loss import Combined, LossKind, combine, global_rows, loss_scale
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Action, Schedule
 
@@ -55,6 +55,7 @@ class RankParts:
         counter: counts a micro-batch's ``labels`` for a model's own token loss
             (``loss_fn=None``; see :func:`conveyor.losses.model_token_loss`).
         compiled: compiled stages' graphs and compile time (None: eager stages).
+        losses: whether the last step's loss was a pair (None before the first).
     """
 
     stages: dict[int, nn.Module]
@@ -67,6 +68,7 @@ class RankParts:
     grads: StepGradients
     counter: microbatch.Counter | None = None
     compiled: CompileStats | None = None
+    losses: LossKind = field(default_factory=LossKind)
 
     @property
     def syncs(self) -> tuple[GradientSync, ...]:
@@ -118,8 +120,14 @@ class RankParts:
                 raise microbatch.missing("targets" if self.options.loss_fn else "inputs")
             rows = global_rows(batch.rows if holds_last else None, ctx)
             scale = loss_scale(rows, ctx.dp_size if self.options.fsdp else 1)
-        self.grads.put_aside()
         syncs = self.syncs
+        # Earlier gradients are put aside (a copy's memory) only where the step must act
+        # on its own: reductions over ranks, or a pair loss's division by its count.
+        had = self.grads.any()
+        isolate = self.data_parallel is not None or bool(self.shared)
+        isolate = isolate or (had and self.losses.pair is not False)
+        if isolate:
+            self.grads.put_aside()
         try:
             for sync in syncs:
                 sync.begin()
@@ -127,13 +135,22 @@ class RankParts:
             for sync in syncs:
                 sync.finish()
             combined = self._combine(record, count)
+            if had and not isolate and combined.gradient_factor != 1.0:
+                raise PipelineError(
+                    "loss_fn returned pairs (total, count) in this step but scalars in "
+                    "earlier ones whose gradients are still in .grad; zero the gradients "
+                    "before switching, or return the same kind in every step"
+                )
+            self.losses.pair = combined.pair
             self.grads.scale(combined.gradient_factor)
         except BaseException:
             for sync in syncs:
                 sync.abort()
-            self.grads.give_back()
+            if isolate:
+                self.grads.give_back()
             raise
-        self.grads.add_back()
+        if isolate:
+            self.grads.add_back()
         return record, combined
 
     def _combine(self, record: StepRecord, count: float | None) -> Combined:

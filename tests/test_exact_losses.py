@@ -327,3 +327,26 @@ def test_trainer_fits_and_evaluates_token_weighted() -> None:
     model = lm()
     means = [token_mean(model(a), b).item() for a, b in zip(x.split(3), y.split(3), strict=True)]
     assert abs(sum(means) / len(means) - want) > 1e-2  # batch means would be far off
+
+
+def test_gradients_of_earlier_steps_are_kept_apart_only_when_needed() -> None:
+    """A scalar loss accumulates in place (no copy of the gradients held aside), a pair
+    loss's step is scaled alone; switching kinds with gradients held is refused."""
+    x, y = tokens()
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=token_mean, microbatches=2)
+    pipe.train_step(x, y)
+    first = {n: p.grad for n, p in pipe.named_parameters()}
+    pipe.train_step(x, y)
+    assert all(p.grad is first[n] for n, p in pipe.named_parameters())  # accumulated in place
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    pipe.train_step(x, y)
+    once = grads_of(pipe.named_parameters())
+    pipe.train_step(x, y)
+    assert_close(grads_of(pipe.named_parameters()), {n: 2 * g for n, g in once.items()}, "twice")
+    switched = conveyor.Pipeline(lm(), loss_fn=token_mean, microbatches=2)
+    switched.train_step(x, y)
+    # The loss turns into a pair while the scalar steps' gradients are held:
+    switched._parts.engine.compute.loss_fn = TokenCrossEntropy()  # type: ignore[union-attr]
+    with pytest.raises(PipelineError, match=r"pairs .* in this step but scalars in earlier"):
+        switched.train_step(x, y)

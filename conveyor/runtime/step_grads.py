@@ -45,6 +45,10 @@ class StepGradients:
         self._params = list({id(p): p for p in params if p.requires_grad}.values())
         self._before: list[torch.Tensor | None] | None = None
 
+    def any(self) -> bool:
+        """Whether some parameter holds a gradient (from an earlier step)."""
+        return any(p.grad is not None for p in self._params)
+
     def put_aside(self) -> None:
         """Before the step: keep each ``.grad`` and set it to None."""
         self._before = [p.grad for p in self._params]
@@ -65,8 +69,8 @@ class StepGradients:
 
     @torch.no_grad()
     def scale(self, factor: float) -> None:
-        """Multiply this step's gradients (between :meth:`put_aside` and
-        :meth:`add_back`) by ``factor``; nothing when it is 1."""
+        """Multiply the gradients by ``factor`` (this step's alone between
+        :meth:`put_aside` and :meth:`add_back`); nothing when it is 1."""
         grads = [local_shard(p.grad) for p in self._params if p.grad is not None]
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)

@@ -22,6 +22,7 @@ step is :func:`combine`'s, which every member posts at the same point (NCCL's or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -104,7 +105,7 @@ class StepLoss:
         self.total: torch.Tensor | None = None
         self.count: torch.Tensor | int = 0
         self.rows = 0
-        self._pair: bool | None = None
+        self.pair: bool | None = None
 
     def add(self, term: LossTerm, rows: int) -> None:
         """Add one micro-batch's term (detached).
@@ -112,16 +113,24 @@ class StepLoss:
         Raises:
             PipelineError: a pair on some micro-batches and a scalar on others.
         """
-        if self._pair is not None and term.pair != self._pair:
+        if self.pair is not None and term.pair != self.pair:
             raise PipelineError(
                 "loss_fn returned a pair (total, count) on some micro-batches and a scalar "
                 "on others; return the same kind for every micro-batch"
             )
-        self._pair = term.pair
+        self.pair = term.pair
         total = term.total.detach().to(torch.float64)
         self.total = total if self.total is None else self.total + total
         self.count = self.count + term.items
         self.rows += rows
+
+
+@dataclass
+class LossKind:
+    """What a pipeline learnt of its loss: whether the last step's was a pair (None
+    before the first step)."""
+
+    pair: bool | None = None
 
 
 def loss_scale(rows: int, fsdp_replicas: int = 1) -> float:
@@ -159,10 +168,12 @@ def global_rows(rows: int | None, ctx: Context) -> int:
 
 
 class Combined(NamedTuple):
-    """The step's loss on every rank, and the factor its gradients still need."""
+    """The step's loss on every rank, the factor its gradients still need, and whether a
+    micro-batch of any replica returned a pair."""
 
     loss: torch.Tensor
     gradient_factor: float
+    pair: bool
 
 
 def combine(
@@ -181,13 +192,14 @@ def combine(
     Raises:
         ConfigError: the count is 0 (nothing to average over), on every rank.
     """
-    buf = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    buf = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     replicas = ctx.distributed and ctx.dp_size > 1
     # Over replicas, one tensor-parallel rank of each speaks (they hold the same loss).
     if local is not None and local.total is not None and (not replicas or ctx.tp_rank == 0):
         buf[0] = local.total
         buf[1] = local.count
         buf[2] = local.rows
+        buf[3] = float(bool(local.pair))
     if replicas:
         collective(
             lambda: dist.all_reduce(buf, async_op=True),
@@ -203,7 +215,7 @@ def combine(
             f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
             f"rank {source} or another pipeline rank",
         )
-    total, summed, rows = buf.tolist()  # the step's one host sync
+    total, summed, rows, pair = buf.tolist()  # the step's one host sync
     divisor = summed if count is None else float(count)
     if divisor <= 0:
         raise ConfigError(
@@ -213,4 +225,4 @@ def combine(
             else f"count must be > 0, got {count!r}"
         )
     loss = torch.tensor(total / divisor, dtype=torch.float32, device=ctx.device)
-    return Combined(loss, rows / divisor)
+    return Combined(loss, rows / divisor, pair > 0)
