@@ -84,8 +84,8 @@ class Options:
             )
         if self.tp_plan is not None and self.compile_keywords() is not None:
             raise ConfigError(
-                "compile does not take tp_plan yet: tracing tensor-parallel (DTensor) stages "
-                "through conveyor's compiled linear layers fails in AOTAutograd; use "
+                "compile does not take tp_plan yet: AOTAutograd's tracing of these "
+                "tensor-parallel (DTensor) stages fails with a RecursionError in this torch; use "
                 "compile=False with tp_plan, or compile with fsdp / dp and no tensor parallelism"
             )
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
