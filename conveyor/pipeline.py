@@ -113,8 +113,9 @@ class Pipeline:
         if schedule == "auto":
             self.plan = plan_pipeline(model, ctx, options, memory_limit)
             schedule = self.plan.built
+            recompute = self.plan.recompute or options.recompute  # where nothing else fits
             options = dataclasses.replace(
-                options, chunks=self.plan.chunks, balance=self.plan.balance
+                options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute
             )
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         options.check_context(ctx)

@@ -474,3 +474,37 @@ def test_pipeline_auto_under_a_memory_limit_fits_where_zbv_does_not() -> None:
     assert fits["v-half"] and fits["v-min"] and not fits["zbv"]
     assert pipe.schedule.name == pipe.plan.schedule != "zbv"
     assert float(pipe.train_step(x, y)) > 0
+
+
+def test_pipeline_auto_recomputes_where_nothing_else_fits() -> None:
+    """Below every schedule's need, the planner's recompute reaches the pipeline it built."""
+    from conveyor.planning.planner import plan
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(15)], nn.Linear(32, 1))
+
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    def planned(limit: float | None) -> Any:
+        try:
+            return plan(model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[8],
+                        memory_limit=limit)  # fmt: skip
+        except conveyor.ConfigError:
+            return None  # nothing fits, not even with recompute
+
+    low, high = 0.0, float(max(planned(None).peak_memory))
+    for _ in range(12):  # bisect for a limit only recompute fits
+        limit = (low + high) / 2
+        chosen = planned(limit)
+        if chosen is not None and chosen.recompute:
+            break
+        low, high = (limit, high) if chosen is None else (low, limit)
+    else:
+        pytest.fail("no limit where only recompute fits")
+    pipe = conveyor.Pipeline(
+        model(), loss_fn=nn.functional.mse_loss, microbatches=8, schedule="auto",
+        sample=(x, y), memory_limit=limit, context=conveyor.init(pp=2),
+    )  # fmt: skip
+    assert pipe.plan is not None and pipe.plan.recompute
+    assert pipe.options.recompute is True
+    assert float(pipe.train_step(x, y)) > 0
