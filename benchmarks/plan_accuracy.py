@@ -10,6 +10,10 @@ does not count it). For the unbalanced model the same schedule also runs with th
 parameter-balanced split (``balance=None``).
 
     python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3] [--microbatches 8]
+        [--recompute] [--autocast]
+
+``--recompute`` / ``--autocast`` (bf16) plan and run with those options: the planner's
+calibration runs the pipeline's own step, so its prediction should stay as close.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import run_on_processes
 
 import conveyor
+from conveyor._options import Options
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.planner import Plan, plan
 from conveyor.runtime.timing import Timing
@@ -98,6 +103,7 @@ def pipeline_step(
     schedule: str | Schedule,
     chunks: int,
     balance: list[int] | None,
+    options: Options,
 ) -> Callable[[], None]:
     """One training step (gradients cleared after; no optimizer step)."""
     pipe = conveyor.Pipeline(
@@ -107,6 +113,8 @@ def pipeline_step(
         schedule=schedule,
         chunks=chunks,
         balance=balance,
+        recompute=options.recompute,
+        autocast=options.autocast,
     )
 
     def step() -> None:
@@ -129,6 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     conveyor.init()
     rank = dist.get_rank()
+    dtype = torch.bfloat16 if args.autocast else None
+    options = Options(nn.functional.mse_loss, 1, recompute=args.recompute, autocast=dtype)
     for label, build in (("benchmark", benchmark_model), ("unbalanced", unbalanced_model)):
         model, width_in, width_out = build()
         gen = torch.Generator().manual_seed(1)
@@ -136,21 +146,25 @@ def worker(args: argparse.Namespace) -> None:
         x, y = torch.randn(*shape, generator=gen), torch.randn(BATCH, width_out, generator=gen)
         t0 = time.perf_counter()
         counts = [args.microbatches] if args.microbatches else None
-        chosen = plan(model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts)
+        chosen = plan(
+            model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts, options=options
+        )
         took = time.perf_counter() - t0
         runs = {
             "planned": pipeline_step(
-                model, x, y, chosen.microbatches, chosen.built, chosen.chunks, chosen.balance
+                model, x, y, chosen.microbatches, chosen.built, chosen.chunks, chosen.balance,
+                options,
             )
         }
         cal = chosen.calibration
         if cal is not None:  # the calibration's own run again: how reproducible a step is
             runs["reference"] = pipeline_step(
-                model, x, y, cal.microbatches, cal.schedule, cal.chunks, list(cal.balance)
+                model, x, y, cal.microbatches, cal.schedule, cal.chunks, list(cal.balance),
+                options,
             )
         if label == "unbalanced":
             runs["parameter-balanced"] = pipeline_step(
-                model, x, y, chosen.microbatches, chosen.built, chosen.chunks, None
+                model, x, y, chosen.microbatches, chosen.built, chosen.chunks, None, options
             )
         measured: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(args.rounds):
@@ -218,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         help="plan for this micro-batch count, as Pipeline(schedule='auto') does; 0: let "
         "the planner choose it too",
     )
+    p.add_argument("--recompute", action="store_true", help="plan and run with recompute")
+    p.add_argument("--autocast", action="store_true", help="plan and run under bf16 autocast")
     args = p.parse_args(argv)
     return run_on_processes(__file__, PROCS, argv, worker, args)
 

@@ -109,6 +109,7 @@ class Pipeline:
         self.context = ctx = context if context is not None else current()
         options = Options(loss_fn, microbatches, chunks, balance, fsdp, tp_plan, sample,
                           recompute, autocast, track_memory, compile)
+        options.check_context(ctx)  # before a plan's collective profiling run
         self.plan: Plan | None = None
         if schedule == "auto":
             self.plan = plan_pipeline(model, ctx, options, memory_limit)
@@ -118,7 +119,6 @@ class Pipeline:
                 options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute
             )
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
-        options.check_context(ctx)
         self.schedule = make_schedule(schedule, ranks, microbatches, options.chunks)
         options.check_schedule(self.schedule)
         self.options = options

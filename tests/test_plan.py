@@ -134,3 +134,52 @@ def test_memory_model_counts_one_shard_of_the_parameters() -> None:
     params = [sum(u.parameters for u in p.profile.layers) for p in (whole, sharded)]
     assert params[1] == pytest.approx(params[0] / 4, rel=0.01)
     assert max(sharded.peak_memory) < max(whole.peak_memory)
+
+
+def test_a_bad_option_fails_before_the_planner_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    import conveyor
+    import conveyor.pipeline as pipeline
+
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("profiled before the options were checked")
+
+    monkeypatch.setattr(pipeline, "plan_pipeline", profiled)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with pytest.raises(ConfigError, match="fsdp must be False, True"):
+        conveyor.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), schedule="auto",
+                          loss_fn=nn.functional.mse_loss, microbatches=2, sample=(x, y),
+                          fsdp="yes")  # fmt: skip
+
+
+def _calibrated_options(rank: int) -> list[tuple[Any, Any]]:
+    """The options the planner's calibration runs build pipelines with."""
+    import conveyor
+    import conveyor.planning.calibration as calibration
+
+    seen: list[tuple[Any, Any]] = []
+    real = calibration.build
+
+    def build(model: Any, schedule: Any, options: Any, *args: Any) -> Any:
+        seen.append((options.recompute, options.autocast))
+        return real(model, schedule, options, *args)
+
+    calibration.build = build  # type: ignore[assignment]
+    ctx = conveyor.init(pp=2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=4,
+                             schedule="auto", sample=(x, y), recompute=True,
+                             autocast=torch.bfloat16, context=ctx)  # fmt: skip
+    pipe.train_step(x, y)
+    return seen
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_calibration_times_the_step_the_pipeline_runs() -> None:
+    """recompute and autocast reach the planner's real steps (they change F, B and W)."""
+    from tests import distributed
+
+    for seen in distributed.run(_calibrated_options, 2, timeout=120):
+        assert seen and all(s == (True, torch.bfloat16) for s in seen), seen

@@ -110,6 +110,7 @@ def calibrate_family(
     ranks: int,
     kind: Family,
     memory_limit: float | None = None,
+    options: Options | None = None,
 ) -> Calibration | None:
     """Calibrate ``prof`` for one schedule family; a collective.
 
@@ -125,6 +126,8 @@ def calibrate_family(
         ranks: Pipeline ranks (the world size).
         kind: The family, as :func:`family` gives it.
         memory_limit: Bytes per rank for the reference's balance, or None.
+        options: The pipeline's options, so the reference runs its step (FSDP, tensor
+            parallelism, recompute, autocast), or None for a plain step.
 
     Returns:
         The calibration, or None when the reference cannot run here (too few
@@ -139,7 +142,7 @@ def calibrate_family(
         bal = balanced(ref, prof, memory_limit)
     except ConfigError:
         return None
-    step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal)
+    step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal, options)
     predicted = prof.costs(bal, split)
     scale = tuple(
         sum(r[k] for r in real) / p if (p := sum(c[k] for c in predicted)) > 0 else 1.0
@@ -169,15 +172,23 @@ def _run_reference(
     loss_fn: LossFn,
     schedule: Schedule,
     balance: Sequence[int],
+    template: Options | None = None,
 ) -> tuple[float, list[tuple[float, float, float]]]:
     """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
-    of ``schedule``; a collective. Gradients already in ``.grad`` are left as they were."""
+    of ``schedule``, built and run as a pipeline with ``template``'s options builds and
+    runs them; a collective. Gradients already in ``.grad`` are left as they were."""
     module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
     params = list(module.parameters())
     keep = [p.grad for p in params]
     ctx = current()
     m = schedule.microbatches
     options = Options(loss_fn, m, schedule.chunks, list(balance))
+    if template is not None:
+        # Calibration runs only where the world is the pipeline ranks alone: no replicas
+        # or tensor-parallel ranks for fsdp / tp_plan to shard over.
+        options = dataclasses.replace(
+            options, recompute=template.recompute, autocast=template.autocast
+        )
     parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
     batch = parts.divide("train", inputs, targets)
     steps: list[float] = []

@@ -119,6 +119,7 @@ def plan(
     profiles: dict[int, Profile] | None = None,
     calibrate: bool = True,
     param_shards: int = 1,
+    options: Options | None = None,
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks within ``memory_limit``.
 
@@ -146,6 +147,8 @@ def plan(
         param_shards: Into how many pieces each rank's parameters and gradients are cut
             (FSDP over D replicas times tensor parallelism T); the memory model counts one
             piece.
+        options: A pipeline's options (``fsdp``, ``tp_plan``, ``recompute``,
+            ``autocast``...): calibration then times the very step that pipeline runs.
 
     Returns:
         The chosen configuration and every candidate, ranked.
@@ -180,7 +183,9 @@ def plan(
             continue
         prof = cache[m].sharded(param_shards)
         cals = {
-            kind: calibrate_family(model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit)
+            kind: calibrate_family(
+                model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit, options
+            )
             if real
             else None
             for kind in REFERENCES
@@ -278,6 +283,7 @@ def plan_pipeline(
         memory_limit,
         microbatch_counts=[options.microbatches],
         param_shards=shards,
+        options=options,
     )
 
 
