@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import conveyor
+from conveyor.losses import TokenCrossEntropy
 from conveyor.verify import Block
 from tests import distributed
 from tests.models import batch
@@ -87,11 +88,20 @@ def data(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind != "gpt":
         return batch(16, seed=step)
     ids = torch.randint(0, 11, (8, 9), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    targets = ids[:, 1:].clone()
+    for row, real in enumerate([8, 1, 5, 2, 8, 3, 1, 6]):  # padded rows, 8x apart
+        targets[row, real:] = -100
+    return ids[:, :-1], targets
 
 
 def loss_of(kind: str) -> Any:
-    return gpt.lm_loss if kind == "gpt" else nn.functional.mse_loss
+    """The GPT's is a token loss over padded rows: a pair (total, count)."""
+    return TokenCrossEntropy() if kind == "gpt" else nn.functional.mse_loss
+
+
+def whole(result: Any) -> torch.Tensor:
+    """The unsplit model's loss on a whole batch from a loss_fn result."""
+    return result[0] / result[1] if isinstance(result, tuple) else result
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +132,7 @@ def reference(kind: str, dp: int) -> Result:
     for step in range(STEPS):
         x, y = data(kind, step)
         xs, ys = torch.cat([x[i::dp] for i in range(dp)]), torch.cat([y[i::dp] for i in range(dp)])
-        loss = loss_of(kind)(model(xs), ys)
+        loss = whole(loss_of(kind)(model(xs), ys))
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -160,7 +170,7 @@ def _eight(rank: int, path: str) -> dict[str, Any]:
                              fsdp=True, tp_plan=mlp_plan(), context=ctx)
     out["mlp"] = train(pipe, "mlp", ctx)
     model = gpt_model(2)
-    pipe = conveyor.Pipeline(model, loss_fn=gpt.lm_loss, microbatches=2, fsdp=True,
+    pipe = conveyor.Pipeline(model, loss_fn=loss_of("gpt"), microbatches=2, fsdp=True,
                              tp_plan=gpt.tp_plan(), context=ctx)
     out["gpt"] = train(pipe, "gpt", ctx)
     # Clipping sees every shard once: the norm of the whole model's gradient.
@@ -173,7 +183,7 @@ def _eight(rank: int, path: str) -> dict[str, Any]:
     out["saved"] = {n: _full(p) for n, p in pipe.named_parameters()}
     out["moments"] = {n: _full(opt.state[p]["exp_avg"]) for n, p in pipe.named_parameters()}
     # The README's snippet, as written, with the GPT example as the model.
-    scope: dict[str, Any] = {"conveyor": conveyor, "model": gpt_model(2), "loss_fn": gpt.lm_loss}
+    scope: dict[str, Any] = {"conveyor": conveyor, "model": gpt_model(2), "loss_fn": loss_of("gpt")}
     exec(readme_snippet(ELSEWHERE), scope)
     x, y = data("gpt", 1)
     out["readme"] = float(scope["pipe"].train_step(x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]))
@@ -233,7 +243,7 @@ def _four(rank: int, path: str) -> dict[str, Any]:
         x, y = data("mlp", 0)
         out[f"collectives {sched}"] = (_count_collectives(pipe, x[ctx.dp_rank :: 2],
                                                           y[ctx.dp_rank :: 2]), chunks)
-    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2, fsdp=True,
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2, fsdp=True,
                              schedule="zb-h1", context=ctx)
     out["fsdp gpt"] = train(pipe, "gpt", ctx)
     x, y = data("mlp", 0)
@@ -244,7 +254,7 @@ def _four(rank: int, path: str) -> dict[str, Any]:
                                                 microbatches=4, context=ctx), x, y)
     out["memory"] = sharded / replicated
     # The 3-D checkpoint, loaded at pp=2 x dp=2 without fsdp.
-    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2, context=ctx)
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2, context=ctx)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     out["loaded step"] = conveyor.load(pipe, path, opt)
     out["loaded"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
@@ -255,7 +265,7 @@ def _four(rank: int, path: str) -> dict[str, Any]:
         pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
                                  schedule=sched, tp_plan=mlp_plan(), context=ctx)
         out[f"tp {sched}"] = train(pipe, "mlp", ctx)
-    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=gpt.lm_loss, microbatches=2,
+    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2,
                              tp_plan=gpt.tp_plan(), context=ctx)
     out["tp gpt"] = train(pipe, "gpt", ctx)
     from torch.distributed.tensor.parallel import ColwiseParallel
@@ -272,7 +282,7 @@ def _four(rank: int, path: str) -> dict[str, Any]:
     out["errors"] = errors
     # The 3-D checkpoint, loaded at pp=4.
     ctx = conveyor.init(pp=4, timeout=120)
-    pipe = conveyor.Pipeline(gpt_model(4), loss_fn=gpt.lm_loss, microbatches=2, context=ctx)
+    pipe = conveyor.Pipeline(gpt_model(4), loss_fn=loss_of("gpt"), microbatches=2, context=ctx)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     out["pp4 step"] = conveyor.load(pipe, path, opt)
     out["pp4"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
@@ -458,7 +468,8 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
     for _, _, params in want_gpt[-1:]:
         model.load_state_dict(params, strict=False)
     x, y = data("gpt", 0)
-    gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])).backward()
+    xs, ys = torch.cat([x[0::2], x[1::2]]), torch.cat([y[0::2], y[1::2]])
+    whole(loss_of("gpt")(model(xs), ys)).backward()
     norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
     assert all(r["norm"] == pytest.approx(norm, rel=1e-5) for r in eight), (eight[0]["norm"], norm)
     # the checkpoint saved at pp2 x fsdp2 x tp2 reads back identically everywhere
@@ -477,7 +488,9 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
                     assert torch.equal(value, ref[name]), name
     model = gpt_model(2)
     x, y = data("gpt", 1)
-    want = gpt.lm_loss(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])).item()
+    want = whole(
+        loss_of("gpt")(model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]]))
+    ).item()
     assert all(r["readme"] == pytest.approx(want, rel=1e-5) for r in eight)
     errors = four[0]["errors"]
     assert "tp_plan pattern '*.nothing' matches no module" in errors[0]
