@@ -243,7 +243,7 @@ def build(
     sharded = None
     if options.tp_plan is not None:
         assert ctx.mesh is not None
-        if "torch.export" in description.how:
+        if description.method == "export":
             raise ConfigError(
                 f"tp_plan shards modules that run as modules, but {description.model} was "
                 f"captured with torch.export, whose stages read the weights by name; tensor "

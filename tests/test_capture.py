@@ -102,6 +102,7 @@ def test_print_shows_modules_parameters_and_what_crosses() -> None:
     head = "Pipeline(1f1b, 2 ranks x 1 chunks = 2 stages, 2 micro-batches, in one process)"
     assert lines[0] == head
     assert "GPT2LMHeadModel in 2 stages (captured with torch.export, cut as a graph)" in text
+    assert pipe.describe().method == "export"  # typed: what the build's checks read
     stage0 = next(line for line in lines if line.startswith("stage 0"))
     assert "transformer.h.0-1" in stage0 and "transformer.wte" in stage0
     count = sum(p.numel() for p in pipe.stages[0].parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -70,3 +71,24 @@ def test_split_of_a_module_list() -> None:
     layers = [nn.Linear(2, 2) for _ in range(4)]
     stages = split_sequential(layers, 4)
     assert [len(s) for s in stages] == [1, 1, 1, 1]
+
+
+def test_the_split_says_how_it_was_made_and_what_each_stage_calls() -> None:
+    from conveyor.partition.methods import called_modules
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    conveyor.init(pp=2)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for model, method in ((layers, "layers"), (Two(), "fx"),
+                          (conveyor.sequence(Two(), ["a", "b"]), "sequence")):  # fmt: skip
+        pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2)
+        assert pipe.describe().method == method
+        calls = [m for stage in pipe.stages for m in called_modules(stage)]
+        assert [type(m) for m in calls if isinstance(m, nn.Linear)] == [nn.Linear] * 2, method

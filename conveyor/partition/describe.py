@@ -21,7 +21,14 @@ from torch.utils import _pytree as pytree
 
 from conveyor.partition.captured import module_path
 from conveyor.partition.execution import ExecutionSequence
+from conveyor.partition.methods import SplitMethod, split_method
 
+_HOW: dict[SplitMethod, str] = {
+    "layers": "a layer list, cut between its layers",
+    "sequence": "an execution sequence, cut between its steps",
+    "fx": "captured with torch.fx, cut as a graph",
+    "export": "captured with torch.export, cut as a graph",
+}
 SENDS = "conveyor_sends"  # GraphModule.meta key: (label, value) per value a stage sends
 COPIED = "conveyor_copied"  # node.meta key: a value each stage that needs it makes again
 
@@ -53,15 +60,20 @@ class SplitInfo:
 
     Attributes:
         model: The model's type name.
-        how: How it was cut, in words.
+        method: How it was cut: ``"layers"``, ``"sequence"``, ``"fx"`` or ``"export"``.
         stages: Each stage's description.
         recomputed: Modules whose values each stage that needs them makes again.
     """
 
     model: str
-    how: str
+    method: SplitMethod
     stages: tuple[StageInfo, ...]
     recomputed: tuple[str, ...] = ()
+
+    @property
+    def how(self) -> str:
+        """How it was cut, in words."""
+        return _HOW[self.method]
 
     def __str__(self) -> str:
         """A line per stage (and its tied weights and sends), after a title line."""
@@ -146,7 +158,8 @@ def describe_split(
                 sends=tuple(_sends(stage)) if s < len(stages) - 1 else (),
             )
         )
-    return SplitInfo(_model_name(model), _how(model, stages), tuple(infos), tuple(recomputed))
+    method = split_method(stages[0]) if stages else "layers"
+    return SplitInfo(_model_name(model), method, tuple(infos), tuple(recomputed))
 
 
 def _model_name(model: Any) -> str:
@@ -154,16 +167,6 @@ def _model_name(model: Any) -> str:
     if isinstance(model, ExecutionSequence):
         return type(model.__dict__["source"]).__name__
     return type(model).__name__
-
-
-def _how(model: Any, stages: Sequence[nn.Module]) -> str:
-    """How the model was cut, in words."""
-    if isinstance(model, ExecutionSequence):
-        return "an execution sequence, cut between its steps"
-    if stages and isinstance(stages[0], fx.GraphModule):
-        exported = any(n.op == "placeholder" and n.target == "*args" for n in stages[0].graph.nodes)
-        return "captured with " + ("torch.export" if exported else "torch.fx") + ", cut as a graph"
-    return "a layer list, cut between its layers"
 
 
 def _touched(stage: nn.Module) -> set[str]:

@@ -43,6 +43,10 @@ class ExecutionSequence(nn.Module):
             if isinstance(step, str):
                 install(self, step, source.get_submodule(step))
 
+    def called_modules(self) -> list[nn.Module]:
+        """The steps that are submodules, in the order the forward calls them."""
+        return [self.get_submodule(s) for s in self.steps if isinstance(s, str)]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the steps.
 

@@ -31,6 +31,10 @@ class SequentialStage(nn.Sequential):
             value = layer(value)
         return value
 
+    def called_modules(self) -> list[nn.Module]:
+        """The layers, in the order the forward calls them."""
+        return list(self.children())
+
 
 def layers_of(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """The named layers of a layer-list model.

@@ -19,6 +19,7 @@ from conveyor.partition.annotations import owner, stage_marks
 from conveyor.partition.captured import COMPUTE_OPS, Captured
 from conveyor.partition.describe import COPIED, SENDS, value_label
 from conveyor.partition.exported_io import flatten_inputs, rebuild_output
+from conveyor.partition.methods import METHOD
 from conveyor.partition.replicate import replicable
 from conveyor.partition.tree import install
 
@@ -150,7 +151,9 @@ def _stage_module(
     for n in g.nodes:
         if n.op in ("call_module", "get_attr") and str(n.target) not in extra:
             install(root, str(n.target), cap.attr(model, str(n.target)))
-    return fx.GraphModule(root, g, class_name=name)
+    gm = fx.GraphModule(root, g, class_name=name)
+    gm.meta[METHOD] = "export" if cap.exported else "fx"
+    return gm
 
 
 def _maybe_tensor(node: fx.Node) -> bool:

@@ -26,6 +26,7 @@ from torch import nn
 
 from conveyor._groups import on_release
 from conveyor.errors import ConfigError
+from conveyor.partition.methods import called_modules
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ def blocks_of(stage: nn.Module) -> list[nn.Module]:
     out: list[nn.Module] = []
     claimed: set[int] = set()
     seen: set[int] = set()
-    for called in _called(stage):
+    for called in called_modules(stage):
         for block in _innermost_first(called):
             if id(block) in seen or block is stage:
                 continue
@@ -142,22 +143,6 @@ def blocks_of(stage: nn.Module) -> list[nn.Module]:
                 out.append(block)
                 claimed.update(id(p) for p in own)
     return out
-
-
-def _called(stage: nn.Module) -> list[nn.Module]:
-    """The modules ``stage``'s forward calls directly, in order."""
-    from torch import fx
-
-    from conveyor.partition.execution import ExecutionSequence
-
-    if isinstance(stage, fx.GraphModule):
-        calls = [n for n in stage.graph.nodes if n.op == "call_module"]
-        return [stage.get_submodule(str(n.target)) for n in calls]
-    if isinstance(stage, nn.Sequential):  # a layer list's stage calls each layer
-        return list(stage.children())
-    if isinstance(stage, ExecutionSequence):
-        return [stage.get_submodule(s) for s in stage.steps if isinstance(s, str)]
-    return []
 
 
 def _innermost_first(module: nn.Module) -> list[nn.Module]:
