@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import conveyor
+from conveyor.pipeline import Pipeline
 
 
 class Stages(nn.Module):
@@ -21,7 +21,7 @@ class Stages(nn.Module):
             with torch.export reads dropout and batch norm modes from it).
     """
 
-    def __init__(self, pipe: conveyor.Pipeline, model: nn.Module) -> None:
+    def __init__(self, pipe: Pipeline, model: nn.Module) -> None:
         super().__init__()
         self.stages = nn.ModuleList(pipe.stages)
         self.__dict__["original"] = model  # not a submodule: its parameters are not ours
@@ -33,7 +33,7 @@ class Stages(nn.Module):
         return self
 
 
-def gather_state_dict(pipe: conveyor.Pipeline, model: nn.Module) -> dict[str, torch.Tensor]:
+def gather_state_dict(pipe: Pipeline, model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (``{}`` elsewhere), from every stage.
 
     Replica 0's ranks send their stages' entries (original names; FSDP and tensor-parallel

@@ -25,12 +25,13 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-import conveyor
-from conveyor.context import in_torchrun
+from conveyor.checkpoint import save as save_checkpoint
+from conveyor.context import in_torchrun, init
 from conveyor.errors import ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
 from conveyor.integrations._hf_model import Stages, gather_state_dict
 from conveyor.losses import ModelTokenLoss
+from conveyor.pipeline import Pipeline
 
 INIT_KEYS = ("pp", "dp", "tp", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
@@ -109,7 +110,7 @@ class PipelineTrainer(Trainer):
             **kwargs,
         )
         self.whole: Any = model  # the model as given (self.model is typed loosely upstream)
-        self.context = conveyor.init(**{k: options.pop(k) for k in INIT_KEYS if k in options})
+        self.context = init(**{k: options.pop(k) for k in INIT_KEYS if k in options})
         options.setdefault("microbatches", min(4, self.args.per_device_train_batch_size))
         # A token-averaged loss counts its tokens as the plain trainer does (it passes
         # num_items_in_batch to such models); the labels then go to the last stage as the
@@ -122,7 +123,7 @@ class PipelineTrainer(Trainer):
             if self._token_loss
             else None
         )
-        self.pipe = conveyor.Pipeline(
+        self.pipe = Pipeline(
             model,
             loss_fn=self._loss,
             context=self.context,
@@ -297,7 +298,7 @@ class PipelineTrainer(Trainer):
         """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
         the scheduler on rank 0."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        conveyor.save(
+        save_checkpoint(
             self.pipe, os.path.join(output_dir, "pipeline"), optimizer, step=self.state.global_step
         )
         if self.args.should_save and self.lr_scheduler is not None:

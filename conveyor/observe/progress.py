@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
-from conveyor.pipeline import Pipeline
+from conveyor.context import Context
+
+
+class Trained(Protocol):
+    """What :class:`Progress` reads of a pipeline (a :class:`conveyor.Pipeline` is one).
+
+    It is described here rather than imported: ``conveyor.observe`` sits below the
+    pipeline, which measures through it.
+    """
+
+    context: Context
+
+    def measured_bubble(self) -> float:
+        """The last step's bubble over every pipeline rank (a collective)."""
+        ...
 
 
 class Progress:
@@ -39,7 +53,7 @@ class Progress:
     """
 
     def __init__(
-        self, pipe: Pipeline, total: int, every: int | None = None, desc: str = "train"
+        self, pipe: Trained, total: int, every: int | None = None, desc: str = "train"
     ) -> None:
         self.pipe = pipe
         self.every = max(total // 10, 1) if every is None else every

@@ -12,15 +12,19 @@ Keeping ZB-H1 among the candidates makes the result never slower than ZB-H1 at a
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import Schedule, check_sizes, loop_placement
 from conveyor.schedules.greedy import FILLS, StageCost, greedy_programs
+from conveyor.schedules.simulation import (
+    CostSpec,
+    is_per_stage,
+    normalize_cost,
+    peak_activations,
+    simulate,
+)
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2
-
-if TYPE_CHECKING:
-    from conveyor.simulate import CostSpec
 
 
 def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
@@ -68,9 +72,6 @@ def zero_bubble_auto(
         ConfigError: For sizes below 1, bad costs, or a ``memory_limit`` that is not a
             number >= 1.
     """
-
-    # conveyor.simulate reads this package's Schedule, so it is imported on use here.
-    from conveyor.simulate import is_per_stage, normalize_cost, peak_activations, simulate
 
     check_sizes(ranks, microbatches)
     cap = _memory_cap(ranks, microbatches, memory_limit)

@@ -10,7 +10,6 @@ resumption.
 from __future__ import annotations
 
 from conveyor.training.callbacks import (
-    Callback,
     EvalMonitor,
     LossMonitor,
     LRSchedule,
@@ -19,7 +18,7 @@ from conveyor.training.callbacks import (
 from conveyor.training.evaluate import accuracy
 from conveyor.training.history import FitState, History
 from conveyor.training.loggers import CSVLogger, TensorBoard
-from conveyor.training.trainer import Trainer
+from conveyor.training.trainer import Callback, Trainer
 
 __all__ = [
     "CSVLogger",

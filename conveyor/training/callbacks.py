@@ -6,7 +6,9 @@ Every hook runs on every rank with the same :class:`~conveyor.training.history.F
 Built-ins, after the seeds' hooks: :class:`LossMonitor` (MindSpore's ``LossMonitor``,
 Colossal-AI's ``LossHook``), :class:`EvalMonitor` (``LogMetricByEpochHook``),
 :class:`LRSchedule` (``LRSchedulerHook``, by step or by epoch), :class:`ProgressBar`,
-and in :mod:`conveyor.training.loggers` CSV and TensorBoard logging.
+and in :mod:`conveyor.training.loggers` CSV and TensorBoard logging. The base class
+:class:`Callback` is the trainer's (:mod:`conveyor.training.trainer`, which calls its
+hooks); it is importable from here too.
 """
 
 from __future__ import annotations
@@ -16,76 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError
 from conveyor.training.history import FitState
+from conveyor.training.trainer import Callback, Trainer
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
     from conveyor.observe.progress import Progress
-    from conveyor.training.trainer import Trainer
-
-
-class Callback:
-    """Base class of fit callbacks: override the hooks you need.
-
-    A callback with state to keep across a restart returns it from :meth:`state_dict`; the
-    trainer stores it with each checkpoint and gives it back to :meth:`load_state_dict`
-    when ``fit(resume=True)`` continues from that checkpoint.
-    """
-
-    def on_fit_start(self, trainer: Trainer, state: FitState) -> None:
-        """Called once before the first step (after a resume has loaded the checkpoint).
-
-        Args:
-            trainer: The trainer.
-            state: Where the fit stands.
-        """
-
-    def on_step_end(self, trainer: Trainer, state: FitState) -> None:
-        """Called after each optimizer step (``state.loss``, ``state.step`` are set).
-
-        Args:
-            trainer: The trainer.
-            state: Where the fit stands.
-        """
-
-    def on_eval_end(self, trainer: Trainer, state: FitState) -> None:
-        """Called after each evaluation (``state.metrics`` holds its values).
-
-        Args:
-            trainer: The trainer.
-            state: Where the fit stands.
-        """
-
-    def on_epoch_end(self, trainer: Trainer, state: FitState) -> None:
-        """Called when an epoch's last step (and its evaluation) is done.
-
-        Args:
-            trainer: The trainer.
-            state: Where the fit stands.
-        """
-
-    def on_fit_end(self, trainer: Trainer, state: FitState) -> None:
-        """Called once after the last step, its evaluation and its checkpoint.
-
-        Args:
-            trainer: The trainer.
-            state: Where the fit stands.
-        """
-
-    def state_dict(self) -> dict[str, Any]:
-        """What to keep in checkpoints (default: nothing).
-
-        Returns:
-            A picklable dict.
-        """
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take back what :meth:`state_dict` returned when a fit resumes.
-
-        Args:
-            state: A dict :meth:`state_dict` returned.
-        """
 
 
 def _printer(state: FitState, out: Callable[[str], Any] | None) -> Callable[[str], Any] | None:
@@ -222,3 +160,6 @@ class ProgressBar(Callback):
         if self.progress is not None:
             self.progress.close()
             self.progress = None
+
+
+__all__ = ["Callback", "EvalMonitor", "LRSchedule", "LossMonitor", "ProgressBar"]

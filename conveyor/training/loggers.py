@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from conveyor.errors import ConfigError
-from conveyor.training.callbacks import Callback
 from conveyor.training.history import FitState
+from conveyor.training.trainer import Callback
 
 if TYPE_CHECKING:
     from conveyor.training.trainer import Trainer

@@ -12,15 +12,33 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from conveyor.training.trainer import Trainer
+from conveyor.pipeline import Pipeline
 
 FOLDER = "trainer"
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """What a fit's checkpoint saves and its resume loads back into.
+
+    Attributes:
+        pipe: The pipeline (model state, through :func:`conveyor.save`).
+        optimizer: Its optimizer.
+        lr_scheduler: The learning-rate scheduler, or ``None``.
+        callbacks: The callbacks; those with ``state_dict`` / ``load_state_dict`` keep state.
+    """
+
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    callbacks: Sequence[Any]
 
 
 def _step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -104,43 +122,43 @@ def _state_of(cb: Any) -> dict[str, Any]:
     return dict(method()) if callable(method) else {}
 
 
-def save(trainer: Trainer, root: str | os.PathLike[str], step: int, seed: int) -> None:
-    """Save ``trainer``'s checkpoint of ``step`` (every rank calls it).
+def save(parts: Restorable, root: str | os.PathLike[str], step: int, seed: int) -> None:
+    """Save a fit's checkpoint of ``step`` (every rank calls it).
 
     Args:
-        trainer: The trainer.
+        parts: The fit's pipeline, optimizer, scheduler and callbacks.
         root: The checkpoint directory.
         step: The optimizer steps done.
         seed: The data order's seed.
     """
     import conveyor.checkpoint as checkpoint
 
-    ctx = trainer.pipe.context
-    sched = trainer.lr_scheduler
+    ctx = parts.pipe.context
+    sched = parts.lr_scheduler
     payload = {
         "step": step,
         "seed": seed,
         "rng": rng_state(ctx.device),
         "lr_scheduler": sched.state_dict() if sched is not None else None,
-        "callbacks": [_state_of(cb) for cb in trainer.callbacks],
+        "callbacks": [_state_of(cb) for cb in parts.callbacks],
     }
     write(root, step, ctx.rank, payload)
-    checkpoint.save(trainer.pipe, root, trainer.optimizer, step=step)
+    checkpoint.save(parts.pipe, root, parts.optimizer, step=step)
     if ctx.rank == 0:
         prune(root, step)
 
 
 def restore(
-    trainer: Trainer, root: str | os.PathLike[str], max_steps: int
+    parts: Restorable, root: str | os.PathLike[str], max_steps: int
 ) -> tuple[int, int | None] | None:
-    """Load the latest checkpoint in ``root`` into ``trainer`` (every rank calls it).
+    """Load the latest checkpoint in ``root`` into a fit's parts (every rank calls it).
 
     The model and optimizer come from :func:`conveyor.load`; the scheduler, callbacks and
     random number generators from this module's files. A checkpoint a hand-written loop
     saved has none: the scheduler is then stepped up to the checkpoint's step.
 
     Args:
-        trainer: The trainer.
+        parts: The fit's pipeline, optimizer, scheduler and callbacks.
         root: The checkpoint directory.
         max_steps: The fit's last step (a later checkpoint counts as done).
 
@@ -151,17 +169,17 @@ def restore(
 
     if not checkpoint.exists(root):
         return None
-    step = checkpoint.load(trainer.pipe, root, trainer.optimizer) or 0
-    ctx = trainer.pipe.context
+    step = checkpoint.load(parts.pipe, root, parts.optimizer) or 0
+    ctx = parts.pipe.context
     payload = read(root, step, ctx.rank)
-    sched = trainer.lr_scheduler
+    sched = parts.lr_scheduler
     if payload is None:
         for _ in range(step if sched is not None else 0):
             sched.step()
         return min(step, max_steps), None
     if sched is not None and payload.get("lr_scheduler") is not None:
         sched.load_state_dict(payload["lr_scheduler"])
-    for cb, cb_state in zip(trainer.callbacks, payload.get("callbacks", []), strict=False):
+    for cb, cb_state in zip(parts.callbacks, payload.get("callbacks", []), strict=False):
         if cb_state and callable(getattr(cb, "load_state_dict", None)):
             cb.load_state_dict(cb_state)
     if "rng" in payload:

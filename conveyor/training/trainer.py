@@ -12,13 +12,76 @@ import torch
 from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
 from conveyor.training import resume as saved
-from conveyor.training.callbacks import Callback
 from conveyor.training.checks import check_length, positive, shared_seed
 from conveyor.training.data import Batches
 from conveyor.training.evaluate import Metric, evaluate, resolve
 from conveyor.training.history import FitState, History
 
 HOOKS = ("on_fit_start", "on_step_end", "on_eval_end", "on_epoch_end", "on_fit_end")
+
+
+class Callback:
+    """Base class of fit callbacks: override the hooks you need.
+
+    A callback with state to keep across a restart returns it from :meth:`state_dict`; the
+    trainer stores it with each checkpoint and gives it back to :meth:`load_state_dict`
+    when ``fit(resume=True)`` continues from that checkpoint.
+    """
+
+    def on_fit_start(self, trainer: Trainer, state: FitState) -> None:
+        """Called once before the first step (after a resume has loaded the checkpoint).
+
+        Args:
+            trainer: The trainer.
+            state: Where the fit stands.
+        """
+
+    def on_step_end(self, trainer: Trainer, state: FitState) -> None:
+        """Called after each optimizer step (``state.loss``, ``state.step`` are set).
+
+        Args:
+            trainer: The trainer.
+            state: Where the fit stands.
+        """
+
+    def on_eval_end(self, trainer: Trainer, state: FitState) -> None:
+        """Called after each evaluation (``state.metrics`` holds its values).
+
+        Args:
+            trainer: The trainer.
+            state: Where the fit stands.
+        """
+
+    def on_epoch_end(self, trainer: Trainer, state: FitState) -> None:
+        """Called when an epoch's last step (and its evaluation) is done.
+
+        Args:
+            trainer: The trainer.
+            state: Where the fit stands.
+        """
+
+    def on_fit_end(self, trainer: Trainer, state: FitState) -> None:
+        """Called once after the last step, its evaluation and its checkpoint.
+
+        Args:
+            trainer: The trainer.
+            state: Where the fit stands.
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to keep in checkpoints (default: nothing).
+
+        Returns:
+            A picklable dict.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` returned when a fit resumes.
+
+        Args:
+            state: A dict :meth:`state_dict` returned.
+        """
 
 
 class Trainer:
@@ -34,7 +97,7 @@ class Trainer:
         optimizer: An optimizer over ``pipe.parameters()``.
         lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler stepped after every
             optimizer step (for one stepped by epoch use the :class:`LRSchedule` callback).
-        callbacks: :class:`~conveyor.training.callbacks.Callback` objects, called in order.
+        callbacks: :class:`~conveyor.training.Callback` objects, called in order.
         max_grad_norm: Clip the whole model's gradient norm to this (``None``: no clipping).
         checkpoint_dir: Where checkpoints go (:func:`conveyor.save`), and where
             ``fit(resume=True)`` continues from.
@@ -265,17 +328,20 @@ class Trainer:
         """
         if self.checkpoint_dir is None:
             raise ConfigError("Trainer.save needs Trainer(..., checkpoint_dir=...)")
-        saved.save(self, self.checkpoint_dir, step, self._train_seed)
+        saved.save(self._restorable(), self.checkpoint_dir, step, self._train_seed)
 
     def _resume(self, state: FitState, train: Batches) -> None:
         assert self.checkpoint_dir is not None
-        found = saved.restore(self, self.checkpoint_dir, state.max_steps)
+        found = saved.restore(self._restorable(), self.checkpoint_dir, state.max_steps)
         if found is None:
             return
         state.step = state.start_step = found[0]
         state.resumed = True
         if found[1] is not None:
             train.seed = self._train_seed = found[1]
+
+    def _restorable(self) -> saved.Restorable:
+        return saved.Restorable(self.pipe, self.optimizer, self.lr_scheduler, self.callbacks)
 
     def _call(self, hook: str, state: FitState) -> None:
         for cb in self.callbacks:
@@ -284,4 +350,4 @@ class Trainer:
                 method(self, state)
 
 
-__all__ = ["Trainer"]
+__all__ = ["Callback", "Trainer"]

@@ -1,0 +1,264 @@
+"""The simulator's core: a schedule and costs in, the event timeline and its numbers out.
+
+Pure Python (no torch import). Each rank runs its program in order; an action starts
+when its rank is free and its dependencies are done, plus ``comm`` for a dependency that
+ran on another rank. It lives beside :class:`~conveyor.schedules.core.Schedule` because
+schedules search with it (:func:`~conveyor.schedules.auto.zero_bubble_auto`);
+:mod:`conveyor.simulate` is its public face.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, TypeGuard, cast
+
+from conveyor.errors import ConfigError
+from conveyor.schedules.core import (
+    Action,
+    B,
+    F,
+    Kind,
+    Schedule,
+    W,
+    dependencies,
+    execution_order,
+)
+
+Cost = tuple[float, float, float]
+"""Durations (F, B, W) of one micro-batch, checked: finite floats >= 0."""
+CostSpec = Sequence[float] | Sequence[Sequence[float]]
+"""(F, B, W) for one rank's whole share, or one (F, B, W) per stage."""
+
+
+class Event(NamedTuple):
+    """One action as simulated: ``rank`` ran ``action`` from ``start`` to ``end``.
+
+    Attributes:
+        rank: The pipeline rank that ran it.
+        action: The action.
+        start: When it started, in cost units (the first action starts at 0).
+        end: When it ended, in cost units.
+    """
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` found. Times are in cost units (the unit of ``cost``).
+
+    Attributes:
+        schedule: The simulated schedule.
+        cost: The costs, checked (:func:`normalize_cost`): one (F, B, W) for one rank's
+            share, or a tuple of one per stage.
+        comm: Latency of one transfer between ranks.
+        events: One :class:`Event` per action, grouped by rank, in program order.
+        makespan: First start to last end over all ranks.
+        span: The largest, over ranks, of that rank's last end minus its first start.
+        bubble: The idle share of all ranks over the makespan, 1 - (busy time of all
+            ranks) / (ranks x makespan), which is 1 - M(F+B+W)/makespan for per-rank
+            costs and stays meaningful for per-stage costs.
+        peak_activations: Per rank, the most micro-batch activations held at once
+            (:func:`peak_activations`).
+    """
+
+    schedule: Schedule
+    cost: Cost | tuple[Cost, ...]
+    comm: float
+    events: tuple[Event, ...]
+    makespan: float
+    span: float
+    bubble: float
+    peak_activations: tuple[float, ...]
+
+    def to_json_dict(self) -> dict[str, object]:
+        """The ``conveyor simulate --json`` object (keys as in DESIGN.md).
+
+        Returns:
+            ``schedule`` (its name), ``ranks``, ``chunks``, ``microbatches``, ``cost``,
+            ``comm``, ``makespan``, ``span``, ``bubble`` (rounded to 4 places) and
+            ``peak_activations``: plain JSON values.
+        """
+        cost = [list(c) for c in self.cost] if is_per_stage(self.cost) else list(self.cost)
+        return {
+            "schedule": self.schedule.name,
+            "ranks": self.schedule.ranks,
+            "chunks": self.schedule.chunks,
+            "microbatches": self.schedule.microbatches,
+            "cost": cost,
+            "comm": self.comm,
+            "makespan": _tidy(self.makespan),
+            "span": _tidy(self.span),
+            "bubble": round(self.bubble, 4),
+            "peak_activations": [round(p, 4) for p in self.peak_activations],
+        }
+
+
+def is_per_stage(cost: Cost | tuple[Cost, ...]) -> TypeGuard[tuple[Cost, ...]]:
+    """Whether a normalized cost is one (F, B, W) per stage rather than one per rank.
+
+    Args:
+        cost: A cost as :func:`normalize_cost` returns it.
+
+    Returns:
+        True for a tuple of per-stage costs.
+    """
+    return isinstance(cost[0], tuple)
+
+
+def _tidy(value: float) -> float:
+    """Drop float noise from sums of fractional costs (e.g. 32.99999999 -> 33.0)."""
+    return round(value, 9)
+
+
+def _as_cost(values: Sequence[float], what: str) -> Cost:
+    """``values`` as a :data:`Cost`; ConfigError naming ``what`` unless 3 numbers >= 0."""
+    if len(values) != 3:
+        raise ConfigError(f"{what} must be three numbers F,B,W, got {list(values)}")
+    try:
+        f, b, w = (float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be three numbers F,B,W, got {list(values)}") from None
+    if not all(math.isfinite(v) and v >= 0 for v in (f, b, w)):
+        raise ConfigError(f"{what} must be finite and >= 0, got {list(values)}")
+    return (f, b, w)
+
+
+def normalize_cost(schedule: Schedule, cost: CostSpec) -> Cost | tuple[Cost, ...]:
+    """Check ``cost`` and return it as one (F, B, W) or a tuple of one per stage.
+
+    Args:
+        schedule: The schedule the cost is for (for its stage count).
+        cost: Three numbers (F, B, W), or one such triple per stage of ``schedule``.
+
+    Returns:
+        One :data:`Cost`, or a tuple of one per stage.
+
+    Raises:
+        ConfigError: For a wrong count of stages, or costs that are not three finite
+            numbers >= 0.
+    """
+    if len(cost) == 0 or not all(isinstance(c, Sequence) for c in cost):
+        return _as_cost(cast(Sequence[float], cost), "cost")
+    stages = cast(Sequence[Sequence[float]], cost)
+    if len(stages) != schedule.stages:
+        raise ConfigError(
+            f"got costs for {len(stages)} stages, but the schedule has "
+            f"{schedule.stages}; give one (F, B, W) per stage"
+        )
+    return tuple(_as_cost(c, f"cost of stage {s}") for s, c in enumerate(stages))
+
+
+def action_durations(
+    schedule: Schedule, cost: Cost | tuple[Cost, ...]
+) -> list[dict[Kind, float]]:
+    """Per stage, the duration of its F, B and W actions.
+
+    One (F, B, W) is one rank's whole share, so each of its V chunks costs 1/V of it.
+    Without split backward, B is the whole backward and costs B + W (and W costs 0).
+
+    Args:
+        schedule: The schedule.
+        cost: A cost as :func:`normalize_cost` returns it.
+
+    Returns:
+        One ``{kind: duration}`` per stage.
+    """
+    if is_per_stage(cost):
+        stage_costs = list(cost)
+    else:
+        f, b, w = (c / schedule.chunks for c in cast(Cost, cost))
+        stage_costs = [(f, b, w)] * schedule.stages
+    if schedule.split_backward:
+        return [{F: f, B: b, W: w} for f, b, w in stage_costs]
+    return [{F: f, B: b + w, W: 0.0} for f, b, w in stage_costs]
+
+
+def peak_activations(schedule: Schedule) -> tuple[float, ...]:
+    """Per rank, the most micro-batch activations held at once.
+
+    A (stage, micro-batch) is held from its F until the last of its B / W; one chunk
+    counts 1/V of a micro-batch through the rank's whole share.
+
+    Args:
+        schedule: The schedule.
+
+    Returns:
+        One peak per rank, in micro-batches of the rank's whole share.
+    """
+    release = W if schedule.split_backward else B
+    peaks = []
+    for program in schedule.actions:
+        held = peak = 0
+        for action in program:
+            if action.kind == F:
+                held += 1
+                peak = max(peak, held)
+            elif action.kind == release:
+                held -= 1
+        peaks.append(peak / schedule.chunks)
+    return tuple(peaks)
+
+
+def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float = 0.0) -> SimResult:
+    """Run ``schedule`` in simulated time.
+
+    Each rank runs its program in order; an action starts when its rank is free and its
+    dependencies have ended, plus ``comm`` for each dependency that ran on another rank.
+
+    Args:
+        schedule: The schedule; not validated here (see
+            :func:`~conveyor.schedules.core.validate`).
+        cost: (F, B, W) durations for one rank's whole share of the model and one
+            micro-batch, or a list of (F, B, W), one per stage, in any time unit.
+        comm: The latency of one transfer between ranks, in the unit of ``cost``.
+
+    Returns:
+        The timeline and its summary.
+
+    Raises:
+        ScheduleError: If the schedule deadlocks.
+        ConfigError: For bad costs or a ``comm`` that is not a finite number >= 0.
+    """
+    if not (math.isfinite(comm) and comm >= 0):
+        raise ConfigError(f"comm must be a finite number >= 0, got {comm}")
+    costs = normalize_cost(schedule, cost)
+    durations = action_durations(schedule, costs)
+    placement = schedule.placement
+    free = [0.0] * schedule.ranks
+    first_start = [math.inf] * schedule.ranks
+    end: dict[Action, float] = {}
+    timed: list[list[Event]] = [[] for _ in range(schedule.ranks)]
+    for rank, action in execution_order(schedule):
+        start = free[rank]
+        for dep in dependencies(schedule, action):
+            ready_at = end[dep] + (comm if placement[dep.stage] != rank else 0.0)
+            start = max(start, ready_at)
+        finish = start + durations[action.stage][action.kind]
+        end[action] = finish
+        free[rank] = finish
+        first_start[rank] = min(first_start[rank], start)
+        timed[rank].append(Event(rank, action, start, finish))
+    events = tuple(e for rank_events in timed for e in rank_events)
+    active = [r for r in range(schedule.ranks) if timed[r]]
+    makespan = (
+        max(free[r] for r in active) - min(first_start[r] for r in active) if active else 0.0
+    )
+    span = max((free[r] - first_start[r] for r in active), default=0.0)
+    busy = sum(e.end - e.start for e in events)
+    bubble = 1.0 - busy / (schedule.ranks * makespan) if makespan > 0 else 0.0
+    return SimResult(
+        schedule=schedule,
+        cost=costs,
+        comm=float(comm),
+        events=events,
+        makespan=makespan,
+        span=span,
+        bubble=bubble,
+        peak_activations=peak_activations(schedule),
+    )
