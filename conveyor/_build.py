@@ -26,14 +26,14 @@ from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import CompileStats, compile_stages
-from conveyor.runtime.compute import Mode
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
-from conveyor.runtime.engine import Engine, StepRecord
+from conveyor.runtime.engine import Engine
 from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.sharding import Sharded, apply_tp
 from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step_grads import GradientSync, StepGradients
 from conveyor.runtime.step_loss import Combined, LossKind, combine, global_rows, loss_scale
+from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Action, Schedule
 

@@ -8,9 +8,9 @@ from typing import Any
 from conveyor._build import RankParts
 from conveyor._options import check_step
 from conveyor.errors import ConfigError
-from conveyor.runtime.compute import LossFn, Mode
-from conveyor.runtime.engine import StepRecord
+from conveyor.runtime.compute import LossFn
 from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.schedules import Schedule
 
 

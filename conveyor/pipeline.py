@@ -27,10 +27,10 @@ from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
-from conveyor.runtime.compute import LossFn, Mode
-from conveyor.runtime.engine import StepRecord
+from conveyor.runtime.compute import LossFn
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.microbatch import MicroBatches
+from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 

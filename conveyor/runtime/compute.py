@@ -8,8 +8,8 @@ action's input and passes on what it returns. It keeps what a step needs between
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,18 +22,17 @@ from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.recompute import (
-    RngState,
     discard_saved,
     replay_rng,
     rng_state,
     shape_only,
 )
-from conveyor.runtime.split_backward import WeightWork, backward_input
+from conveyor.runtime.split_backward import backward_input
 from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term
+from conveyor.runtime.step_state import StepState
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
 
-Mode = Literal["train", "eval", "predict"]
 LossFn = Callable[[Any, Any], Any]
 """``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
 
@@ -100,34 +99,11 @@ class StageCompute:
         self._call = StageCaller()
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
-        self.begin("train", None, (), None, 1.0, frozenset())
+        self.step = StepState("train")
 
-    def begin(
-        self,
-        mode: Mode,
-        targets: list[Any] | None,
-        sizes: Sequence[int],
-        counts: Sequence[int] | None,
-        scale: float,
-        adjacent: frozenset[tuple[int, int]],
-    ) -> None:
-        """Start a step: ``sizes`` are the micro-batches' rows (a scalar loss is weighted
-        by them); ``counts``, the tokens a model's own token-averaged loss divides each
-        micro-batch's by (it is weighted by them); ``scale`` multiplies every micro-batch's
-        loss total before its backward (see :mod:`conveyor.runtime.step_loss`)."""
-        self.mode: Mode = mode
-        self.train = mode == "train"
-        self.targets = targets
-        self.sizes = tuple(sizes)
-        self.counts = None if counts is None else tuple(counts)
-        self.scale = scale
-        self.adjacent = adjacent
-        self.saved: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.pending_w: dict[tuple[int, int], WeightWork] = {}
-        # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
-        self._stash: dict[tuple[int, int], tuple[Any, RngState]] = {}
-        self.outputs: dict[int, Any] = {}
-        self.loss: StepLoss | None = None
+    def begin(self, step: StepState) -> None:
+        """Start a step: what it needs and builds is ``step``'s."""
+        self.step = step
 
     def use_compiled(self, stats: CompileStats) -> None:
         """The stages were compiled (:func:`~conveyor.runtime.compiled.compile_stages`):
@@ -147,7 +123,7 @@ class StageCompute:
     def gradient_metas(self, producer: Action) -> list[TensorMeta]:
         """Shapes of the gradients ``producer`` (a B of the next stage) sends here: those
         of the outputs this process's F of the same micro-batch saved."""
-        saved = self.saved.get((producer.stage - 1, producer.microbatch))
+        saved = self.step.saved.get((producer.stage - 1, producer.microbatch))
         if saved is None:
             raise PipelineError(
                 f"gradients for stage {producer.stage - 1} micro-batch {producer.microbatch} "
@@ -172,18 +148,18 @@ class StageCompute:
         s, m = action.stage, action.microbatch
         if s == 0:
             in_leaves: list[torch.Tensor] = []
-            if self.train and self.split_backward:
+            if self.step.train and self.split_backward:
                 # Track the input's gradient (then dropped) so that B, not W, walks the
                 # stage's input path: the first stage's B and W then cost what the
                 # schedule assumes of every stage, instead of B nothing and W everything.
                 value = pytree.tree_map(_track_float, value)
                 in_leaves = grad_leaves(value)
         else:
-            in_leaves = grad_leaves(value) if self.train else []
+            in_leaves = grad_leaves(value) if self.step.train else []
         term: LossTerm | None = None
         if not self._plain:
             out, term = self._forward_with_options(s, m, value)
-        elif self.train and self.split_backward:
+        elif self.step.train and self.split_backward:
             with self._store.capture((s, m)):
                 out = self._call(s, self.stages[s], value, s == 0)
         else:
@@ -192,50 +168,51 @@ class StageCompute:
             if s not in self.sent_shapes:
                 values = out if isinstance(out, tuple) else (out,)
                 self.sent_shapes[s] = [shape_of(v) for v in values]
-            if self.train:
+            if self.step.train:
                 outs = grad_leaves(out)
-                if self._stash and (s, m) in self._stash:  # recomputed at B: shapes only
+                if self.step.stash and (s, m) in self.step.stash:  # recomputed at B: shapes only
                     outs = [shape_only(t) for t in outs]
-                self.saved[(s, m)] = (in_leaves, outs)
+                self.step.saved[(s, m)] = (in_leaves, outs)
             return out
-        if self.mode == "predict":
-            self.outputs[m] = pytree.tree_map(
+        if self.step.mode == "predict":
+            self.step.outputs[m] = pytree.tree_map(
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
             )
             return None
         if term is None:
             term = self._term(out, m)
-        if self.loss is None:
-            self.loss = StepLoss()
-        self.loss.add(term, self.sizes[m])
-        if self.train:
+        if self.step.loss is None:
+            self.step.loss = StepLoss()
+        self.step.loss.add(term, self.step.sizes[m])
+        if self.step.train:
             # A recomputed last stage keeps nothing: B recomputes the loss too.
-            recomputed = self._stash and (s, m) in self._stash
-            self.saved[(s, m)] = (in_leaves, [] if recomputed else [term.total * self.scale])
+            recomputed = self.step.stash and (s, m) in self.step.stash
+            kept = [] if recomputed else [term.total * self.step.scale]
+            self.step.saved[(s, m)] = (in_leaves, kept)
         return None
 
     def _term(self, out: Any, m: int) -> LossTerm:
         """The micro-batch's loss as a pair (see :func:`~conveyor.runtime.step_loss.as_term`)."""
         if self.loss_fn is None:
             result: Any = model_loss(out)
-            if self.counts is not None:
-                return counted_term(result, self.counts[m])
+            if self.step.counts is not None:
+                return counted_term(result, self.step.counts[m])
         else:
-            assert self.targets is not None
-            result = self.loss_fn(out, self.targets[m])
-        return as_term(result, self.sizes[m])
+            assert self.step.targets is not None
+            result = self.loss_fn(out, self.step.targets[m])
+        return as_term(result, self.step.sizes[m])
 
     def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, LossTerm | None]:
         """F under autocast and/or recompute; returns the output and, on the last stage
         (outside predict), the loss term, computed under the same autocast."""
-        recompute = self.train and s in self.recompute and (s, m) not in self.adjacent
+        recompute = self.step.train and s in self.recompute and (s, m) not in self.step.adjacent
         if recompute:
-            self._stash[(s, m)] = (value, rng_state(self.device))
+            self.step.stash[(s, m)] = (value, rng_state(self.device))
             if self.meter is not None:  # the kept input is what recompute holds
                 self.meter.track(
                     [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
                 )
-        capture = self.train and self.split_backward and not recompute
+        capture = self.step.train and self.split_backward and not recompute
         term = None
         with contextlib.ExitStack() as stack:
             if self.autocast is not None:
@@ -245,14 +222,14 @@ class StageCompute:
                 stack.enter_context(discard_saved())
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            if s == self.last_stage and self.mode != "predict":
+            if s == self.last_stage and self.step.mode != "predict":
                 term = self._term(out, m)
         return out, term
 
     def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
         """B of a recompute stage: its forward again, from the kept input and RNG state;
         returns the outputs to differentiate."""
-        value, rng = self._stash[(s, m)]
+        value, rng = self.step.stash[(s, m)]
         with contextlib.ExitStack() as stack:
             stack.enter_context(replay_rng(rng, self.device))
             if self.autocast is not None:
@@ -261,15 +238,15 @@ class StageCompute:
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
             last = s == self.last_stage
-            outs = [self._term(out, m).total * self.scale] if last else grad_leaves(out)
+            outs = [self._term(out, m).total * self.step.scale] if last else grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
-        del self._stash[(s, m)]
+        del self.step.stash[(s, m)]
         return outs
 
     def reruns(self, stage: int, microbatch: int) -> bool:
         """Whether B of (``stage``, ``microbatch``) is still to recompute its forward (after
         an error: whether that recompute failed)."""
-        return (stage, microbatch) in self._stash
+        return (stage, microbatch) in self.step.stash
 
     # ----------------------------------------------------------------- B and W
     def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
@@ -280,8 +257,8 @@ class StageCompute:
 
     def _backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
         s, m = action.stage, action.microbatch
-        in_leaves, outs = self.saved.pop((s, m))
-        if self._stash and (s, m) in self._stash:
+        in_leaves, outs = self.step.saved.pop((s, m))
+        if self.step.stash and (s, m) in self.step.stash:
             outs = self._rerun(s, m)
         if self.split_backward:
             store = self._store
@@ -289,7 +266,7 @@ class StageCompute:
                 outs, grads, in_leaves, self.params[s],
                 lambda keep: store.collecting((s, m) if keep else None),
             )
-            self.pending_w[(s, m)] = work
+            self.step.pending_w[(s, m)] = work
             # Free what only B needed (W holds its own references) before anything else.
             del outs
             if self.meter is not None:
@@ -308,9 +285,9 @@ class StageCompute:
         """W of ``stage`` for ``microbatches``, run together (a GEMM per weight)."""
         with self._timing(stage):
             for m in microbatches:
-                self.pending_w.pop((stage, m)).run()
+                self.step.pending_w.pop((stage, m)).run()
         self._store.flush([(stage, m) for m in microbatches])
 
     def leftovers(self) -> list[tuple[int, int]]:
         """(stage, micro-batch) whose activations or W work the step never consumed."""
-        return [*self.saved, *self.pending_w]
+        return [*self.step.saved, *self.step.pending_w]

@@ -12,7 +12,6 @@ import contextlib
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from torch.utils import _pytree as pytree
 from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
 from conveyor.runtime.channel import Mailbox, Remote
-from conveyor.runtime.compute import LossFn, Mode, StageCompute, model_loss
+from conveyor.runtime.compute import LossFn, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.program import (
@@ -33,34 +32,12 @@ from conveyor.runtime.program import (
     single_process_program,
 )
 from conveyor.runtime.sharding import Sharded
-from conveyor.runtime.step_loss import StepLoss, loss_scale
+from conveyor.runtime.step_loss import loss_scale
+from conveyor.runtime.step_state import Mode, StepRecord, StepState
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
 
-__all__ = ["Engine", "LossFn", "Mode", "StepRecord", "model_loss"]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did on this process.
-
-    ``loss``: the sums of this process's micro-batch loss totals, counts and rows (None
-    where no last stage is held; :func:`~conveyor.runtime.step_loss.combine` makes the
-    step's loss of them); ``outputs``: the last stage's micro-batch
-    outputs (``predict``); ``timings``: (rank, kind, stage, micro-batch, start, end) per
-    action, seconds from the step start, start once its inputs had arrived; ``waits``: the
-    same for each wait on another rank (the producer's kind, stage and micro-batch);
-    ``memory``: activation memory (``track_memory``), else None; ``sent_shapes``: per stage
-    held here, ``dtype[shape]`` of each value its first forward passed on.
-    """
-
-    mode: Mode
-    loss: StepLoss | None
-    outputs: list[Any]
-    timings: list[Timing]
-    waits: list[Timing]
-    memory: MemoryReport | None
-    sent_shapes: dict[int, list[str]]
+__all__ = ["Engine", "LossFn", "model_loss"]
 
 
 class Engine:
@@ -141,14 +118,11 @@ class Engine:
         if scale is None:
             scale = loss_scale(sum(sizes))
         compute, channel = self.compute, self.channel
-        compute.begin(mode, batch.targets, sizes, counts, scale, program.adjacent)
-        clock = time.perf_counter
-        t0 = clock()  # after the signature broadcast: ranks start together
+        t0 = time.perf_counter()  # after the signature broadcast: ranks start together
+        state = StepState(mode, batch.targets, sizes, counts, scale, program.adjacent, t0)
+        compute.begin(state)
         channel.begin((signature, mode), t0)
         meter = self.meter if train else None
-        forward_bytes: dict[tuple[int, int], int] = {}
-        backward_bytes: dict[tuple[int, int], int] = {}
-        timings: list[Timing] = []
         cuda = self.ctx.device.type == "cuda"
         if meter is not None:
             meter.reset()
@@ -158,8 +132,6 @@ class Engine:
         if sharded is not None:
             sharded.begin(sorted(program.first, key=program.first.__getitem__), train)
         steps = program.steps
-        self._t0, self._timings = t0, timings
-        self._forward_bytes, self._backward_bytes = forward_bytes, backward_bytes
         with (
             torch.set_grad_enabled(train),
             meter.hooks() if meter is not None else contextlib.nullcontext(),
@@ -185,21 +157,17 @@ class Engine:
         channel.end()
         memory = None
         if meter is not None:
-            peak = simulated_peak(
-                program.actions, self.schedule.split_backward, forward_bytes, backward_bytes
-            )
+            forward, backward = state.forward_bytes, state.backward_bytes
+            peak = simulated_peak(program.actions, self.schedule.split_backward, forward, backward)
             device_peak = torch.cuda.max_memory_allocated(self.ctx.device) if cuda else None
-            memory = MemoryReport(meter.peak, forward_bytes, backward_bytes, peak, device_peak)
+            memory = MemoryReport(meter.peak, forward, backward, peak, device_peak)
         left = compute.leftovers()
         if left:
             names = ", ".join(f"stage {s} micro-batch {m}" for s, m in left)
             raise PipelineError(
                 f"rank {self.ctx.pp_rank}: activations never consumed by a backward: {names}"
             )
-        outputs = [compute.outputs[k] for k in sorted(compute.outputs)]
-        return StepRecord(
-            mode, compute.loss, outputs, timings, channel.waits, memory, dict(compute.sent_shapes)
-        )
+        return state.record(channel.waits, memory, compute.sent_shapes)
 
     def _step(self, step: Step, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
@@ -228,7 +196,9 @@ class Engine:
 
     def _compute(self, rank: int, action: Action, value: Any) -> Any:
         """F or B of ``action``, timed (and its memory measured with ``track_memory``)."""
-        meter, compute = self.meter if self.compute.train else None, self.compute
+        compute = self.compute
+        state = compute.step
+        meter = self.meter if state.train else None
         key = (action.stage, action.microbatch)
         start = time.perf_counter()  # after any wait for the inputs
         try:
@@ -236,20 +206,18 @@ class Engine:
                 before = meter.taken if meter is not None else 0
                 out = compute.forward(action, value)
                 if meter is not None:
-                    self._forward_bytes[key] = meter.taken - before
+                    state.forward_bytes[key] = meter.taken - before
             else:
                 before = meter.current if meter is not None else 0
                 out = compute.backward(action, value)
                 if meter is not None and self.schedule.split_backward:
-                    self._backward_bytes[key] = meter.current - before
+                    state.backward_bytes[key] = meter.current - before
         except ConveyorError:
             raise  # already says what went wrong, in conveyor's words
         except Exception as exc:
             raise self._failed(action, [action.microbatch], exc) from exc
         end = time.perf_counter()
-        self._timings.append(
-            Timing(rank, action.kind, *key, start - self._t0, end - self._t0)
-        )
+        state.timings.append(Timing(rank, action.kind, *key, start - state.t0, end - state.t0))
         return out
 
     def _weight_grads(self, steps: Sequence[Step]) -> None:
@@ -268,8 +236,8 @@ class Engine:
             raise self._failed(fused[0], microbatches, exc) from exc
         share = (time.perf_counter() - start) / len(fused)
         for k, a in enumerate(fused):
-            begin = start - self._t0 + k * share
-            self._timings.append(
+            begin = start - self.compute.step.t0 + k * share
+            self.compute.step.timings.append(
                 Timing(steps[0].rank, W, a.stage, a.microbatch, begin, begin + share)
             )
             if self.on_action is not None:
@@ -280,7 +248,7 @@ class Engine:
         the stage with its modules and the micro-batch(es); raised ``from`` the original."""
         s = action.stage
         if action.kind == F:
-            last = s == self.schedule.stages - 1 and self.compute.mode != "predict"
+            last = s == self.schedule.stages - 1 and self.compute.step.mode != "predict"
             work = "forward (with the loss)" if last else "forward"
         elif action.kind == W:
             work = "weight-gradient backward (W)"

@@ -1,0 +1,90 @@
+"""One step's state on this process, from its start to its :class:`StepRecord`.
+
+The engine and the stage compute are long-lived; what a step accumulates (activations
+saved from F to B, W work, recompute stashes, outputs, the loss sums, timings, memory
+bytes) lives in one :class:`StepState`, made when the step starts and turned into the
+step's :class:`StepRecord` at its end. Nothing of a step is left on the long-lived
+objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.recompute import RngState
+from conveyor.runtime.split_backward import WeightWork
+from conveyor.runtime.step_loss import StepLoss
+from conveyor.runtime.timing import Timing
+
+Mode = Literal["train", "eval", "predict"]
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did on this process.
+
+    ``loss``: the sums of this process's micro-batch loss totals, counts and rows (None
+    where no last stage is held; :func:`~conveyor.runtime.step_loss.combine` makes the
+    step's loss of them); ``outputs``: the last stage's micro-batch outputs (``predict``);
+    ``timings``: (rank, kind, stage, micro-batch, start, end) per action, seconds from the
+    step start, start once its inputs had arrived; ``waits``: the same for each wait on
+    another rank (the producer's kind, stage and micro-batch); ``memory``: activation
+    memory (``track_memory``), else None; ``sent_shapes``: per stage held here,
+    ``dtype[shape]`` of each value its first forward passed on.
+    """
+
+    mode: Mode
+    loss: StepLoss | None
+    outputs: list[Any]
+    timings: list[Timing]
+    waits: list[Timing]
+    memory: MemoryReport | None
+    sent_shapes: dict[int, list[str]]
+
+
+@dataclass
+class StepState:
+    """A step in progress: what it was given, and what it has built so far.
+
+    Given: ``mode``; ``targets`` per micro-batch (on the last stage's process, with a
+    ``loss_fn``); ``sizes``, the micro-batches' rows (a scalar loss is weighted by them);
+    ``counts``, the tokens a model's own token loss divides each micro-batch's by;
+    ``scale``, what each loss total is multiplied by before its backward
+    (:mod:`~conveyor.runtime.step_loss`); ``adjacent``, (stage, micro-batch) whose B
+    follows its F at once (recompute keeps their activations); ``t0``, the step's start.
+    """
+
+    mode: Mode
+    targets: list[Any] | None = None
+    sizes: tuple[int, ...] = ()
+    counts: tuple[int, ...] | None = None
+    scale: float = 1.0
+    adjacent: frozenset[Key] = frozenset()
+    t0: float = 0.0
+    # F to B: (input leaves, output leaves) per (stage, micro-batch).
+    saved: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    pending_w: dict[Key, WeightWork] = field(default_factory=dict)
+    # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
+    stash: dict[Key, tuple[Any, RngState]] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    loss: StepLoss | None = None
+    timings: list[Timing] = field(default_factory=list)
+    forward_bytes: dict[Key, int] = field(default_factory=dict)
+    backward_bytes: dict[Key, int] = field(default_factory=dict)
+
+    @property
+    def train(self) -> bool:
+        """Whether the step computes gradients."""
+        return self.mode == "train"
+
+    def record(
+        self, waits: list[Timing], memory: MemoryReport | None, sent: dict[int, list[str]]
+    ) -> StepRecord:
+        """The finished step's record."""
+        outputs = [self.outputs[k] for k in sorted(self.outputs)]
+        return StepRecord(self.mode, self.loss, outputs, self.timings, waits, memory, dict(sent))
