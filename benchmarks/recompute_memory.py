@@ -3,7 +3,7 @@
 The model is ``examples/gpt.py``'s GPT (tied embedding and head, pre-norm blocks with
 ``scaled_dot_product_attention``), 2 processes on gloo, one thread each. For each schedule
 two pipelines are built from the same seeded model, recompute off and on; after a warm-up
-step (so ``.grad`` exists), one step runs under :class:`conveyor.runtime.recompute.
+step (so ``.grad`` exists), one step runs under :class:`conveyor.runtime.memory.
 TensorMemory`: the peak, over the step, of bytes of tensors created during the step that
 are alive at once on this rank (saved activations, the inputs recompute keeps, received and
 sent activations and gradients, backward temporaries; parameters and their ``.grad`` are
@@ -34,7 +34,7 @@ from common import run_on_processes
 from gpt import GPT, annotate, lm_loss
 
 import conveyor
-from conveyor.runtime.recompute import TensorMemory
+from conveyor.runtime.memory import TensorMemory
 
 PROCS = 2
 SCHEDULES = {  # name -> chunks

@@ -26,11 +26,13 @@ class PipelineError(ConveyorError, RuntimeError):
     """A step failed at run time, e.g. a peer rank died or stalled."""
 
 
-def one_line(error: BaseException) -> str:
-    """An exception as one line, for logs and summaries.
+def one_line(error: BaseException, limit: int | None = None) -> str:
+    """An exception as one line, for logs, summaries and other errors' reasons.
 
     Args:
         error: Any exception.
+        limit: Cut the message at a word boundary to about this many characters, marking
+            the cut with ``" ..."``; ``None``: the whole message.
 
     Returns:
         ``Type: message`` with the message's whitespace (newlines too) collapsed, or
@@ -38,4 +40,7 @@ def one_line(error: BaseException) -> str:
     """
     text = " ".join(str(error).split())
     name = type(error).__name__
+    if limit is not None and len(text) > limit:
+        cut = text.rfind(" ", 0, limit)
+        text = text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " ..."
     return f"{name}: {text}" if text else name

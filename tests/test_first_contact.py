@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import conveyor
+from conveyor.errors import one_line
 from conveyor.planning.planner import OUTLIER, plan
 from conveyor.planning.profiler import profile
-from conveyor.runtime.transport import short_error
 from tests import distributed
 from tests.models import batch, mlp
 
@@ -101,7 +101,7 @@ def test_the_trace_keeps_the_last_training_step() -> None:
 # ---------------------------------------------------------------------------- errors
 def test_short_errors_are_cut_between_words() -> None:
     long = RuntimeError("Timed out waiting 3000ms for send operation to complete " * 10)
-    text = short_error(long, 80)
+    text = one_line(long, 80).removeprefix("RuntimeError: ")
     assert len(text) <= 84 and text.endswith(" ...")
     assert text[:-4] == text[:-4].rstrip() and (long.args[0]).startswith(text[:-4])
     assert long.args[0][len(text) - 4] == " "  # the cut falls before a space

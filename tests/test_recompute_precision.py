@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.runtime.recompute import TensorMemory
+from conveyor.runtime.memory import TensorMemory
 from tests import distributed
 from tests.helpers import assert_close, grads_of, merge, mse, pipelined, reference, rel_err
 from tests.models import batch, mlp
@@ -124,8 +124,10 @@ def _run_all(rank: int, pp: int) -> dict[Any, Any]:
         for stage in pipe.stages:
             stage.register_forward_hook(_record_dtype(made))
         loss = pipe.train_step(x, y).item()
-        metas = pipe._parts.engine.channel.sent_metas
-        wire = sorted({str(t.dtype) for meta in metas for t in meta.tensors})
+        # what this rank's stages sent ('dtype[shape]' per value, as the run measured it)
+        rank = pipe.context.pp_rank
+        sent = [s for i in pipe.describe().stages if i.rank == rank for _, s in i.sends if s]
+        wire = sorted({"torch." + shape.split("[")[0] for shape in sent})
         dtypes = {str(p.grad.dtype) for p in pipe.parameters() if p.grad is not None}
         grads = grads_of(pipe.named_parameters())
         out[("autocast", name, chunks, rc)] = (loss, grads, wire, dtypes, made)

@@ -67,22 +67,6 @@ def capture(model: nn.Module, sample: Any = None) -> Captured:
     return captured
 
 
-def needs_sample(model: nn.Module) -> bool:
-    """Whether capturing ``model`` needs a sample batch.
-
-    Args:
-        model: The model to capture.
-
-    Returns:
-        True when fx cannot trace it (export on a sample will be tried).
-    """
-    try:
-        capture(model)
-    except NeedsSample:
-        return True
-    return False
-
-
 def _fx(model: nn.Module) -> Captured:
     """The model's graph as ``torch.fx`` traces it, with the literal tensors it found."""
     before = set(vars(model))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,10 +17,19 @@ from torch.utils import _pytree as pytree
 
 from conveyor.planning.profile_data import LayerProfile
 from conveyor.runtime.call import StageCaller
+from conveyor.runtime.compute import LossFn, grad_leaves
 from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.split_backward import backward_input
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+
+def _loss(loss_fn: LossFn | None, out: Any, target: Any) -> torch.Tensor | None:
+    """The loss the last unit differentiates: a pair's total (its count only scales it)."""
+    if loss_fn is None:
+        return None
+    result = loss_fn(out, target)
+    loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
+    return loss
 
 
 class Clock:
@@ -80,15 +88,15 @@ def measure_unit(
 
     def forward(split: bool) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], Any]:
         x = _fresh(value)
-        ins = _grad_leaves(x)
+        ins = grad_leaves(x)
         if split:
             with store.capture((0, 0)):
                 out = call(index, unit, x, first)
-                loss = loss_fn(out, target) if loss_fn is not None else None
+                loss = _loss(loss_fn, out, target)
         else:
             out = call(index, unit, x, first)
-            loss = loss_fn(out, target) if loss_fn is not None else None
-        outs = [loss] if loss is not None else _grad_leaves(out)
+            loss = _loss(loss_fn, out, target)
+        outs = [loss] if loss is not None else grad_leaves(out)
         return out, ins, outs, loss
 
     def out_grads(outs: list[torch.Tensor], loss: Any) -> list[torch.Tensor] | None:
@@ -122,10 +130,10 @@ def measure_unit(
     for p, g in zip(params, keep, strict=True):
         p.grad = g
 
-    def run() -> Any:
-        return forward(split=False)
-
-    (out, _, _, _), saved = _saved_bytes(run, list(unit.parameters()))
+    meter = ActivationMeter(unit.parameters())  # the bytes autograd saves, as a step counts
+    with meter.hooks():
+        out, _, _, _ = forward(split=False)
+    saved = meter.taken
     med = statistics.median
     layer = LayerProfile(
         name=f"unit {index}: {_describe(unit)}",
@@ -140,27 +148,6 @@ def measure_unit(
     )
     detached = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
     return layer, detached
-
-
-def _saved_bytes(run: Callable[[], Any], params: list[torch.Tensor]) -> tuple[Any, int]:
-    """Run ``run`` and count the bytes autograd saves (each storage once, parameters and
-    their views excluded)."""
-    owned = {p.untyped_storage().data_ptr() for p in params}
-    seen: set[tuple[int, int]] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        # Views of one micro-batch of a bigger batch count their own size, not the storage's.
-        key = (t.data_ptr(), t.numel())
-        if t.untyped_storage().data_ptr() not in owned and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return out, total
 
 
 def _nbytes(value: Any) -> int:
@@ -182,10 +169,6 @@ def _fresh(value: Any) -> Any:
         return x
 
     return pytree.tree_map(leaf, value)
-
-
-def _grad_leaves(value: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
 def _describe(unit: nn.Module) -> str:

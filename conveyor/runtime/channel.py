@@ -59,11 +59,6 @@ class Mailbox:
         self.waits: list[Timing] = []
         self._box: dict[Action, Any] = {}
 
-    @property
-    def sent_metas(self) -> list[ValueMeta]:
-        """The description of every distinct output sent to another rank."""
-        return []
-
     def begin(self, key: StepKey, t0: float) -> None:
         """Start a step (``t0``: its start on ``time.perf_counter``)."""
         self._box = {}
@@ -129,10 +124,6 @@ class Remote(Mailbox):
         self._incoming: dict[Action, _Incoming] = {}
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
-
-    @property
-    def sent_metas(self) -> list[ValueMeta]:
-        return list(self._sent.values())
 
     def begin(self, key: StepKey, t0: float) -> None:
         super().begin(key, t0)

@@ -4,7 +4,12 @@ An :class:`ActivationMeter` counts what autograd saves for the backward (through
 ``saved_tensors_hooks``: each saved tensor is held from F until autograd drops it) and
 what the split backward keeps from B until W (the deferred linear layers' inputs and
 output gradients). Tensors sharing memory count once; parameters never count. Opt-in
-(``Pipeline(track_memory=True)``): the hooks cost a Python call per saved tensor.
+(``Pipeline(track_memory=True)``): the hooks cost a Python call per saved tensor. The
+planner counts a layer's saved bytes with the same meter.
+
+:class:`TensorMemory` counts more: every tensor created in a block and still alive (a
+stand-in on CPU for CUDA's allocator statistics), which is what shows recompute's saving
+in tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.runtime.sharding import local_shard
 from conveyor.schedules.core import Action, B, F
@@ -150,3 +158,49 @@ def simulated_peak(
             held -= forward.get(key, 0) + at_backward.get(key, 0)
         peak = max(peak, held)
     return peak
+
+
+class TensorMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Bytes of tensor storages created inside the block and still alive: ``current`` and
+    ``peak``.
+
+    Every new storage an operator returns (not a view of, or an in-place result on, one of
+    its inputs) is counted until it is freed, including storages only autograd's saved
+    tensors keep alive, received activations and temporaries; tensors that existed before
+    the block (parameters, existing ``.grad``) are not. For CPU runs, which have no
+    allocator statistics; on CUDA ``torch.cuda.max_memory_allocated`` says the same.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and _counted(t)
+        }
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _counted(t):
+                storage = t.untyped_storage()
+                key, size = id(storage), storage.nbytes()
+                if size == 0 or key in self._live or storage.data_ptr() in inputs:
+                    continue
+                self._live[key] = size
+                self.current += size
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+
+def _counted(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.device.type != "meta"

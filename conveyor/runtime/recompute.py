@@ -12,20 +12,15 @@ forward three times and, with the deferred linear weight gradients, lost some of
 Mixed precision: each stage's forward (and its recompute, and the loss on the last stage)
 runs under ``torch.autocast``; parameters and gradients stay in their own dtype.
 
-:class:`TensorMemory` measures what recompute saves: the peak bytes of tensors created
-during a block that are alive at once.
+What recompute saves is measured by :class:`~conveyor.runtime.memory.TensorMemory`.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.errors import ConfigError
 
@@ -105,53 +100,3 @@ def discard_saved() -> torch.autograd.graph.saved_tensors_hooks:
 def shape_only(t: torch.Tensor) -> torch.Tensor:
     """A storage-free stand-in with ``t``'s shape and dtype (for posting receives)."""
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-
-class TensorMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Bytes of tensor storages created inside the block and still alive: ``current`` and
-    ``peak``.
-
-    Every new storage an operator returns (not a view of, or an in-place result on, one of
-    its inputs) is counted until it is freed, including storages only autograd's saved
-    tensors keep alive, received activations and temporaries; tensors that existed before
-    the block (parameters, existing ``.grad``) are not. For CPU runs, which have no
-    allocator statistics; on CUDA ``torch.cuda.max_memory_allocated`` says the same.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, int] = {}
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and _counted(t)
-        }
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _counted(t):
-                storage = t.untyped_storage()
-                key, size = id(storage), storage.nbytes()
-                if size == 0 or key in self._live or storage.data_ptr() in inputs:
-                    continue
-                self._live[key] = size
-                self.current += size
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(storage, self._free, key)
-        return out
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes alive now."""
-        self.peak = self.current
-
-
-def _counted(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta"

@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import PipelineError
+from conveyor.errors import PipelineError, one_line
 from conveyor.runtime.watchdog import Watchdog
 
 Work = dist.Work
@@ -66,7 +66,7 @@ class Transport:
             peers = ", ".join(sorted({self.name(op.peer) for op in ops}))
             raise PipelineError(
                 f"{self.name(self.rank)}: posting transfers with {peers} failed "
-                f"({short_error(exc)}); a peer may have died"
+                f"({one_line(exc, 200)}); a peer may have died"
             ) from exc
         if len(works) != len(ops):  # NCCL: one work for the whole coalesced group
             works = [works[0]] * len(ops)
@@ -87,7 +87,7 @@ class Transport:
         except Exception as exc:
             self.watchdog.check()
             raise PipelineError(
-                f"{doing} failed ({short_error(exc)}); {suspect} may have died or stalled"
+                f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled"
             ) from exc
 
     def name(self, rank: int) -> str:
@@ -132,7 +132,7 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
         ok = work.wait(datetime.timedelta(seconds=timeout))
     except Exception as exc:
         raise PipelineError(
-            f"{doing} failed ({short_error(exc)}); {suspect} may have died or stalled "
+            f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled "
             f"(time-out {timeout:g} s, set with conveyor.init(timeout=...) or "
             f"$CONVEYOR_TIMEOUT)"
         ) from exc
@@ -140,19 +140,6 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
         raise PipelineError(
             f"{doing} did not finish within {timeout:g} s; {suspect} may have died or stalled"
         )
-
-
-def short_error(exc: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message, shortened at a word boundary to about
-    ``limit`` characters."""
-    text = str(exc).strip().splitlines()
-    if not text:
-        return type(exc).__name__
-    line = text[0]
-    if len(line) <= limit:
-        return line
-    cut = line.rfind(" ", 0, limit)
-    return line[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " ..."
 
 
 def collective(
@@ -178,6 +165,6 @@ def guarded(call: Callable[[], T], doing: str, suspect: str) -> T:
         return call()
     except Exception as exc:
         raise PipelineError(
-            f"{doing} failed ({short_error(exc)}); {suspect} may have died, stalled or not "
+            f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died, stalled or not "
             f"reached the same call"
         ) from exc
