@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, ConveyorError, PipelineError, ScheduleError
-from conveyor.partition.balance import balance
+from conveyor.partition.cuts import balance
 
 if TYPE_CHECKING:
     from conveyor import checkpoint, losses

@@ -2,7 +2,7 @@
 
 :class:`Options` holds them (frozen); its checks run in the order a user meets them: the
 values alone at construction, then against the context (:meth:`Options.check_context`)
-and the schedule (:func:`make_schedule`, :meth:`Options.check_schedule`).
+and the schedule (:func:`pipeline_schedule`, :meth:`Options.check_schedule`).
 """
 
 from __future__ import annotations
@@ -124,7 +124,22 @@ class Options:
         return autocast_dtype(self.autocast)
 
 
-def make_schedule(
+def schedule_chunks(schedule: str | Schedule, chunks: int | None) -> int:
+    """The chunk count asked for: ``chunks``, else the schedule's own (a named one's
+    default, a given one's count; the planner's choice for ``"auto"``)."""
+    if chunks is not None:
+        return chunks
+    if isinstance(schedule, Schedule):
+        return schedule.chunks
+    if schedule == "auto" or not isinstance(schedule, str):
+        return 1  # "auto": the planner tries each schedule's own count
+    try:
+        return default_chunks(schedule)
+    except ConfigError:
+        return 1  # an unknown name: pipeline_schedule says which names exist
+
+
+def pipeline_schedule(
     schedule: str | Schedule, ranks: int, microbatches: int, chunks: int
 ) -> Schedule:
     """The schedule a pipeline runs: generated from a name, or a given one validated.
@@ -145,8 +160,7 @@ def make_schedule(
     if isinstance(schedule, str):
         one = {"interleaved-1f1b": "1f1b", "looped-bfs": "gpipe"}.get(schedule)
         if chunks == 1 and one is not None:
-            # chunks=1 is the default, and interleaving one chunk per rank would silently
-            # be plain 1F1B / GPipe: ask for the count, as the V schedules do.
+            # Interleaving one chunk per rank would silently be plain 1F1B / GPipe.
             raise ConfigError(
                 f"schedule {schedule!r} interleaves several chunks per rank; pass "
                 f"chunks={default_chunks(schedule)} (or more), or use {one!r} for one"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, first_microbatch, held_stages, shared_sample
-from conveyor._options import Options, make_schedule, pipeline_ranks
+from conveyor._options import Options, pipeline_ranks, pipeline_schedule, schedule_chunks
 from conveyor._pipeline_text import not_split, pipeline_repr, step_inputs, step_memory
 from conveyor.context import Context, current
 from conveyor.observe.measure import pipeline_bubble, write_trace
@@ -60,7 +60,8 @@ class Pipeline:
             ``dualpipev``), ``"auto"`` (the planner picks schedule, chunks and balance,
             keeping ``microbatches``; the result is ``pipe.plan``; collective), or a
             :class:`~conveyor.schedules.Schedule`.
-        chunks: stages per rank (interleaved and V schedules).
+        chunks: stages per rank (interleaved and V schedules); None: the schedule's own
+            count (2 for ``interleaved-1f1b``, ``looped-bfs`` and the V schedules, else 1).
         balance: layers per stage, e.g. ``[3, 2, 3]``; None: the model's
             ``pipeline_stage`` annotations, else balanced automatically.
         context: the processes to run on; default :func:`conveyor.init`'s.
@@ -94,7 +95,7 @@ class Pipeline:
         loss_fn: LossFn | None,
         microbatches: int,
         schedule: str | Schedule = "1f1b",
-        chunks: int = 1,
+        chunks: int | None = None,
         balance: list[int] | None = None,
         context: Context | None = None,
         fsdp: bool | str = False,
@@ -107,8 +108,8 @@ class Pipeline:
         compile: bool | dict[str, Any] = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
-        options = Options(loss_fn, microbatches, chunks, balance, fsdp, tp_plan, sample,
-                          recompute, autocast, track_memory, compile)
+        options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
+                          fsdp, tp_plan, sample, recompute, autocast, track_memory, compile)
         options.check_context(ctx)  # before a plan's collective profiling run
         self.plan: Plan | None = None
         if schedule == "auto":
@@ -119,7 +120,7 @@ class Pipeline:
                 options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute
             )
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
-        self.schedule = make_schedule(schedule, ranks, microbatches, options.chunks)
+        self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         options.check_schedule(self.schedule)
         self.options = options
         self.loss_fn = loss_fn

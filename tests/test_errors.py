@@ -37,7 +37,7 @@ def test_fewer_layers_than_stages() -> None:
 def test_batch_smaller_than_microbatches() -> None:
     pipe = _pipe()
     x, y = batch(3)
-    with pytest.raises(conveyor.ConfigError, match=r"batch of 3 cannot be split into 4"):
+    with pytest.raises(conveyor.ConfigError, match=r"batch of 3 cannot be divided into 4"):
         pipe.train_step(x, y)
 
 

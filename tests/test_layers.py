@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "conveyor"
 
 # Top to bottom: a module may import from its own layer or a lower one, never a higher.
 # The root package is a facade of lazy names over everything (it imports only errors
-# and partition.balance itself).
+# and partition.cuts itself).
 LAYERS = [
     ["conveyor", "conveyor.cli", "conveyor.launch", "conveyor.verify"],
     ["conveyor.integrations"],

@@ -136,3 +136,15 @@ def test_auto_schedule_needs_a_sample() -> None:
     with pytest.raises(conveyor.ConfigError, match=r"pass sample=\(inputs, targets\)"):
         conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, schedule="auto",
                           context=conveyor.init(pp=2))
+
+
+def test_chunks_default_to_the_schedules_own_count() -> None:
+    """chunks=None (the default) takes the schedule's count; an explicit 1 on an
+    interleaved schedule is still refused (it would silently be plain 1F1B)."""
+    ctx = conveyor.init(pp=2)
+    for name, chunks in (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2), ("v-min", 2)):
+        pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=4, schedule=name, context=ctx)
+        assert pipe.schedule.chunks == chunks and len(pipe.stages) == 2 * chunks, name
+    with pytest.raises(conveyor.ConfigError, match="interleaves several chunks per rank"):
+        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=4, schedule="interleaved-1f1b",
+                          chunks=1, context=ctx)  # fmt: skip

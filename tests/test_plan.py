@@ -11,7 +11,7 @@ from torch import nn
 
 from conveyor.cli.plan import main as plan_main
 from conveyor.errors import ConfigError
-from conveyor.partition.balance import balance_within
+from conveyor.partition.cuts import balance_within
 from conveyor.planning.planner import TIE, plan
 from conveyor.planning.profile_data import LayerProfile, Profile
 from conveyor.planning.profiler import profile
@@ -48,7 +48,7 @@ def test_time_balance_puts_wide_layers_alone() -> None:
     )
     x, y = torch.randn(64, 16), torch.randn(64, 16)
     prof = profile(model, x, y, nn.functional.mse_loss, 1, repeats=3, warmup=1)
-    from conveyor.partition.balance import balance
+    from conveyor.partition.cuts import balance
 
     sizes = balance(prof.times(True), 3)
     # The 1024 x 1024 layer (index 2) dominates: it gets a stage to itself.

@@ -342,7 +342,7 @@ def _reference(kind: str, dp: int) -> Run:
         result = _loss(kind)(model(x), y)
         loss = result[0] / result[1] if isinstance(result, tuple) else result
         loss.backward()
-        out.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        out.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
         opt.step()
         opt.zero_grad()
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from conveyor.partition.balance import balance
+from conveyor.partition.cuts import balance
 
 if TYPE_CHECKING:
     from conveyor.partition.annotations import set_stage, stage_of

@@ -13,8 +13,8 @@ from torch import fx, nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.annotations import Item, assign_stages, owner, stage_marks
-from conveyor.partition.balance import balance_cuts
 from conveyor.partition.captured import COMPUTE_OPS, Captured, module_path
+from conveyor.partition.cuts import balance_cuts
 from conveyor.partition.layers import layers
 from conveyor.partition.replicate import replicable
 
@@ -30,7 +30,7 @@ def node_stages(
 
     With annotations on the model: their stages, others following their data. Without:
     the :func:`~conveyor.partition.layers.layers` cut into contiguous runs, ``balance``
-    layers per stage or, when None, by :func:`~conveyor.partition.balance.balance_cuts`
+    layers per stage or, when None, by :func:`~conveyor.partition.cuts.balance_cuts`
     over parameter counts; others follow their data.
 
     Args:

@@ -16,7 +16,7 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.annotations import chain_sizes, owner, stage_marks, whole_stage
-from conveyor.partition.balance import balance as min_max_balance
+from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.partition.tree import install
 
 Step = str | Callable[..., Any]

@@ -26,7 +26,7 @@ nodes (:mod:`conveyor.partition.stage_modules`):
 Without annotations or ``balance`` the cuts minimise the largest stage's parameter count
 while preferring cuts that go through few modules (between the blocks of a
 ``ModuleList``/``Sequential`` rather than inside one) and send few bytes
-(:func:`conveyor.partition.balance.balance_cuts`).
+(:func:`conveyor.partition.cuts.balance_cuts`).
 
 Limits (those of the capture): Python branches on ``self.training`` or on shapes are fixed
 at capture, so split in the mode you train in (dropout and batch norm follow

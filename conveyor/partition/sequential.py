@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from conveyor.errors import ConfigError
-from conveyor.partition.balance import balance as min_max_balance
+from conveyor.partition.cuts import balance as min_max_balance
 
 
 class SequentialStage(nn.Sequential):

@@ -1,7 +1,7 @@
 """The planner's model of one candidate: its balance, step time and memory per rank.
 
 A schedule's units are balanced by measured time, exact min-max under the memory limit
-(:func:`~conveyor.partition.balance.balance_within`), then refined by simulation: moving
+(:func:`~conveyor.partition.cuts.balance_within`), then refined by simulation: moving
 one unit across a stage boundary is kept while the simulated step gets shorter. The step
 time is the simulated makespan with the profiled per-stage (F, B, W) and transfer time,
 plus a fixed per-action overhead; the memory per rank is parameters + gradients + the
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
-from conveyor.partition.balance import balance as min_max_balance
-from conveyor.partition.balance import balance_within
+from conveyor.partition.cuts import balance as min_max_balance
+from conveyor.partition.cuts import balance_within
 from conveyor.planning.profile_data import Profile
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W

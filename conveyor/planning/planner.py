@@ -24,7 +24,7 @@ from torch import nn
 from conveyor._options import Options, pipeline_ranks
 from conveyor.context import Context
 from conveyor.errors import ConfigError
-from conveyor.partition.balance import balance as min_max_balance
+from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.planning.calibration import REFERENCES, Calibration, calibrate_family, family
 from conveyor.planning.cost_model import Candidate, evaluate
 from conveyor.planning.measure import LossFn

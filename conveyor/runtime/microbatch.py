@@ -43,7 +43,7 @@ def divide(batch: Any, parts: int, what: str) -> list[Any]:
     n = batch_size(batch, what)
     if n < parts:
         raise ConfigError(
-            f"a batch of {n} cannot be split into {parts} micro-batches; use microbatches <= {n} "
+            f"a batch of {n} cannot be divided into {parts} micro-batches; use microbatches <= {n} "
             f"or a larger batch"
         )
     leaves, spec = pytree.tree_flatten(batch)

@@ -45,7 +45,7 @@ def _step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / FOLDER / f"step-{step:08d}"
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
+def random_states(device: torch.device) -> dict[str, Any]:
     """This process's random number generator states (CPU, and the device's on CUDA)."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -53,8 +53,8 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned."""
+def set_random_states(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`random_states` returned."""
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -138,7 +138,7 @@ def save(parts: Restorable, root: str | os.PathLike[str], step: int, seed: int) 
     payload = {
         "step": step,
         "seed": seed,
-        "rng": rng_state(ctx.device),
+        "rng": random_states(ctx.device),
         "lr_scheduler": sched.state_dict() if sched is not None else None,
         "callbacks": [_state_of(cb) for cb in parts.callbacks],
     }
@@ -183,5 +183,5 @@ def restore(
         if cb_state and callable(getattr(cb, "load_state_dict", None)):
             cb.load_state_dict(cb_state)
     if "rng" in payload:
-        set_rng_state(payload["rng"], ctx.device)
+        set_random_states(payload["rng"], ctx.device)
     return min(step, max_steps), int(payload["seed"])
