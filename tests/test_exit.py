@@ -34,7 +34,9 @@ def pinned() -> Iterator[list[str]]:
     if shutil.which("taskset") is None:
         yield []
         return
-    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+    # Busy until its parent (this test process) is gone, even if it is killed.
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", spin])
     try:
         yield ["taskset", "-c", "0"]
     finally:
