@@ -278,7 +278,7 @@ def build(
         options.loss_fn,
         ctx,
         recompute=options.recompute_stages(schedule.stages),
-        autocast=options.autocast_dtype(),
+        autocast=options.autocast,
         track_memory=options.track_memory,
         sharded=sharded,
         on_action=after_action,

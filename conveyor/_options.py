@@ -7,6 +7,7 @@ and the schedule (:func:`pipeline_schedule`, :meth:`Options.check_schedule`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,11 @@ class Options:
                 f"the model computes its own loss; got {type(self.loss_fn).__name__}"
             )
         self.compile_keywords()
+        autocast_dtype(self.autocast)  # checked once, here: it depends on nothing else
+        if not isinstance(self.recompute, bool):
+            # a collection read once (a generator too); check_schedule checks its indices
+            with contextlib.suppress(TypeError):
+                object.__setattr__(self, "recompute", tuple(self.recompute))
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(
@@ -98,8 +104,8 @@ class Options:
         """Check the options that depend on the schedule.
 
         Raises:
-            ConfigError: ``fsdp='reshard'`` with a split backward, or bad ``recompute`` /
-                ``autocast`` values.
+            ConfigError: ``fsdp='reshard'`` with a split backward, or ``recompute`` naming
+                stages the schedule does not have.
         """
         if self.fsdp == "reshard" and schedule.split_backward:
             raise ConfigError(
@@ -108,20 +114,18 @@ class Options:
                 f"fsdp=True with it, or a schedule without a split backward (1f1b, gpipe, "
                 f"interleaved-1f1b)"
             )
-        self.recompute_stages(schedule.stages)
-        self.autocast_dtype()
+        recompute_stages(self.recompute, schedule.stages)  # checked once, here
 
     def compile_keywords(self) -> dict[str, Any] | None:
         """The :func:`torch.compile` keywords stages compile with (None: eager)."""
         return compile_keywords(self.compile)
 
     def recompute_stages(self, stages: int) -> frozenset[int]:
-        """The global indices of the stages whose forward is re-run at B."""
-        return recompute_stages(self.recompute, stages)
-
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The dtype stage forwards run under ``torch.autocast`` (None: as the model is)."""
-        return autocast_dtype(self.autocast)
+        """The global indices of the stages whose forward is re-run at B (``recompute``
+        as :meth:`check_schedule` checked it)."""
+        if isinstance(self.recompute, bool):
+            return frozenset(range(stages)) if self.recompute else frozenset()
+        return frozenset(self.recompute)
 
 
 def schedule_chunks(schedule: str | Schedule, chunks: int | None) -> int:
