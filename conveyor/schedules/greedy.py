@@ -14,6 +14,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from conveyor.errors import ConfigError, ScheduleError
 from conveyor.schedules.core import Action, B, F, Kind, W
@@ -55,110 +56,161 @@ def greedy_programs(
         ConfigError: For an unknown ``fill`` or a cap (or ``inflight`` entry) below 1.
         ScheduleError: If some rank cannot finish its program (the scheduler stalled).
     """
-    ranks = max(placement) + 1
     max_ahead = list(inflight) if inflight is not None else list(caps)
     if fill not in FILLS:
         raise ConfigError(f"fill must be one of {FILLS}, got {fill!r}")
     if min(caps) < 1 or min(max_ahead) < 1:
         raise ConfigError("every rank must be allowed to hold at least 1 activation")
-    m = microbatches
-    stages = len(placement)
-    last = stages - 1
-    own_stages = [[s for s in range(stages) if placement[s] == r] for r in range(ranks)]
-    end_f: list[list[float | None]] = [[None] * m for _ in range(stages)]
-    end_b: list[list[float | None]] = [[None] * m for _ in range(stages)]
-    next_f = [0] * stages
-    next_b = [0] * stages
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
-    held = [0] * ranks  # activations from F until W
-    ahead = [0] * ranks  # activations from F until B
-    left = [3 * m * len(own_stages[r]) for r in range(ranks)]
-    programs: list[list[Action]] = [[] for _ in range(ranks)]
-    # Ranks waiting for an action that is not scheduled yet, keyed by that action.
-    waiters: dict[tuple[Kind, int, int], list[int]] = {}
-    free = [0.0] * ranks
-    wake = [0.0] * ranks  # when each rank decides next; inf while it sleeps on a waiter
-    heap = [(0.0, r) for r in range(ranks)]
-    kind_index = {F: 0, B: 1, W: 2}
+    limits = _Limits(list(caps), max_ahead, fill == "always")
+    return _ListScheduler(placement, microbatches, durations, limits, comm).run()
 
-    def arrival(dep_end: float | None, dep_stage: int, rank: int) -> float | None:
+
+@dataclass(frozen=True)
+class _Limits:
+    """Per rank, the most activations held from F until W (``caps``) and from F until B
+    (``ahead``); ``fill_always``: run a pending W whenever nothing else is ready."""
+
+    caps: list[int]
+    ahead: list[int]
+    fill_always: bool
+
+
+class _ListScheduler:
+    """The state of one greedy run in simulated time (see :func:`greedy_programs`).
+
+    Per stage: when each micro-batch's F and B end (None until scheduled) and the next
+    micro-batch of each. Per rank: its pending W's, the activations it holds, the actions
+    it has left, its program so far, when it is free and when it decides next (infinity
+    while it sleeps until a waited-for action is scheduled).
+    """
+
+    def __init__(
+        self,
+        placement: Sequence[int],
+        microbatches: int,
+        durations: Sequence[StageCost],
+        limits: _Limits,
+        comm: float,
+    ) -> None:
+        ranks = max(placement) + 1
+        stages = len(placement)
+        self.placement, self.m, self.durations = placement, microbatches, durations
+        self.limits, self.comm, self.last = limits, comm, stages - 1
+        self.own_stages = [[s for s in range(stages) if placement[s] == r] for r in range(ranks)]
+        self.end_f: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
+        self.end_b: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
+        self.next_f = [0] * stages
+        self.next_b = [0] * stages
+        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
+        self.held = [0] * ranks  # activations from F until W
+        self.ahead = [0] * ranks  # activations from F until B
+        self.left = [3 * microbatches * len(own) for own in self.own_stages]
+        self.programs: list[list[Action]] = [[] for _ in range(ranks)]
+        # Ranks waiting for an action that is not scheduled yet, keyed by that action.
+        self.waiters: dict[tuple[Kind, int, int], list[int]] = {}
+        self.free = [0.0] * ranks
+        self.wake = [0.0] * ranks
+        self.heap = [(0.0, r) for r in range(ranks)]
+
+    def run(self) -> list[list[Action]]:
+        """Let every rank decide whenever it wakes, until none has work left."""
+        while self.heap:
+            now, rank = heapq.heappop(self.heap)
+            if now == self.wake[rank] and self.left[rank]:  # else stale, or finished
+                self._decide(rank, now)
+        if any(self.left):
+            stuck = [r for r, left in enumerate(self.left) if left]
+            raise ScheduleError(f"the greedy scheduler stalled on ranks {stuck}")
+        return self.programs
+
+    def _arrival(self, dep_end: float | None, dep_stage: int, rank: int) -> float | None:
         """When a dependency's output reaches ``rank`` (None while it is unscheduled)."""
         if dep_end is None:
             return None
-        return dep_end + (comm if placement[dep_stage] != rank else 0.0)
+        return dep_end + (self.comm if self.placement[dep_stage] != rank else 0.0)
 
-    def run(rank: int, now: float, action: Action) -> None:
-        """Record ``action`` as run on ``rank`` from ``now`` and wake its waiters."""
-        kind, s, mb = action
-        finish = now + durations[s][kind_index[kind]]
-        if kind == F:
-            end_f[s][mb] = finish
-            next_f[s] += 1
-            held[rank] += 1
-            ahead[rank] += 1
-        elif kind == B:
-            end_b[s][mb] = finish
-            next_b[s] += 1
-            ahead[rank] -= 1
-            pending_w[rank].append((s, mb))
-        else:
-            held[rank] -= 1
-        left[rank] -= 1
-        programs[rank].append(action)
-        free[rank] = wake[rank] = finish
-        heapq.heappush(heap, (finish, rank))
-        for other in waiters.pop(action, ()):
-            # A wait registered before ``other`` got busy again may be stale: never wake
-            # a rank before it is free.
-            at = max(finish + (comm if other != rank else 0.0), free[other])
-            if at < wake[other]:
-                wake[other] = at
-                heapq.heappush(heap, (at, other))
+    def _ready(
+        self, ready_at: float | None, waited: tuple[Kind, int, int], rank: int, now: float
+    ) -> float:
+        """0 when ``ready_at`` has passed, else when it comes (infinity, and ``rank``
+        registered as a waiter of ``waited``, while that is unscheduled)."""
+        if ready_at is None:
+            self.waiters.setdefault(waited, []).append(rank)
+            return math.inf
+        return ready_at if ready_at > now else 0.0
 
-    while heap:
-        now, rank = heapq.heappop(heap)
-        if now != wake[rank] or left[rank] == 0:
-            continue  # a stale wake-up, or a finished rank
+    def _decide(self, rank: int, now: float) -> None:
+        """Run the best ready action of ``rank``, or put it to sleep until one can be."""
         best_b: tuple[int, int] | None = None  # (mb, stage): lowest mb, then highest stage
         best_f: tuple[int, int] | None = None
         soonest = math.inf
-        may_forward = held[rank] < caps[rank] and ahead[rank] < max_ahead[rank]
-        for s in own_stages[rank]:
-            mb = next_b[s]
-            if mb < next_f[s]:
-                ready_at = end_f[s][mb] if s == last else arrival(end_b[s + 1][mb], s + 1, rank)
-                if ready_at is None:
-                    waiters.setdefault((B, s + 1, mb), []).append(rank)
-                elif ready_at > now:
-                    soonest = min(soonest, ready_at)
+        limits = self.limits
+        may_forward = (
+            self.held[rank] < limits.caps[rank] and self.ahead[rank] < limits.ahead[rank]
+        )
+        for s in self.own_stages[rank]:
+            mb = self.next_b[s]
+            if mb < self.next_f[s]:
+                ready_at = (
+                    self.end_f[s][mb]
+                    if s == self.last
+                    else self._arrival(self.end_b[s + 1][mb], s + 1, rank)
+                )
+                at = self._ready(ready_at, (B, s + 1, mb), rank, now)
+                if at:
+                    soonest = min(soonest, at)
                 elif best_b is None or (mb, -s) < (best_b[0], -best_b[1]):
                     best_b = (mb, s)
-            mb = next_f[s]
-            if mb < m and may_forward:
-                ready_at = 0.0 if s == 0 else arrival(end_f[s - 1][mb], s - 1, rank)
-                if ready_at is None:
-                    waiters.setdefault((F, s - 1, mb), []).append(rank)
-                elif ready_at > now:
-                    soonest = min(soonest, ready_at)
+            mb = self.next_f[s]
+            if mb < self.m and may_forward:
+                ready_at = 0.0 if s == 0 else self._arrival(self.end_f[s - 1][mb], s - 1, rank)
+                at = self._ready(ready_at, (F, s - 1, mb), rank, now)
+                if at:
+                    soonest = min(soonest, at)
                 elif best_f is None or (mb, -s) < (best_f[0], -best_f[1]):
                     best_f = (mb, s)
+        pending = self.pending_w[rank]
         if best_b is not None:
-            run(rank, now, Action(B, best_b[1], best_b[0]))
+            self._run(rank, now, Action(B, best_b[1], best_b[0]))
         elif best_f is not None:
-            run(rank, now, Action(F, best_f[1], best_f[0]))
-        elif pending_w[rank] and (
-            fill == "always"
+            self._run(rank, now, Action(F, best_f[1], best_f[0]))
+        elif pending and (
+            limits.fill_always
             or soonest == math.inf
-            or now + durations[pending_w[rank][0][0]][2] <= soonest
+            or now + self.durations[pending[0][0]][2] <= soonest
         ):
-            s, mb = pending_w[rank].popleft()
-            run(rank, now, Action(W, s, mb))
+            s, mb = pending.popleft()
+            self._run(rank, now, Action(W, s, mb))
         else:
             # Sleep until the soonest known arrival, or until a waited-for action runs.
-            wake[rank] = soonest
+            self.wake[rank] = soonest
             if soonest < math.inf:
-                heapq.heappush(heap, (soonest, rank))
-    if any(left):
-        stuck = [r for r in range(ranks) if left[r]]
-        raise ScheduleError(f"the greedy scheduler stalled on ranks {stuck}")
-    return programs
+                heapq.heappush(self.heap, (soonest, rank))
+
+    def _run(self, rank: int, now: float, action: Action) -> None:
+        """Record ``action`` as run on ``rank`` from ``now`` and wake its waiters."""
+        kind, s, mb = action
+        finish = now + self.durations[s]["FBW".index(kind)]
+        if kind == F:
+            self.end_f[s][mb] = finish
+            self.next_f[s] += 1
+            self.held[rank] += 1
+            self.ahead[rank] += 1
+        elif kind == B:
+            self.end_b[s][mb] = finish
+            self.next_b[s] += 1
+            self.ahead[rank] -= 1
+            self.pending_w[rank].append((s, mb))
+        else:
+            self.held[rank] -= 1
+        self.left[rank] -= 1
+        self.programs[rank].append(action)
+        self.free[rank] = self.wake[rank] = finish
+        heapq.heappush(self.heap, (finish, rank))
+        for other in self.waiters.pop(action, ()):
+            # A wait registered before ``other`` got busy again may be stale: never wake
+            # a rank before it is free.
+            at = max(finish + (self.comm if other != rank else 0.0), self.free[other])
+            if at < self.wake[other]:
+                self.wake[other] = at
+                heapq.heappush(self.heap, (at, other))
