@@ -352,7 +352,7 @@ def _exact(rank: int, layouts: tuple[tuple[int, int, int, bool], ...]) -> dict[s
     """v-half and v-min on every model, for each (pp, dp, tp, fsdp) layout in turn."""
     out: dict[str, Any] = {}
     for pp, dp, tp, fsdp in layouts:
-        ctx = conveyor.init(pp=pp, dp=dp, tp=tp, timeout=90)
+        ctx = conveyor.init(pp=pp, dp=dp, tp=tp, timeout=60)
         for name in V:
             # With FSDP or TP the skips model adds nothing the MLP does not check (its
             # blocks are not in a plan's shape): left out to keep the run short.
