@@ -183,7 +183,7 @@ def test_save_at_pp2_loads_anywhere_and_training_continues(
         _assert_same_state(opt_state, _pick(want_opt, opt_state), "saved optimizer")
 
     # Stored once: under its first name, the other name an alias.
-    where = ckpt._resolve(path)
+    where = ckpt.layout.resolve(path)
     stored = FileSystemReader(where).read_metadata().state_dict_metadata
     assert "model/tok_emb.weight" in stored and "model/lm_head.weight" not in stored
     assert "optim/tok_emb.weight/exp_avg" in stored and not any("lm_head" in k for k in stored)
@@ -277,7 +277,7 @@ def test_pp2_checkpoint_loads_into_8_stages_and_pp_x_dp_on_4_processes(
         assert {TIED.get(n, n) for n in names} == set(want_final), what  # every parameter
 
     # Saved from pp=2 x dp=2: replica 1 (ranks 2 and 3) wrote no data; replica 0 wrote all.
-    saved = ckpt._resolve(dp_path)
+    saved = ckpt.layout.resolve(dp_path)
     metadata = FileSystemReader(saved).read_metadata()
     writers = {info.relative_path for info in metadata.storage_data.values()}
     assert writers == {"__0_0.distcp", "__1_0.distcp"}, writers

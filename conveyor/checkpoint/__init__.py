@@ -42,27 +42,26 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from conveyor.checkpoint.dcp import (
-    _dcp_errors,
-    _empty,
-    _empty_like,
-    _pack,
-    _quiet,
-    _sharded,
-    _unpack,
+    dcp_errors,
+    empty_for,
+    empty_like_for,
+    is_sharded,
+    pack,
+    quiet,
+    unpack,
 )
 from conveyor.checkpoint.errors import CheckpointError
-from conveyor.checkpoint.layout import LATEST, META, _commit, _new_name
-from conveyor.checkpoint.layout import _resolve as _resolve
-from conveyor.checkpoint.meta import _meta, _read
-from conveyor.checkpoint.naming import _components
-from conveyor.checkpoint.optimizer import _hyper_json, _load_optimizer, _optimizer_index
+from conveyor.checkpoint.layout import LATEST, META, commit, new_name
+from conveyor.checkpoint.meta import build_meta, read_checkpoint
+from conveyor.checkpoint.naming import components
+from conveyor.checkpoint.optimizer import hyper_json, load_optimizer, optimizer_index
 from conveyor.checkpoint.view import (
-    _all_gather,
-    _broadcast,
-    _is_pipeline,
-    _raise_any,
-    _set_extra,
-    _view,
+    all_gather,
+    broadcast,
+    is_pipeline,
+    raise_any,
+    set_extra,
+    view_of,
 )
 from conveyor.errors import ConfigError
 
@@ -119,12 +118,12 @@ def save(
     """
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
-    view = _view(pipe)
+    view = view_of(pipe)
     root = Path(path)
     error = None
     if root.exists() and not root.is_dir():
         error = f"cannot save to {root}: it is a file; checkpoints are directories"
-    opt_index = _optimizer_index(optimizer) if optimizer is not None else {}
+    opt_index = optimizer_index(optimizer) if optimizer is not None else {}
     local_params = {id(e.value) for e in view.entries if e.param}
     if optimizer is not None and error is None:
         foreign = [i for pid, (i, _) in opt_index.items() if pid not in local_params]
@@ -139,7 +138,7 @@ def save(
     # What this rank tells the others (and rank 0's conveyor.json) about its entries.
     report = {
         "entries": [(e.names, e.link) for e in view.entries],
-        "param_groups": [_hyper_json(g) for g in opt_sd["param_groups"]]
+        "param_groups": [hyper_json(g) for g in opt_sd["param_groups"]]
         if optimizer is not None
         else None,
         "group_of": [
@@ -152,15 +151,15 @@ def save(
         ],
         "class": type(optimizer).__name__ if optimizer is not None else None,
     }
-    reports = _all_gather(view, report)
-    _raise_any(view, error)
+    reports = all_gather(view, report)
+    raise_any(view, error)
     with_opt = [r["class"] is not None for r in reports]
     if any(with_opt) and not all(with_opt):
         raise CheckpointError(
             "some ranks passed an optimizer to conveyor.save and some did not; pass each "
             "rank's optimizer on every rank (or none anywhere)"
         )
-    canon, writer = _components(reports)
+    canon, writer = components(reports)
 
     # What this rank writes: each entry whose canonical name this rank is the writer of.
     state: dict[str, Any] = {}
@@ -168,15 +167,15 @@ def save(
         c = canon[e.names[0][2]]
         # A sharded (DTensor) value is written by every rank holding a shard of it; DCP
         # keeps one copy of a shard several ranks hold.
-        if (writer[c] != view.rank and not _sharded(e.value)) or f"model/{c}" in state:
+        if (writer[c] != view.rank and not is_sharded(e.value)) or f"model/{c}" in state:
             continue
-        state[f"model/{c}"] = _pack(e.value)
+        state[f"model/{c}"] = pack(e.value)
         if e.param and id(e.value) in opt_index:
             for k, v in opt_state.get(opt_index[id(e.value)][0], {}).items():
-                state[f"optim/{c}/{k}"] = _pack(v)
+                state[f"optim/{c}/{k}"] = pack(v)
 
-    ckpt_name = _broadcast(view, _new_name(step) if view.rank == 0 else None)
-    with _quiet(), _dcp_errors(f"saving a checkpoint to {root}", "the previous one is kept"):
+    ckpt_name = broadcast(view, new_name(step) if view.rank == 0 else None)
+    with quiet(), dcp_errors(f"saving a checkpoint to {root}", "the previous one is kept"):
         # Every rank creates the directory (DCP's writer does) and writes its files.
         dcp_save(
             state,
@@ -187,10 +186,10 @@ def save(
     commit_error = None
     if view.rank == 0:
         try:
-            _commit(root, ckpt_name, _meta(reports, canon, writer, view, step))
+            commit(root, ckpt_name, build_meta(reports, canon, writer, view, step))
         except Exception as exc:  # tell every rank, then fail everywhere
             commit_error = f"committing checkpoint {root / ckpt_name} failed: {exc!r}"
-    commit_error = _broadcast(view, commit_error)
+    commit_error = broadcast(view, commit_error)
     if commit_error:
         raise CheckpointError(commit_error)
 
@@ -222,14 +221,14 @@ def load(
             has no or another optimizer's state when ``optimizer`` is given.
         PipelineError: If another rank does not reach the load within the time-out.
     """
-    view = _view(pipe)
+    view = view_of(pipe)
     read: tuple[Path, dict[str, Any], Metadata] | None = None
     failure = None
     try:
-        read = _read(path)
+        read = read_checkpoint(path)
     except (CheckpointError, OSError) as exc:
         failure = str(exc)  # raised below, on every rank, as one error (not two)
-    _raise_any(view, failure)
+    raise_any(view, failure)
     assert read is not None
     ckpt_dir, meta, metadata = read
     error = None
@@ -269,13 +268,13 @@ def load(
     if problems and error is None:
         error = (
             f"checkpoint {ckpt_dir} lacks {len(problems)} entries this "
-            f"{'pipeline' if _is_pipeline(pipe) else 'model'} needs, e.g. {problems[:3]}; it "
+            f"{'pipeline' if is_pipeline(pipe) else 'model'} needs, e.g. {problems[:3]}; it "
             f"was saved from a different model (it has e.g. "
             f"{[k[6:] for k in list(stored) if k.startswith('model/')][:3]}). Load it into "
             f"the model it was saved from, or load the matching part with "
             f"pipe.load_state_dict(conveyor.load_model_state(path), strict=False)"
         )
-    opt_index = _optimizer_index(optimizer) if optimizer is not None else {}
+    opt_index = optimizer_index(optimizer) if optimizer is not None else {}
     if optimizer is not None and error is None:
         if opt_meta is None:
             error = (
@@ -294,10 +293,10 @@ def load(
                 prefix = f"optim/{c}/"
                 for k, md in stored.items():
                     if k.startswith(prefix) and "/" not in k[len(prefix) :]:
-                        state[k] = _empty_like(md, e.value)
-    _raise_any(view, error)
+                        state[k] = empty_like_for(md, e.value)
+    raise_any(view, error)
 
-    with _quiet(), _dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
+    with quiet(), dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
         dcp_load(
             state,
             storage_reader=FileSystemReader(ckpt_dir),
@@ -309,10 +308,10 @@ def load(
     # Extra (non-tensor) module state comes back as objects: hand them to their modules.
     for e, c in zip(view.entries, chosen, strict=True):
         if not isinstance(e.value, Tensor) and c is not None:
-            _set_extra(pipe, e, _unpack(state[f"model/{c}"]))
+            set_extra(pipe, e, unpack(state[f"model/{c}"]))
 
     if optimizer is not None and opt_meta is not None:
-        _load_optimizer(optimizer, opt_index, view, chosen, state, opt_meta)
+        load_optimizer(optimizer, opt_index, view, chosen, state, opt_meta)
     step = meta.get("step")
     return int(step) if step is not None else None
 
@@ -335,10 +334,10 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         CheckpointError: If there is no checkpoint at ``path``, or it is damaged or from
             a newer conveyor.
     """
-    ckpt_dir, meta, metadata = _read(path)
+    ckpt_dir, meta, metadata = read_checkpoint(path)
     stored = metadata.state_dict_metadata
-    state = {k: _empty(md) for k, md in stored.items() if k.startswith("model/")}
-    with _quiet(), _dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
+    state = {k: empty_for(md) for k, md in stored.items() if k.startswith("model/")}
+    with quiet(), dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):
         dcp_load(state, storage_reader=FileSystemReader(ckpt_dir), no_dist=True)
     aliases: dict[str, str] = meta["aliases"]
     out: dict[str, Any] = {}
@@ -349,5 +348,5 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, Tensor]:
                 f"checkpoint {ckpt_dir} lists {name!r} but holds no data for it; it is damaged, "
                 f"load an earlier one"
             )
-        out[name] = _unpack(state[key])
+        out[name] = unpack(state[key])
     return out

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from conveyor.checkpoint.errors import CheckpointError
 
 
-def _pack(value: Any) -> Any:
+def pack(value: Any) -> Any:
     """A tensor as is (detached); anything else pickled into one opaque blob, so that DCP
     does not flatten a dict (a module's extra state, say) into keys of its own."""
     if isinstance(value, Tensor):
@@ -26,39 +26,39 @@ def _pack(value: Any) -> Any:
     return blob.getvalue()
 
 
-def _unpack(value: Any) -> Any:
-    """What :func:`_pack` stored, back."""
+def unpack(value: Any) -> Any:
+    """What :func:`pack` stored, back."""
     if isinstance(value, bytes):
         return torch.load(io.BytesIO(value), weights_only=False)
     return value
 
 
-def _empty(md: Any) -> Any:
+def empty_for(md: Any) -> Any:
     """A tensor to load a stored tensor into, or a placeholder for a stored object."""
     if isinstance(md, TensorStorageMetadata):
         return torch.empty(md.size, dtype=md.properties.dtype)
     return None
 
 
-def _sharded(value: Any) -> bool:
+def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a DTensor (FSDP / tensor-parallel shards)."""
     return isinstance(value, Tensor) and hasattr(value, "placements")
 
 
-def _empty_like(md: Any, param: Any) -> Any:
+def empty_like_for(md: Any, param: Any) -> Any:
     """Where to load a parameter's stored optimizer state: sharded like the parameter when
-    it is a DTensor of the same shape (AdamW's moments), else as :func:`_empty`."""
+    it is a DTensor of the same shape (AdamW's moments), else as :func:`empty_for`."""
     if (
-        _sharded(param)
+        is_sharded(param)
         and isinstance(md, TensorStorageMetadata)
         and tuple(md.size) == tuple(param.shape)
     ):
         return torch.empty_like(param, dtype=md.properties.dtype)
-    return _empty(md)
+    return empty_for(md)
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """DCP warns that it runs in one process whenever ``no_dist`` is set; we mean it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
@@ -67,7 +67,7 @@ def _quiet() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _dcp_errors(doing: str, then: str) -> Iterator[None]:
+def dcp_errors(doing: str, then: str) -> Iterator[None]:
     """DCP's failures (a ``BaseException`` carrying every rank's error) as CheckpointError."""
     try:
         yield

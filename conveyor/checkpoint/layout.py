@@ -1,7 +1,7 @@
 """The checkpoint directory: checkpoint names, the ``latest`` pointer and the atomic commit.
 
 ``path/latest`` names the current checkpoint ``path/step-<step>-<hex>/`` (or
-``path/nostep-<hex>/``); a save writes ``path/<name>.tmp`` and :func:`_commit` renames it
+``path/nostep-<hex>/``); a save writes ``path/<name>.tmp`` and :func:`commit` renames it
 and replaces ``latest``, then removes older checkpoints and leftovers of failed saves.
 """
 
@@ -23,13 +23,13 @@ META = "conveyor.json"
 """conveyor's own metadata file in each checkpoint."""
 
 
-def _new_name(step: int | None) -> str:
+def new_name(step: int | None) -> str:
     """A fresh checkpoint directory name: ``step-<step>-<hex>`` or ``nostep-<hex>``."""
     prefix = f"step-{step:08d}" if step is not None else "nostep"
     return f"{prefix}-{secrets.token_hex(4)}"
 
 
-def _resolve(path: str | os.PathLike[str]) -> Path:
+def resolve(path: str | os.PathLike[str]) -> Path:
     """The directory of the current checkpoint at ``path``."""
     root = Path(path)
     latest = root / LATEST
@@ -67,7 +67,7 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _commit(root: Path, ckpt_name: str, meta: dict[str, Any]) -> None:
+def commit(root: Path, ckpt_name: str, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote ``root/<ckpt_name>.tmp``: write ``meta`` into it and
     make it the current checkpoint."""
     tmp = root / f"{ckpt_name}.tmp"

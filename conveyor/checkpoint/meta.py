@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from conveyor.checkpoint.errors import CheckpointError
-from conveyor.checkpoint.layout import META, _resolve
-from conveyor.checkpoint.view import _View
+from conveyor.checkpoint.layout import META, resolve
+from conveyor.checkpoint.view import View
 
 FORMAT = "conveyor-checkpoint"
 """The ``format`` entry of every conveyor.json."""
@@ -21,11 +21,11 @@ VERSION = 1
 """The ``version`` entry this conveyor writes; it reads this version and older ones."""
 
 
-def _meta(
+def build_meta(
     reports: list[dict[str, Any]],
     canon: dict[str, str],
     writer: dict[str, int],
-    view: _View,
+    view: View,
     step: int | None,
 ) -> dict[str, Any]:
     """conveyor.json from every rank's report: step, names in model order, aliases,
@@ -73,9 +73,9 @@ def _meta(
     return meta
 
 
-def _read(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Metadata]:
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Metadata]:
     """The current checkpoint's directory, its conveyor.json and DCP's metadata."""
-    ckpt_dir = _resolve(path)
+    ckpt_dir = resolve(path)
     meta = json.loads((ckpt_dir / META).read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt_dir / META} is not a conveyor checkpoint's metadata")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _components(reports: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, int]]:
+def components(reports: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, int]]:
     """From every rank's report of its entries: canonical name of every name, and the
     writing rank of every canonical name (the lowest rank holding any copy)."""
     parent: dict[str, str] = {}

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from conveyor.checkpoint.dcp import _unpack
-from conveyor.checkpoint.view import _View
+from conveyor.checkpoint.dcp import unpack
+from conveyor.checkpoint.view import View
 
 
-def _hyper_json(param_group: Mapping[str, Any]) -> dict[str, Any]:
+def hyper_json(param_group: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer param group's hyperparameters as JSON values (tuples as lists)."""
 
     def as_json(v: Any) -> Any:
@@ -48,7 +48,7 @@ def _hyper_restore(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict
     return out
 
 
-def _optimizer_index(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+def optimizer_index(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
     """``id(param) -> (index in optimizer.state_dict()['state'], param group)``."""
     out: dict[int, tuple[int, int]] = {}
     i = 0
@@ -59,10 +59,10 @@ def _optimizer_index(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, i
     return out
 
 
-def _load_optimizer(
+def load_optimizer(
     optimizer: torch.optim.Optimizer,
     opt_index: dict[int, tuple[int, int]],
-    view: _View,
+    view: View,
     chosen: list[str | None],
     state: dict[str, Any],
     opt_meta: dict[str, Any],
@@ -76,7 +76,7 @@ def _load_optimizer(
         i, g = opt_index[id(e.value)]
         prefix = f"optim/{c}/"
         param_state = {
-            k[len(prefix) :]: _unpack(v) for k, v in state.items() if k.startswith(prefix)
+            k[len(prefix) :]: unpack(v) for k, v in state.items() if k.startswith(prefix)
         }
         if param_state:
             per_param[i] = param_state

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Entry:
+class Entry:
     """One tensor (or extra-state object) of this process, under all its local names."""
 
     names: list[tuple[int, int, str]]  # (stage, position in the stage's state dict, name)
@@ -28,32 +28,32 @@ class _Entry:
 
 
 @dataclass
-class _View:
+class View:
     """What this process saves and loads: its stages' state, and where it sits."""
 
-    entries: list[_Entry]
+    entries: list[Entry]
     rank: int
     world_size: int
     distributed: bool
     layout: dict[str, Any] = field(default_factory=dict)
 
 
-def _is_pipeline(target: Any) -> bool:
+def is_pipeline(target: Any) -> bool:
     from conveyor.pipeline import Pipeline
 
     return isinstance(target, Pipeline)
 
 
-def _view(target: Pipeline | nn.Module) -> _View:
+def view_of(target: Pipeline | nn.Module) -> View:
     """Entries of a Pipeline (this rank's stages) or of a plain module (one process)."""
     if isinstance(target, nn.Module):
         stages: list[tuple[int, nn.Module]] = [(0, target)]
-        view = _View([], 0, 1, False, {"model": type(target).__name__})
+        view = View([], 0, 1, False, {"model": type(target).__name__})
         links: dict[int, tuple[int, ...]] = {}
-    elif _is_pipeline(target):
+    elif is_pipeline(target):
         ctx = target.context
         stages = list(zip(target.held_stages, target.stages, strict=True))
-        view = _View(
+        view = View(
             [],
             ctx.rank,
             ctx.world_size,
@@ -73,14 +73,14 @@ def _view(target: Pipeline | nn.Module) -> _View:
         raise ConfigError(
             f"expected a conveyor.Pipeline or a torch.nn.Module, got {type(target).__name__}"
         )
-    by_id: dict[int, _Entry] = {}
+    by_id: dict[int, Entry] = {}
     for s, stage in stages:
         params = {id(p) for p in stage.parameters()}
         for pos, (name, value) in enumerate(stage.state_dict(keep_vars=True).items()):
             if isinstance(value, Tensor) and id(value) in by_id:
                 by_id[id(value)].names.append((s, pos, name))
                 continue
-            entry = _Entry([(s, pos, name)], value, id(value) in params, links.get(id(value)))
+            entry = Entry([(s, pos, name)], value, id(value) in params, links.get(id(value)))
             view.entries.append(entry)
             if isinstance(value, Tensor):
                 by_id[id(value)] = entry
@@ -103,7 +103,7 @@ def _tied_links(pipe: Pipeline) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def _set_extra(target: Pipeline | nn.Module, entry: _Entry, value: Any) -> None:
+def set_extra(target: Pipeline | nn.Module, entry: Entry, value: Any) -> None:
     stages = [target] if isinstance(target, nn.Module) else target.stages
     for stage in stages:
         own = stage.state_dict(keep_vars=True)
@@ -113,7 +113,7 @@ def _set_extra(target: Pipeline | nn.Module, entry: _Entry, value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- collectives
-def _all_gather(view: _View, value: Any) -> list[Any]:
+def all_gather(view: View, value: Any) -> list[Any]:
     if not view.distributed:
         return [value]
     out: list[Any] = [None] * view.world_size
@@ -125,7 +125,7 @@ def _all_gather(view: _View, value: Any) -> list[Any]:
     return out
 
 
-def _broadcast(view: _View, value: Any) -> Any:
+def broadcast(view: View, value: Any) -> Any:
     if not view.distributed:
         return value
     box = [value]
@@ -137,9 +137,9 @@ def _broadcast(view: _View, value: Any) -> Any:
     return box[0]
 
 
-def _raise_any(view: _View, error: str | None) -> None:
+def raise_any(view: View, error: str | None) -> None:
     """Raise on every rank if any rank has an error, so none waits for the others."""
-    errors = [(r, e) for r, e in enumerate(_all_gather(view, error)) if e]
+    errors = [(r, e) for r, e in enumerate(all_gather(view, error)) if e]
     if errors:
         if not view.distributed:
             raise CheckpointError(errors[0][1])
