@@ -13,15 +13,16 @@ import torch
 import torch.distributed as dist
 
 from conveyor.context import Context
-from conveyor.observe.trace import bubble, chrome_trace, measured_bubble, measured_costs
+from conveyor.observe.trace import chrome_trace, measured_bubble, measured_costs
 from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule
+from conveyor.schedules.simulation import bubble
 from conveyor.simulate import simulate
 
 
 def pipeline_bubble(timings: list[Timing], ctx: Context, ranks: int) -> float:
-    """The :func:`~conveyor.observe.trace.bubble` of a step over all pipeline ranks.
+    """The :func:`~conveyor.schedules.simulation.bubble` of a step over all pipeline ranks.
 
     Args:
         timings: this process's actions of the step.

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from conveyor.runtime.timing import Timing
+from conveyor.schedules.simulation import bubble
 
 
 def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, float, float]]:
@@ -37,27 +38,9 @@ def measured_costs(timings: Iterable[Timing], stages: int) -> list[tuple[float, 
     ]
 
 
-def bubble(busy: float, first: float, last: float, ranks: int) -> float:
-    """The bubble of a step: the share of ``ranks`` x (last end - first start) not busy.
-
-    The one definition conveyor measures by (``pipe.measured_bubble()``, saved traces,
-    progress lines); the simulator's is the same over simulated time.
-
-    Args:
-        busy: seconds of work summed over every action of every rank.
-        first: the first action's start.
-        last: the last action's end.
-        ranks: pipeline ranks.
-
-    Returns:
-        ``1 - busy / (ranks * (last - first))``, 0 for an empty step.
-    """
-    span = last - first
-    return 1.0 - busy / (ranks * span) if span > 0 else 0.0
-
-
 def measured_bubble(timings: Iterable[Timing], ranks: int) -> float:
-    """The :func:`bubble` of the actions in ``timings``.
+    """The bubble (:func:`~conveyor.schedules.simulation.bubble`, the simulator's
+    definition) of the actions in ``timings``.
 
     Args:
         timings: Action records of a real run (no waits), of every rank.

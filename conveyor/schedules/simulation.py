@@ -205,6 +205,26 @@ def peak_activations(schedule: Schedule) -> tuple[float, ...]:
     return tuple(peaks)
 
 
+def bubble(busy: float, first: float, last: float, ranks: int) -> float:
+    """The bubble of a step: the share of ``ranks`` x (last end - first start) not busy.
+
+    The one definition conveyor uses: the simulator's :attr:`SimResult.bubble` over
+    simulated time, and every measured bubble over real time (``pipe.measured_bubble()``,
+    saved traces, progress lines).
+
+    Args:
+        busy: Time of work summed over every action of every rank.
+        first: The first action's start.
+        last: The last action's end.
+        ranks: Pipeline ranks.
+
+    Returns:
+        ``1 - busy / (ranks * (last - first))``, 0 for an empty step.
+    """
+    span = last - first
+    return 1.0 - busy / (ranks * span) if span > 0 else 0.0
+
+
 def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float = 0.0) -> SimResult:
     """Run ``schedule`` in simulated time.
 
@@ -246,12 +266,11 @@ def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float =
         timed[rank].append(Event(rank, action, start, finish))
     events = tuple(e for rank_events in timed for e in rank_events)
     active = [r for r in range(schedule.ranks) if timed[r]]
-    makespan = (
-        max(free[r] for r in active) - min(first_start[r] for r in active) if active else 0.0
-    )
+    first = min((first_start[r] for r in active), default=0.0)
+    last = max((free[r] for r in active), default=0.0)
+    makespan = last - first
     span = max((free[r] - first_start[r] for r in active), default=0.0)
     busy = sum(e.end - e.start for e in events)
-    bubble = 1.0 - busy / (schedule.ranks * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
         cost=costs,
@@ -259,6 +278,6 @@ def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float =
         events=events,
         makespan=makespan,
         span=span,
-        bubble=bubble,
+        bubble=bubble(busy, first, last, schedule.ranks),
         peak_activations=peak_activations(schedule),
     )
