@@ -350,3 +350,21 @@ def test_gradients_of_earlier_steps_are_kept_apart_only_when_needed() -> None:
     switched._parts.engine.compute.loss_fn = TokenCrossEntropy()  # type: ignore[union-attr]
     with pytest.raises(PipelineError, match=r"pairs .* in this step but scalars in earlier"):
         switched.train_step(x, y)
+
+
+def test_autocast_pair_loss_is_the_whole_batch_token_mean() -> None:
+    """Under bf16 autocast the totals are summed in float32 and divided by the whole
+    batch's count: the unsplit model's autocast loss, to bf16 rounding."""
+    x, y = tokens()
+    model = lm()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = token_mean(model(x).float(), y).item()
+    conveyor.init(pp=2)
+    for name in ("1f1b", "zbv"):
+        pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=4,
+                                 schedule=name, autocast=torch.bfloat16)  # fmt: skip
+        loss = pipe.train_step(x, y)
+        assert loss.dtype == torch.float32
+        assert loss.item() == pytest.approx(want, rel=1e-5), name  # rows would be 1.7% off
+        assert all(p.grad is not None and p.grad.dtype == torch.float32
+                   for p in pipe.parameters())  # fmt: skip
