@@ -19,19 +19,26 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ModelTokenLoss", "TokenCrossEntropy", "model_token_loss"]
+__all__ = ["ModelTokenLoss", "TokenCrossEntropy", "model_token_loss", "output_field"]
 
 # transformers' losses that average over counted tokens (num_items_in_batch); causal LMs
 # predict label i + 1 at position i, so their first label is never counted.
 _TOKEN_LOSSES = {"ForCausalLMLoss": True, "ForMaskedLMLoss": False}
 
 
+def output_field(output: Any, name: str) -> torch.Tensor | None:
+    """A model output's tensor ``name`` (a ``ModelOutput`` / dict entry or attribute), or
+    None where it has none."""
+    found = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+    return found if isinstance(found, torch.Tensor) else None
+
+
 def _logits(output: Any) -> torch.Tensor:
     """The logits of a model's output: the tensor itself, or its ``logits``."""
     if isinstance(output, torch.Tensor):
         return output
-    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
-    if not isinstance(found, torch.Tensor):
+    found = output_field(output, "logits")
+    if found is None:
         raise TypeError(
             f"TokenCrossEntropy needs logits: a tensor or an output with .logits, got "
             f"{type(output).__name__}"

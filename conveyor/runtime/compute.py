@@ -8,7 +8,7 @@ action's input and passes on what it returns. It keeps what a step needs between
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineError
+from conveyor.losses import output_field
 from conveyor.partition.describe import shape_of
 from conveyor.runtime.call import StageCaller
 from conveyor.runtime.compiled import CompileStats
@@ -47,8 +48,8 @@ def model_loss(out: Any) -> torch.Tensor:
     else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return out
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if not isinstance(loss, torch.Tensor):
+    loss = output_field(out, "loss")
+    if loss is None:
         raise PipelineError(
             f"loss_fn=None takes the loss from the model's output, but its "
             f"{type(out).__name__} has no loss; pass what the model needs to compute one "

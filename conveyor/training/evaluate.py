@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.errors import ConfigError
+from conveyor.losses import output_field
 from conveyor.pipeline import Pipeline
 from conveyor.training.data import Batches
 
@@ -21,11 +22,8 @@ def logits_of(output: Any) -> torch.Tensor:
     the first element of a tuple, or the output itself."""
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
-        logits: torch.Tensor = output["logits"]
-        return logits
-    found = getattr(output, "logits", None)
-    if isinstance(found, torch.Tensor):
+    found = output_field(output, "logits")
+    if found is not None:
         return found
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
         return output[0]
@@ -104,10 +102,8 @@ def _loss(pipe: Pipeline, output: Any, targets: Any, size: int) -> tuple[float, 
             return float(total), float(count)
         return float(result) * size, float(size)
     loss = output if isinstance(output, torch.Tensor) and output.dim() == 0 else None
-    if isinstance(output, Mapping) and "loss" in output:
-        loss = output["loss"]
-    elif getattr(output, "loss", None) is not None:
-        loss = output.loss
+    if loss is None:
+        loss = output_field(output, "loss")
     if loss is None:
         return float("nan"), float(size)
     if loss.dim() == 0:
