@@ -9,30 +9,29 @@ first, so it counts as importing those too.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1] / "conveyor"
+
+
+def _load_hook() -> Any:
+    """The hook that writes the layout page: its layers are the ones tested here (one list
+    for the page and for this test)."""
+    path = ROOT.parent / "docs" / "hooks" / "layout.py"
+    spec = importlib.util.spec_from_file_location("conveyor_docs_layout", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # Top to bottom: a module may import from its own layer or a lower one, never a higher.
 # The root package is a facade of lazy names over everything (it imports only errors
 # and partition.cuts itself).
-LAYERS = [
-    ["conveyor", "conveyor.cli", "conveyor.launch", "conveyor.verify"],
-    ["conveyor.integrations"],
-    ["conveyor.training"],
-    ["conveyor.checkpoint"],
-    ["conveyor.pipeline", "conveyor._pipeline_text"],
-    ["conveyor.planning"],
-    ["conveyor._build", "conveyor._options"],
-    ["conveyor.observe"],
-    ["conveyor.runtime"],
-    ["conveyor.partition"],
-    ["conveyor.context", "conveyor._groups", "conveyor.losses"],
-    ["conveyor.simulate"],
-    ["conveyor.schedules"],
-    ["conveyor.errors"],
-]
+LAYERS: list[list[str]] = [units for _, units in _load_hook().LAYERS]
 LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
 
 
@@ -151,3 +150,14 @@ def test_no_import_cycle_between_layers() -> None:
     }
     same_layer = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
     assert same_layer == []
+
+
+def test_the_layout_page_lists_every_module_with_its_docstring() -> None:
+    page = (ROOT.parent / "docs" / "concepts" / "layout.md").read_text()
+    assert "\n<!-- conveyor-layout -->\n" in page
+    hook = _load_hook()
+    text = hook.render()
+    for path in MODULES.values():
+        shown = path.relative_to(ROOT.parent).as_posix()
+        assert f"| `{shown}` | " in text, f"{shown} is missing from the layout page"
+        assert hook.summary(path), f"{shown} has no docstring to describe it on the page"
