@@ -250,37 +250,54 @@ def test_inductor_zero_bubble_exact() -> None:
     assert frames_compiled() > 0
 
 
-def _rank_run(rank: int, world: int, schedule: str) -> tuple[list[Any], int, int]:
-    ctx = conveyor.init()
+def _rank_run(rank: int, world: int, schedule: str, dp: int) -> tuple[list[Any], int, int]:
+    ctx = conveyor.init(pp=world // dp, dp=dp)
     pipe = conveyor.Pipeline(
         model(),
         loss_fn=F.mse_loss,
-        microbatches=4,
+        microbatches=4 // dp,
         schedule=schedule,
         chunks=default_chunks(schedule),
         context=ctx,
         compile=EAGER_GRAPHS,
+        fsdp=dp > 1,
     )
-    grads = pipe_grads(pipe, (5, 7))
+    grads = []
+    for t in (5, 7):  # each replica its rows; FSDP's gradient shards gathered whole
+        x, y = batch(t)
+        pipe.train_step(x[ctx.dp_rank :: dp], y[ctx.dp_rank :: dp])
+        got = {}
+        for name, p in pipe.named_parameters():
+            grad = p.grad
+            assert grad is not None
+            got[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad.clone()
+            p.grad = None
+        grads.append(got)
     stats = pipe.compile_stats
     assert stats is not None
-    return grads, frames_compiled(), max(stats.recompiles(s) for s in pipe.held_stages)
+    per_kind = [n for s in pipe.held_stages for n in stats.graphs.get(s, {}).values()]
+    return grads, frames_compiled(), max(per_kind)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "schedule"), [(2, "dualpipev"), (4, "zb-h1")])
-def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str) -> None:
-    """2 and 4 processes: every rank ran compiled code; together the unsplit gradients."""
-    want = unsplit_grads(model(), (5, 7))
-    results = distributed.run(_rank_run, world, world, schedule)
+@pytest.mark.parametrize(("world", "schedule", "dp"), [(2, "dualpipev", 1), (4, "zb-h1", 2)])
+def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str, dp: int) -> None:
+    """2 processes, and 4 as pp 2 x dp 2 with FSDP2 (compiled inside its unit): every rank
+    ran compiled code; together the unsplit model's gradients of each step (no update
+    between the steps)."""
+    net = model()
+    want = [unsplit_grads(copy.deepcopy(net), (t,))[0] for t in (5, 7)]
+    results = distributed.run(_rank_run, world, world, schedule, dp)
     for step in range(2):
         got: dict[str, torch.Tensor] = {}
         for grads, _, _ in results:
             got.update(grads[step])
         assert_close_to_largest(got, want[step], f"{schedule} x{world} step {step}", tol=1e-4)
     assert all(frames > 0 for _, frames, _ in results), [f for _, f, _ in results]
-    assert all(recompiles <= 2 for _, _, recompiles in results)
+    # graphs per unit kind: the first lengths' two; under FSDP2 one more on the last
+    # stage (a guard on the gathered parameters fails once after the dynamic graph)
+    assert all(most <= (2 if dp == 1 else 3) for _, _, most in results), [r[1:] for r in results]
 
 
 def test_tensor_parallel_is_refused() -> None:
