@@ -23,3 +23,10 @@ def mlp(layers: int = 6, width: int = 16, seed: int = 0) -> nn.Sequential:
 def batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def readme_model() -> nn.Sequential:
+    """The README's model: 8x8 inputs flattened, two hidden layers of 512, 10 classes."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))

@@ -258,6 +258,9 @@ class MobileNet(nn.Module):
 
 
 class Attention(nn.Module):
+    """timm's ViT attention (multi-head, unmasked): ``B, N, C = x.shape`` is how timm
+    writes it, and what fx cannot trace (torch.export captures it)."""
+
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads

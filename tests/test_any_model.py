@@ -129,7 +129,7 @@ Results = dict[tuple[str, str, int], Trace]
 
 def _runs(kind: str, pp: int, chunks: int) -> bool:
     """The execution sequence has 5 steps with parameters: at 8 stages some rank would
-    train nothing, which Pipeline refuses at construction (tests/test_first_contact.py)."""
+    train nothing, which Pipeline refuses at construction (tests/test_pipeline_api.py)."""
     return not (kind == "sequence" and pp * chunks > 5)
 ACCUMULATE = [(4, 5), (5, 3)]  # two steps without zero_grad, the sequence length changing
 
@@ -158,18 +158,13 @@ def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
     return out, _accumulate(ctx, pp)
 
 
-def _aliases(kind: str, stages: int) -> dict[str, str]:
-    """Every name of a parameter -> its first name (a tied weight has two)."""
-    return tied_names(build(kind, stages)[0])
-
-
 def _check(results: list[Results], pp: int) -> None:
     for kind, sched, chunks, _, sizes in CONFIGS:
         if not _runs(kind, pp, chunks):
             continue
         want = reference(kind, pp * chunks, batches(kind, sizes))
         got = [r[(kind, sched, chunks)] for r in results]
-        alias = _aliases(kind, pp * chunks)
+        alias = tied_names(build(kind, pp * chunks)[0])
         for i, (loss, grads, params) in enumerate(want):
             what = f"{kind} {sched} pp={pp} step {i}"
             for rank_trace in got:
@@ -187,7 +182,7 @@ def _check_accumulated(parts: list[dict[str, torch.Tensor]], pp: int) -> None:
         loss_fn(model(x), y).backward()
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     what = f"gradients accumulated over 2 steps, pp={pp} on {len(parts)} processes"
-    assert_close(merge_tied(parts, _aliases("gpt", pp), what), want, what)
+    assert_close(merge_tied(parts, tied_names(build("gpt", pp)[0]), what), want, what)
 
 
 @pytest.fixture(scope="module")

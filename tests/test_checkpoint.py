@@ -3,6 +3,8 @@ clear errors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from tests import distributed
 from tests.helpers import assert_close, lm_loss
 from tests.models import mlp
 from tests.zoo import TinyGPT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BEFORE, AFTER = 2, 2  # steps before the save, steps after the load
 LR = 1e-2
@@ -407,3 +411,21 @@ def test_a_plain_module_with_extra_state_round_trips(tmp_path: Path) -> None:
     fresh = nn.Sequential(_WithExtra(3, 4), nn.Tanh(), nn.Linear(4, 2))
     fresh.load_state_dict(state)
     assert fresh[0].calls == 7
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_checkpoint_is_one_attribute_away_and_fails_once(tmp_path: Path) -> None:
+    script = (
+        "import conveyor\n"
+        "assert conveyor.checkpoint.exists('nowhere') is False\n"
+        "assert conveyor.CheckpointError is conveyor.checkpoint.CheckpointError\n"
+        "import torch\n"
+        "conveyor.load(torch.nn.Linear(2, 2), 'nowhere')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1
+    assert done.stderr.count("CheckpointError: ") == 1, done.stderr
+    assert "During handling" not in done.stderr and "direct cause" not in done.stderr
+    assert "no checkpoint at nowhere" in done.stderr

@@ -135,16 +135,11 @@ def pipelined(ctx: conveyor.Context, config: Config) -> tuple[Trace, float, floa
     return trace, float(pipe.eval_step(*data[-1])), early
 
 
-def _aliases(kind: str, stages: int) -> dict[str, str]:
-    """Every name of a parameter -> its first name (a tied weight has two)."""
-    return tied_names(build(kind, stages)[0])
-
-
 def check(name: str, config: Config, pp: int, traces: list[tuple[Trace, float]]) -> None:
     """``traces``: every rank's, in global rank order (replica by replica)."""
     kind, chunks = config[0], config[2]
     want, want_eval = reference(config, pp * chunks)
-    alias = _aliases(kind, pp * chunks)
+    alias = tied_names(build(kind, pp * chunks)[0])
     replicas = [traces[r : r + pp] for r in range(0, len(traces), pp)]
     for i, (loss, norm, grads, params) in enumerate(want):
         what = f"{name} pp={pp} dp={len(replicas)} step {i}"

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import conveyor
+from conveyor.errors import one_line
 from tests import distributed
 from tests.models import batch, mlp
 
@@ -95,3 +96,20 @@ def test_world_size_not_matching_stages() -> None:
     msgs = distributed.run(_init_wrong_world, 2)
     for msg in msgs:
         assert "world size 2 is not pp x dp x tp = 3 x 1 x 1" in msg
+
+
+def test_inputs_and_targets_of_different_batch_sizes() -> None:
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
+                             context=conveyor.init(pp=2))
+    x, _ = batch(8)
+    _, y = batch(6)
+    with pytest.raises(conveyor.ConfigError, match=r"inputs hold 8 samples but targets hold 6"):
+        pipe.train_step(x, y)
+
+
+def test_short_errors_are_cut_between_words() -> None:
+    long = RuntimeError("Timed out waiting 3000ms for send operation to complete " * 10)
+    text = one_line(long, 80).removeprefix("RuntimeError: ")
+    assert len(text) <= 84 and text.endswith(" ...")
+    assert text[:-4] == text[:-4].rstrip() and (long.args[0]).startswith(text[:-4])
+    assert long.args[0][len(text) - 4] == " "  # the cut falls before a space

@@ -69,3 +69,35 @@ def test_a_finished_run_exits_0_with_every_thread_joined(pinned: list[str], run:
         line = f"rank {rank}: gloo workers after the exit hooks: "
         left = [x for x in done.stdout.splitlines() if x.startswith(line)]
         assert left and int(left[0][len(line) :]) <= 2, done.stdout
+
+
+ZB_SCRIPT = """
+import torch, conveyor
+from torch import nn
+ctx = conveyor.init()
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(10)])
+pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=8, schedule="zb-h1")
+opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+for step in range(5):
+    pipe.train_step(torch.randn(32, 32), torch.randn(32, 32))
+    opt.step(); opt.zero_grad()
+print("done", ctx.rank, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_zero_bubble_run_exits_cleanly_every_time(tmp_path: Path) -> None:
+    script = tmp_path / "zb.py"
+    script.write_text(ZB_SCRIPT)
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", str(script)],
+            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "terminate called" not in out and "SIGABRT" not in out, out
+        assert out.count("done") == 2, out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 import conveyor
 from tests import distributed
-from tests.models import batch
+from tests.models import batch, mlp
 
 
 class Fault(nn.Module):
@@ -197,3 +198,41 @@ def test_watchdog_stays_quiet_while_works_finish() -> None:
     time.sleep(0.3)
     dog.check()
     assert not aborted
+
+
+def _between_steps(rank: int, what: str, folder: str) -> str:
+    """Rank 1 leaves after the first step (or skips a collective); rank 0 goes on."""
+    ctx = conveyor.init(pp=2, timeout=3.0)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
+                             context=ctx)
+    x, y = batch(8)
+    pipe.train_step(x, y)
+    if rank == 1:
+        if what == "dies":
+            os._exit(0)
+        time.sleep(5)  # alive, but never calls the collective
+        return "rank 1 skipped it"
+    start = time.monotonic()
+    try:
+        if what == "save":
+            conveyor.save(pipe, os.path.join(folder, "never-committed"))
+        else:
+            pipe.train_step(x, y)
+    except conveyor.PipelineError as e:
+        return f"{time.monotonic() - start:.1f}s {e}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["dies", "save"])
+def test_a_rank_missing_between_steps_is_named(what: str, tmp_path: Path) -> None:
+    results = distributed.run(_between_steps, 2, what, str(tmp_path), expect=[0], timeout=120)
+    seconds, text = results[0].split("s ", 1)
+    assert float(seconds) < 20, results[0]
+    if what == "save":
+        assert "rank 0: agreeing on the checkpoint" in text, text
+        assert "every rank must call conveyor.save" in text, text
+    else:
+        assert "rank 0: starting a step" in text, text
+        assert "rank 1" in text, text

@@ -17,8 +17,8 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import conveyor
-import conveyor.context as context
 from conveyor.integrations.transformers import PipelineTrainer
+from tests.helpers import reset_context
 from tests.trainer_forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,14 +132,14 @@ def test_the_loss_curve_equals_the_plain_trainers(
 
 
 def test_unknown_pipeline_options_are_one_sentence(tmp_path: Path) -> None:
-    context._current = None
+    reset_context()
     with pytest.raises(conveyor.ConfigError, match=r"^unknown pipeline_options \['micro'\]; use"):
         PipelineTrainer(gpt2(), arguments(str(tmp_path), 4), train_dataset=features(),
                         pipeline_options={"micro": 2})  # fmt: skip
 
 
 def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) -> None:
-    context._current = None
+    reset_context()
     trainer = PipelineTrainer(
         gpt2(), arguments(str(tmp_path), 8), train_dataset=features(),
         eval_dataset=features(20, seed=1), pipeline_options={"pp": 2, "microbatches": 2},
@@ -161,7 +161,7 @@ def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) ->
 def test_the_example_runs_in_one_process(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    context._current = None
+    reset_context()
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     monkeypatch.delenv("RANK", raising=False)
     example = importlib.import_module("hf_trainer")

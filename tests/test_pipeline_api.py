@@ -12,7 +12,7 @@ import conveyor
 from conveyor.schedules import from_table, to_table
 from tests import distributed
 from tests.helpers import mse
-from tests.models import batch, mlp
+from tests.models import batch, mlp, readme_model
 
 
 def _api(rank: int, pp: int) -> dict[str, Any]:
@@ -148,3 +148,50 @@ def test_chunks_default_to_the_schedules_own_count() -> None:
     with pytest.raises(conveyor.ConfigError, match="interleaves several chunks per rank"):
         conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=4, schedule="interleaved-1f1b",
                           chunks=1, context=ctx)  # fmt: skip
+
+
+def test_one_process_runs_as_many_ranks_as_balance_or_annotations_say() -> None:
+    ctx = conveyor.init()  # no torchrun, no pp: a world of one process
+    model = readme_model()
+    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.cross_entropy, microbatches=4,
+                             balance=[3, 3], context=ctx)
+    assert pipe.schedule.ranks == 2 and len(pipe.stages) == 2
+    x, y = torch.randn(8, 8, 8), torch.randint(0, 10, (8,))
+    loss = pipe.train_step(x, y)
+    want = nn.functional.cross_entropy(readme_model()(x), y)
+    assert float(loss) == pytest.approx(want.item(), rel=1e-6)
+    annotated = readme_model()
+    annotated[3].pipeline_stage = 1  # type: ignore[assignment]
+    annotated[5].pipeline_stage = 2  # type: ignore[assignment]
+    pipe = conveyor.Pipeline(annotated, loss_fn=nn.functional.cross_entropy, microbatches=3,
+                             context=ctx)
+    assert pipe.schedule.ranks == 3
+    # init(pp=...) is a promise: a balance that does not fit it is still an error
+    with pytest.raises(conveyor.ConfigError, match=r"has 2 entries but the pipeline has 4"):
+        conveyor.Pipeline(readme_model(), loss_fn=nn.functional.cross_entropy,
+                          microbatches=4, balance=[3, 3], context=conveyor.init(pp=4))
+
+
+def test_every_rank_gets_parameters() -> None:
+    # 10 layers, 5 with parameters, on 4 ranks x 2 chunks: 8 stages, so some stage has
+    # none, but every rank must hold one that has (here rank 0 used to get only Flatten
+    # and a ReLU).
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Flatten()]
+    for _ in range(4):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    layers.append(nn.Linear(16, 4))
+    model = nn.Sequential(*layers)
+    ctx = conveyor.init(pp=4)
+    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=4,
+                             schedule="interleaved-1f1b", chunks=2, context=ctx)
+    sched = pipe.schedule
+    for rank in range(4):
+        held = sched.stages_of(rank)
+        assert any(p.numel() for s in held for p in pipe.stages[s].parameters()), rank
+    # too few layers with parameters for the ranks: said at construction
+    few = nn.Sequential(nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Tanh(), nn.ReLU(),
+                        nn.Linear(16, 4), nn.Tanh(), nn.ReLU())
+    with pytest.raises(conveyor.ConfigError, match=r"leaves pipeline rank \d .* without "
+                       r"parameters.*fewer ranks"):
+        conveyor.Pipeline(few, loss_fn=nn.functional.mse_loss, microbatches=4, context=ctx)

@@ -12,9 +12,10 @@ from torch import nn
 from conveyor.cli.plan import main as plan_main
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance_within
-from conveyor.planning.planner import TIE, plan
+from conveyor.planning.planner import OUTLIER, TIE, plan
 from conveyor.planning.profile_data import LayerProfile, Profile
 from conveyor.planning.profiler import profile
+from tests.models import readme_model
 
 
 def _model() -> nn.Sequential:
@@ -183,3 +184,49 @@ def test_calibration_times_the_step_the_pipeline_runs() -> None:
 
     for seen in distributed.run(_calibrated_options, 2, timeout=120):
         assert seen and all(s == (True, torch.bfloat16) for s in seen), seen
+
+
+def _plan_inputs() -> tuple[nn.Module, Any, Any, Any]:
+    model = readme_model()
+    x, y = torch.randn(64, 8, 8), torch.randint(0, 10, (64,))
+    return model, x, y, nn.functional.cross_entropy
+
+
+def test_the_planner_measures_an_outlier_again() -> None:
+    model, x, y, loss_fn = _plan_inputs()
+    profiles = {m: profile(model, x, y, loss_fn, m) for m in (2, 4, 8, 16)}
+    slow = profiles[4]
+    import dataclasses
+
+    # One count's profile disturbed 100x (what a stall during profiling looked like).
+    profiles[4] = dataclasses.replace(slow, layers=tuple(
+        dataclasses.replace(u, forward=u.forward * 100, forward_plain=u.forward_plain * 100,
+                            backward=u.backward * 100, backward_input=u.backward_input * 100,
+                            backward_weight=u.backward_weight * 100)
+        for u in slow.layers
+    ))
+    chosen = plan(model, x, y, loss_fn, 2, profiles=profiles)
+    at4 = [c.predicted_step for c in chosen.alternatives if c.microbatches == 4]
+    others = [c.predicted_step for c in chosen.alternatives if c.microbatches == 2]
+    assert at4 and max(at4) < OUTLIER * 10 * min(others)  # measured again: no 100x row
+
+
+def test_the_planner_chooses_the_same_among_near_ties() -> None:
+    model, x, y, loss_fn = _plan_inputs()
+    base = {m: profile(model, x, y, loss_fn, m) for m in (2, 4, 8, 16)}
+    import dataclasses
+
+    def jitter(factor: float) -> dict[int, Any]:
+        return {
+            m: dataclasses.replace(p, layers=tuple(
+                dataclasses.replace(u, forward=u.forward * factor ** (i % 3 - 1))
+                for i, u in enumerate(p.layers)
+            ))
+            for m, p in base.items()
+        }
+
+    picks = {
+        (c.schedule, c.chunks, c.microbatches)
+        for c in (plan(model, x, y, loss_fn, 2, profiles=jitter(f)) for f in (0.98, 1.0, 1.02))
+    }
+    assert len(picks) == 1, picks

@@ -76,13 +76,8 @@ def pipelined(
     return out
 
 
-def _aliases(name: str) -> dict[str, str]:
-    """Every name of a parameter -> its first name (a tied weight has several)."""
-    return tied_names(shared(name)[0])
-
-
 def check(name: str, got: list[Result], want: Result, what: str) -> None:
-    alias = _aliases(name)
+    alias = tied_names(shared(name)[0])
     for step, (loss, grads) in enumerate(want):
         for rank_result in got:
             assert rank_result[step][0] == pytest.approx(loss, rel=1e-6), f"{what} step {step} loss"

@@ -23,6 +23,7 @@ import conveyor
 from conveyor.losses import TokenCrossEntropy
 from conveyor.verify import Block
 from tests import distributed
+from tests.helpers import tied_names
 from tests.models import batch
 from tests.test_readme_snippets import ELSEWHERE, readme_snippet
 
@@ -143,11 +144,7 @@ def reference(kind: str, dp: int) -> Result:
 
 
 def check(got: list[Result], want: Result, what: str, kind: str) -> None:
-    aliases = {}
-    model = build(kind)
-    first: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        aliases[n] = first.setdefault(id(p), n)
+    aliases = tied_names(build(kind))
     for step, (loss, grads, params) in enumerate(want):
         # A gradient that is zero in exact arithmetic (attention's key bias) is rounding
         # noise on both sides: it is compared to the model's largest gradient instead.

@@ -23,7 +23,10 @@ class Shared(nn.Module):
         return self.lin(torch.tanh(self.lin(x)))
 
 
-class Attention(nn.Module):
+class MultiheadBlock(nn.Module):
+    """``nn.MultiheadAttention`` after a position parameter and a norm: its input
+    projection is a weight that is not a linear layer's, used three times."""
+
     def __init__(self) -> None:
         super().__init__()
         self.pos = nn.Parameter(torch.randn(5, 8))
@@ -53,7 +56,7 @@ CASES = {
     "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
              (2, 3, 6, 6)),
     "shared": (Shared, (4, 8)),
-    "attention": (Attention, (2, 5, 8)),
+    "attention": (MultiheadBlock, (2, 5, 8)),
     "embedding": (Embed, (3, 5)),
 }
 

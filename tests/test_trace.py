@@ -78,3 +78,14 @@ def test_one_process_trace_and_its_picture(
     assert axes.get_title(loc="left").startswith("zb-h1: 4 ranks x 1 chunk(s), 4 micro-batches")
     legend = [t.get_text() for t in axes.get_legend().get_texts()]
     assert legend[:3] == ["F: forward", "B: backward, input gradient", "W: weight gradient"]
+
+
+def test_the_trace_keeps_the_last_training_step() -> None:
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
+                             context=conveyor.init(pp=2))
+    x, y = batch(8)
+    pipe.train_step(x, y)
+    kinds = sorted({t[1] for t in pipe.last_step_timings()})
+    pipe.predict(x)
+    pipe.eval_step(x, y)
+    assert sorted({t[1] for t in pipe.last_step_timings()}) == kinds == ["B", "F"]

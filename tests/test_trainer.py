@@ -27,6 +27,7 @@ from conveyor.training import (
     Trainer,
 )
 from tests import distributed
+from tests.helpers import reset_context
 from tests.trainer_forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,11 +83,6 @@ def trainer(
     return Trainer(
         pipe, opt, lr_scheduler=sched, checkpoint_dir=checkpoint, checkpoint_every=every, **kwargs
     )
-
-
-@pytest.fixture(autouse=True)
-def _fresh_context() -> None:
-    context._current = None
 
 
 def _params(t: Trainer) -> dict[str, torch.Tensor]:
@@ -317,7 +313,7 @@ def _reference(
     pp: int, n: int, batch: int, held: int
 ) -> tuple[list[float], list[dict[str, float]]]:
     """The same fit in one process (every stage here)."""
-    context._current = None
+    reset_context()
     torch.manual_seed(5)
     t = trainer(pp=pp, max_grad_norm=0.5)
     h = t.fit(
@@ -381,6 +377,6 @@ def test_a_killed_rank_resumes_under_launch_max_restarts(tmp_path: Path) -> None
     resumed = torch.load(out)
     from tests.trainer_restart import fit
 
-    context._current = None
+    reset_context()
     expected = fit(None, kill=None)
     assert resumed == expected[6:]  # bit for bit, after the restart

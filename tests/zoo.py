@@ -88,7 +88,11 @@ class Deep(nn.Module):
         return self.head(h)
 
 
-class Attention(nn.Module):
+class CausalSelfAttention(nn.Module):
+    """GPT-2's attention, one head: each position sees itself and those before it (a mask
+    buffer, which stages must carry). ``real_models.Attention`` is timm's, multi-head and
+    unmasked, written so that fx cannot trace it."""
+
     def __init__(self, width: int, context: int) -> None:
         super().__init__()
         self.qkv = nn.Linear(width, 3 * width)
@@ -108,7 +112,7 @@ class GPTBlock(nn.Module):
     def __init__(self, width: int, context: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
-        self.attn = Attention(width, context)
+        self.attn = CausalSelfAttention(width, context)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(
             nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
