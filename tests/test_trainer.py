@@ -324,6 +324,7 @@ def _reference(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_middle_rank_never_reads_the_data() -> None:
     results = run_forked(_reads, 3, 3, 1, 96, 16, 40)
     losses, evals = _reference(3, 96, 16, 40)
@@ -338,6 +339,7 @@ def test_a_middle_rank_never_reads_the_data() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_data_parallel_replicas_read_their_share_of_each_global_batch() -> None:
     """Global batches of 15 over 2 replicas (8 + 7), evaluation's last batch of 11 (6 + 5):
     every sample read once per epoch and per evaluation, on the inputs' side (stage 0)

@@ -402,6 +402,7 @@ def test_exact_in_one_process(pp: int) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_exact_on_two_processes() -> None:
     _check_exact(run_forked(_exact, 2, ((2, 1, 1, False),), timeout=180))
 
