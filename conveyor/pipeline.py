@@ -250,9 +250,7 @@ class Pipeline:
             microbatches: as for :meth:`train_step`.
 
         Returns:
-            The loss on every rank (the global batch's with data parallelism), combined
-            as :meth:`train_step` combines it.
-        """
+            The loss on every rank (the global batch's), combined as :meth:`train_step` does."""
         parts, batch = self._begin("eval", inputs, targets, microbatches)
         record, combined = parts.step("eval", batch)
         self._record(record)
@@ -260,12 +258,13 @@ class Pipeline:
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
-        """The model's output for a batch.
+        """The model's output for a batch, without gradients.
+
+        Args:
+            inputs: as for :meth:`train_step` (None on ranks without the first stage).
 
         Returns:
-            The whole batch's output on the rank holding the last stage, None elsewhere;
-            ``inputs`` as for :meth:`train_step`.
-        """
+            The whole batch's output on the rank holding the last stage, None elsewhere."""
         parts, batch = self._begin("predict", inputs, None)
         record = parts.engine.run("predict", batch)
         self._record(record)
@@ -353,8 +352,13 @@ class Pipeline:
         return self._model.training
 
     def train(self, mode: bool = True) -> Pipeline:
-        """Set training (or evaluation) mode on the model and this rank's stages, like
-        :meth:`torch.nn.Module.train`; returns the pipeline."""
+        """Set training (or evaluation) mode on the model and this rank's stages.
+
+        Args:
+            mode: True: training (dropout on, batch norm updating its statistics); False: eval.
+
+        Returns:
+            The pipeline, like :meth:`torch.nn.Module.train` returns the module."""
         self._model.train(mode)
         for stage in self.stages if self._parts is not None else []:
             stage.train(mode)
