@@ -343,3 +343,30 @@ def test_graph_captured_stages_compile_whole_and_verify_has_a_compiled_pass(
     assert stats is not None and all(u == ["(whole stage)"] for u in stats.units.values())
     assert verify.main(["--schedules", "zb-h1", "--compile", "aot_eager"]) == 0
     assert "zb-h1 compiled" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_execution_sequence_compiles_per_step() -> None:
+    """An execution sequence (convolutions, batch norm) compiles each step module; under
+    zb-h1 its gradients are the eager pipeline's (batch norm sees the same micro-batches)."""
+    from tests.zoo import Net, net_sequence
+
+    x, y = torch.randn(4, 1, 6, 6), torch.randn(4, 3)
+    runs = []
+    for option in (False, EAGER_GRAPHS):
+        net = Net()
+        pipe = conveyor.Pipeline(
+            net_sequence(net),
+            loss_fn=F.mse_loss,
+            microbatches=2,
+            schedule="zb-h1",
+            context=conveyor.init(pp=2),
+            compile=option,
+        )
+        pipe.train_step(x, y)
+        runs.append((grads_of(net.named_parameters()), pipe.compile_stats))
+    (eager, _), (compiled, stats) = runs
+    assert_close_to_largest(compiled, eager, "execution sequence", tol=1e-4)
+    assert stats is not None
+    units = [u for s in sorted(stats.units) for u in stats.units[s]]
+    assert units == ["conv1", "bn1", "layer1.0", "layer2", "fc"]  # steps with parameters

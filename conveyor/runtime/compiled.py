@@ -77,7 +77,7 @@ class CompileStats:
     """What compiling cost on this process, per stage.
 
     Attributes:
-        units: per stage, the names of its compiled units.
+        units: per stage, the names of its compiled units (those with parameters).
         graphs: per stage and unit kind (class name), graphs compiled (first + recompiles).
         seconds: per stage, seconds spent compiling (forward and backward).
     """
@@ -160,10 +160,12 @@ def compile_stages(
     kw = dict(keywords)
     backend = _counting_backend(kw.pop("backend", "inductor"), id(stats))
     for s, stage in stages.items():
-        units = units_of(stage)
-        stats.units[s] = [name or type(unit).__name__ for name, unit in units]
-        for _, unit in units:
-            if any(p.requires_grad for p in unit.parameters()) or isinstance(unit, fx.GraphModule):
+        stats.units[s] = []
+        for name, unit in units_of(stage):
+            # a unit without parameters (an activation, a reshape) is left eager
+            trains = any(p.requires_grad for p in unit.parameters())
+            if trains or isinstance(unit, fx.GraphModule):
+                stats.units[s].append(name or type(unit).__name__)
                 _compile_unit(unit, s, backend, kw, split_backward)
     return stats
 
