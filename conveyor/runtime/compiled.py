@@ -131,21 +131,17 @@ def units_of(stage: nn.Module) -> list[tuple[str, nn.Module]]:
     return [("(whole stage)" if isinstance(stage, fx.GraphModule) else "", stage)]
 
 
-@functools.cache
-def _counting_backend(backend: Any, stats_box: int) -> Callable[..., Any]:
-    """One backend object per (backend, pipeline): dynamo reuses code across units only
-    when their backend is the same object."""
+def _counting_backend(backend: Any, stats: CompileStats) -> Callable[..., Any]:
+    """``backend`` (a name or a callable) counting each graph it compiles into ``stats``.
+    One per pipeline, shared by all its units: dynamo reuses a code's graph for another
+    unit only when their backend is the same object."""
     inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-    stats = _STATS[stats_box]
 
     def counting(gm: fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
         stats._count(gm)
         return inner(gm, example_inputs, **kw)
 
     return counting
-
-
-_STATS: dict[int, CompileStats] = {}
 
 
 def compile_stages(
@@ -156,9 +152,8 @@ def compile_stages(
     ``split_backward``: the schedule splits the backward, whose B keeps the autograd graph
     for W (``retain_graph``), so compiled backwards may not donate their buffers."""
     stats = CompileStats()
-    _STATS[id(stats)] = stats
     kw = dict(keywords)
-    backend = _counting_backend(kw.pop("backend", "inductor"), id(stats))
+    backend = _counting_backend(kw.pop("backend", "inductor"), stats)
     for s, stage in stages.items():
         stats.units[s] = []
         for name, unit in units_of(stage):
