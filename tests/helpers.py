@@ -140,6 +140,39 @@ def _sgd(
     return losses, grads_of(owner.named_parameters()), params_of(owner.named_parameters())
 
 
+Trace = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+"""Per step: its loss, the gradients it left and the parameters after the update."""
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def sgd_trace(
+    named: Iterable[tuple[str, torch.Tensor]],
+    step: Callable[[Any, Any], Any],
+    data: Iterable[tuple[Any, Any]],
+    lr: float,
+    copy: Callable[[torch.Tensor], torch.Tensor] = _copy,
+) -> Trace:
+    """Train with SGD, one ``step(inputs, targets)`` (which returns the loss) per batch of
+    ``data``, and record after each: the loss, ``copy`` of every ``.grad`` (those without
+    one left out), then, after the update and ``zero_grad``, ``copy`` of every parameter.
+    The same for an unsplit model and a pipeline's part (``named``: its named parameters;
+    none: no update, as for a rank holding only parameter-free stages)."""
+    named = list(named)
+    opt = torch.optim.SGD([p for _, p in named], lr=lr) if named else None
+    out: Trace = []
+    for x, y in data:
+        loss = float(step(x, y))
+        grads = {n: copy(p.grad) for n, p in named if p.grad is not None}
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        out.append((loss, grads, {n: copy(p) for n, p in named}))
+    return out
+
+
 def reference(model: nn.Module, steps: Steps, lr: float = 0.1) -> Run:
     """Losses per step, final grads and final parameters of the unsplit model under SGD."""
 

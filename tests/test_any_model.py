@@ -14,10 +14,20 @@ from torch import nn
 
 import conveyor
 from tests import distributed
-from tests.helpers import assert_close, grads_of, lm_loss, merge_tied, mse, params_of, tied_names
+from tests.helpers import (
+    Trace,
+    assert_close,
+    grads_of,
+    lm_loss,
+    merge_tied,
+    mse,
+    sgd_trace,
+    tied_names,
+)
 from tests.zoo import Deep, Net, Skip, TinyGPT, net_sequence
 
 Batch = tuple[Any, torch.Tensor]
+LR = 0.05  # SGD's, in every trace
 
 
 def _annotate(blocks: nn.ModuleList, stages: int, style: str) -> None:
@@ -80,25 +90,6 @@ def batches(kind: str, sizes: list[tuple[int, int]]) -> list[Batch]:
     return out
 
 
-Trace = list[tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
-
-
-def train(params: Any, step: Callable[[Any, Any], torch.Tensor], data: list[Batch]) -> Trace:
-    """(loss, grads, params after the SGD step) of every step."""
-    named = list(params)
-    # A rank may hold only parameter-free stages (a ReLU and a flatten).
-    opt = torch.optim.SGD([p for _, p in named], lr=0.05) if named else None
-    out: Trace = []
-    for x, y in data:
-        loss = float(step(x, y))
-        grads = grads_of(named)
-        if opt is not None:
-            opt.step()
-            opt.zero_grad()
-        out.append((loss, grads, params_of(named)))
-    return out
-
-
 def reference(kind: str, stages: int, data: list[Batch]) -> Trace:
     model, loss_fn = build(kind, stages)
 
@@ -107,7 +98,7 @@ def reference(kind: str, stages: int, data: list[Batch]) -> Trace:
         loss.backward()
         return loss.detach()
 
-    return train(model.named_parameters(), step, data)
+    return sgd_trace(model.named_parameters(), step, data, LR)
 
 
 # (model, schedule, chunks, micro-batches, (batch, sequence length) of each step)
@@ -153,8 +144,9 @@ def _run(rank: int, pp: int) -> tuple[Results, dict[str, torch.Tensor]]:
         pipe = conveyor.Pipeline(
             model, loss_fn=loss_fn, microbatches=m, schedule=sched, chunks=chunks, context=ctx
         )
-        out[(kind, sched, chunks)] = train(pipe.named_parameters(), pipe.train_step,
-                                           batches(kind, sizes))
+        out[(kind, sched, chunks)] = sgd_trace(
+            pipe.named_parameters(), pipe.train_step, batches(kind, sizes), LR
+        )
     return out, _accumulate(ctx, pp)
 
 

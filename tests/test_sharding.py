@@ -23,7 +23,7 @@ import conveyor
 from conveyor.losses import TokenCrossEntropy
 from conveyor.verify import Block
 from tests import distributed
-from tests.helpers import tied_names
+from tests.helpers import sgd_trace, tied_names
 from tests.models import batch
 from tests.test_readme_snippets import ELSEWHERE, readme_snippet
 
@@ -112,35 +112,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def train(pipe: conveyor.Pipeline, kind: str, ctx: conveyor.Context) -> Result:
     """3 SGD steps on this replica's shard of each global batch."""
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    out: Result = []
-    for step in range(STEPS):
-        x, y = data(kind, step)
-        mine = slice(ctx.dp_rank, None, ctx.dp_size)
-        loss = float(pipe.train_step(x[mine], y[mine]))
-        grads = {n: _full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        out.append((loss, grads, {n: _full(p) for n, p in pipe.named_parameters()}))
-    return out
+    mine = slice(ctx.dp_rank, None, ctx.dp_size)
+    shards = [(x[mine], y[mine]) for x, y in (data(kind, step) for step in range(STEPS))]
+    return sgd_trace(pipe.named_parameters(), pipe.train_step, shards, 0.1, _full)
 
 
 def reference(kind: str, dp: int) -> Result:
     """The unsplit model on the concatenated replica shards of each global batch."""
     model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out: Result = []
-    for step in range(STEPS):
-        x, y = data(kind, step)
-        xs, ys = torch.cat([x[i::dp] for i in range(dp)]), torch.cat([y[i::dp] for i in range(dp)])
-        loss = whole(loss_of(kind)(model(xs), ys))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = whole(loss_of(kind)(model(x), y))
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append((float(loss.detach()), grads, params))
-    return out
+        return loss.detach()
+
+    joined = [
+        (torch.cat([x[i::dp] for i in range(dp)]), torch.cat([y[i::dp] for i in range(dp)]))
+        for x, y in (data(kind, step) for step in range(STEPS))
+    ]
+    return sgd_trace(model.named_parameters(), step, joined, 0.1)
 
 
 def check(got: list[Result], want: Result, what: str, kind: str) -> None:
