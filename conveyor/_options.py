@@ -88,11 +88,14 @@ class Options:
                 "tp_plan shards layers over tensor-parallel ranks; start them with "
                 "conveyor.init(pp=P, tp=T) on P x T processes, T >= 2"
             )
-        if self.tp_plan is not None and self.compile_keywords() is not None:
+        keywords = self.compile_keywords()
+        dynamic = keywords is not None and keywords.get("dynamic") is not False
+        if self.tp_plan is not None and dynamic:
             raise ConfigError(
-                "compile does not take tp_plan yet: AOTAutograd's tracing of these "
-                "tensor-parallel (DTensor) stages fails with a RecursionError in this torch; use "
-                "compile=False with tp_plan, or compile with fsdp / dp and no tensor parallelism"
+                "compile with tp_plan needs static shapes: tracing tensor-parallel (DTensor) "
+                "stages with dynamic shapes fails in AOTAutograd (RecursionError); pass "
+                "compile={'dynamic': False} (each new sequence length then compiles once), or "
+                "compile=False"
             )
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ConfigError(

@@ -300,14 +300,17 @@ def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str, d
     assert all(most <= (2 if dp == 1 else 3) for _, _, most in results), [r[1:] for r in results]
 
 
-def test_tensor_parallel_is_refused() -> None:
-    """Refused where the plan is checked, before any process waits on another."""
+def test_tensor_parallel_needs_static_shapes() -> None:
+    """Refused where the plan is checked, before any process waits on another, unless
+    shapes are static."""
     from conveyor._options import Options
 
-    options = Options(None, 2, tp_plan={"*.fc1": object()}, compile=True)
-    ctx = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
-    with pytest.raises(ConfigError, match="compile does not take tp_plan yet"):
-        options.check_context(ctx)
+    ctx: Any = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
+    for option in (True, {"dynamic": True}):
+        options = Options(None, 2, tp_plan={"*.fc1": object()}, compile=option)
+        with pytest.raises(ConfigError, match="compile with tp_plan needs static shapes"):
+            options.check_context(ctx)
+    Options(None, 2, tp_plan={}, compile={"dynamic": False}).check_context(ctx)
 
 
 @pytest.mark.slow
