@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "conveyor"
 
@@ -161,3 +165,34 @@ def test_the_layout_page_lists_every_module_with_its_docstring() -> None:
         shown = path.relative_to(ROOT.parent).as_posix()
         assert f"| `{shown}` | " in text, f"{shown} is missing from the layout page"
         assert hook.summary(path), f"{shown} has no docstring to describe it on the page"
+
+
+FIRST_IMPORT = """
+import importlib, sys
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "conveyor" or m.startswith("conveyor.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if (error.name or "").startswith("conveyor"):
+            failed.append(f"{name}: {error!r}")
+    except Exception as error:  # an import cycle shows as ImportError / AttributeError
+        failed.append(f"{name}: {error!r}")
+print("\\n".join(failed))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_module_imports_first() -> None:
+    # What the graph above says, seen by Python: each module imported with no other
+    # conveyor module loaded yet (a missing optional dependency is skipped).
+    names = sorted(m for m in MODULES if not m.endswith("__main__"))  # those run a command
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT, *names],
+        capture_output=True, text=True, timeout=300, cwd=ROOT.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", done.stdout
