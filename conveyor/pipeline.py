@@ -122,7 +122,7 @@ class Pipeline:
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         options.check_schedule(self.schedule)
-        self.options = options
+        self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self.loss_fn = loss_fn
         self.microbatches = microbatches
         self._model = model
@@ -184,13 +184,11 @@ class Pipeline:
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-        assert self._parts is not None
         return self._parts, self._parts.divide(mode, inputs, targets, cut)
 
     def _record(self, record: StepRecord) -> None:
-        self._last_record = record
-        if record.mode == "train":  # traces and measurements show the last training step
-            self._last_train = record
+        self._last_record = record  # traces and measurements show the last training step:
+        self._last_train = record if record.mode == "train" else self._last_train
 
     def train_step(
         self,
@@ -236,12 +234,9 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_step(
-        self,
-        inputs: Any = None,
-        targets: Any = None,
-        *,
+        self, inputs: Any = None, targets: Any = None, *,
         microbatches: Sequence[tuple[Any, Any]] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """The batch loss without gradients.
 
         Args:
@@ -268,8 +263,7 @@ class Pipeline:
         parts, batch = self._begin("predict", inputs, None)
         record = parts.engine.run("predict", batch)
         self._record(record)
-        outputs = record.outputs
-        return microbatch.merge(outputs) if outputs else None
+        return microbatch.merge(record.outputs) if record.outputs else None
 
     # ------------------------------------------------------------------ measurement
     def last_step_timings(self) -> list[Timing]:
