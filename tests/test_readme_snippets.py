@@ -68,6 +68,16 @@ step = 1
     'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="1f1b"': (
         _MLP + "conveyor.init(pp=2)\n"
     ),
+    # Compiled stages (inductor, as the page says): a small layer list, 4 stages.
+    'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="zbv"': """
+import torch, conveyor
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+loss_fn = nn.functional.mse_loss
+inputs, targets = torch.randn(16, 16), torch.randn(16, 16)
+conveyor.init(pp=2)
+""",
 }
 # The FSDP x tensor-parallel snippet needs 8 processes: tests/test_sharding.py runs it in
 # its 8-process world (``readme_snippet``), with a GPT of the example as ``model``.
@@ -78,7 +88,10 @@ USE = "import torch, conveyor\nfrom torch import nn\n\nctx = conveyor.init() "
 # Snippets the pages run on several processes (how they start), and how many.
 PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}
 # Snippets that take more than about 3 s in one process (importing transformers, export).
-SLOW = {"import torch, conveyor\nfrom transformers"}
+SLOW = {
+    "import torch, conveyor\nfrom transformers",
+    'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="zbv"',
+}
 
 
 def _blocks(page: Path) -> list[str]:
