@@ -230,3 +230,13 @@ def test_the_planner_chooses_the_same_among_near_ties() -> None:
         for c in (plan(model, x, y, loss_fn, 2, profiles=jitter(f)) for f in (0.98, 1.0, 1.02))
     }
     assert len(picks) == 1, picks
+
+
+def test_recompute_is_charged_where_the_runtime_recomputes() -> None:
+    """Under recompute every B re-runs its forward except where it follows that F at once
+    (the runtime keeps those activations): 1F1B's last stage on every micro-batch."""
+    from conveyor.planning.cost_model import recomputed_shares
+    from conveyor.schedules import get_schedule
+
+    assert recomputed_shares(get_schedule("gpipe", 2, 4)) == [1.0, 1.0]
+    assert recomputed_shares(get_schedule("1f1b", 2, 4)) == [1.0, 0.0]

@@ -27,7 +27,7 @@ from conveyor._options import Options
 from conveyor.context import current
 from conveyor.errors import ConfigError
 from conveyor.observe.trace import measured_costs
-from conveyor.planning.cost_model import balanced, predict_step
+from conveyor.planning.cost_model import balanced, predict_step, recomputed_shares
 from conveyor.planning.measure import LossFn
 from conveyor.planning.profile_data import Profile
 from conveyor.runtime.timing import Timing
@@ -143,6 +143,10 @@ def calibrate_family(
     except ConfigError:
         return None
     step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal, options)
+    recompute = options is not None and options.recompute is True
+    if recompute:  # a measured B re-ran its forward: scale the profile's B by B alone
+        shares = recomputed_shares(ref)
+        real = [(f, b - f * s, w) for (f, b, w), s in zip(real, shares, strict=True)]
     predicted = prof.costs(bal, split)
     scale = tuple(
         sum(r[k] for r in real) / p if (p := sum(c[k] for c in predicted)) > 0 else 1.0
@@ -150,7 +154,7 @@ def calibrate_family(
     )
     f, b, w = scale
     scaled = prof.calibrated(f, b, w, split=split, latency=prof.latency)
-    latency = _fit_latency(ref, scaled, bal, step)
+    latency = _fit_latency(ref, scaled, bal, step, recompute)
     scaled = dataclasses.replace(scaled, latency=latency)
     return Calibration(
         schedule=ref.name,
@@ -160,7 +164,7 @@ def calibrate_family(
         balance=tuple(bal),
         scale=(f, b, w),
         latency=latency,
-        overhead=step - predict_step(ref, scaled, bal),
+        overhead=step - predict_step(ref, scaled, bal, recompute),
         measured=step,
     )
 
@@ -213,12 +217,15 @@ def _run_reference(
     return step, costs
 
 
-def _fit_latency(schedule: Schedule, prof: Profile, balance: Sequence[int], step: float) -> float:
+def _fit_latency(
+    schedule: Schedule, prof: Profile, balance: Sequence[int], step: float, recompute: bool
+) -> float:
     """The link latency at which the simulated step of ``schedule`` is ``step`` (0 when
     even zero latency simulates a longer step)."""
 
     def sim(latency: float) -> float:
-        return predict_step(schedule, dataclasses.replace(prof, latency=latency), balance)
+        linked = dataclasses.replace(prof, latency=latency)
+        return predict_step(schedule, linked, balance, recompute)
 
     lo, hi = 0.0, step
     if sim(lo) >= step:

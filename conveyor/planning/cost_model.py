@@ -15,6 +15,7 @@ whole activations for its own duration (fused backward) or until W (split backwa
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,6 +114,18 @@ def peak_memory(
     return out
 
 
+def recomputed_shares(schedule: Schedule) -> list[float]:
+    """Per stage, the share of its micro-batches whose B re-runs the forward under
+    recompute: all but those whose B directly follows their F on the rank (the runtime
+    keeps those activations; ``RankProgram.adjacent``)."""
+    kept = [0] * schedule.stages
+    for actions in schedule.actions:
+        for a, b in itertools.pairwise(actions):
+            if a.kind == F and b.kind == B and (a.stage, a.microbatch) == (b.stage, b.microbatch):
+                kept[a.stage] += 1
+    return [1.0 - k / schedule.microbatches for k in kept]
+
+
 def predict_step(
     schedule: Schedule, prof: Profile, balance: Sequence[int], recompute: bool = False
 ) -> float:
@@ -122,7 +135,8 @@ def predict_step(
         schedule: What runs.
         prof: The per-unit times and the link.
         balance: Units per stage.
-        recompute: Charge every B its stage's forward again.
+        recompute: Charge B its stage's forward again where it re-runs it
+            (:func:`recomputed_shares`).
 
     Returns:
         The simulated makespan, :data:`ACTION_OVERHEAD` charged to every F and B.
@@ -130,9 +144,11 @@ def predict_step(
     Raises:
         ConfigError: ``balance`` does not cover the profiled units.
     """
+    shares = recomputed_shares(schedule) if recompute else [0.0] * schedule.stages
+    plain = prof.costs(balance, schedule.split_backward)
     costs = [
-        (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD + (f if recompute else 0.0), w)
-        for f, b, w in prof.costs(balance, schedule.split_backward)
+        (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD + f * share, w)
+        for (f, b, w), share in zip(plain, shares, strict=True)
     ]
     return simulate(schedule, costs, prof.comm(balance)).makespan
 

@@ -168,6 +168,7 @@ def plan(
     names = [n for n in (schedules or SCHEDULE_NAMES)]
     cache = dict(profiles or {})
     real = calibrate and _distributed() and dist.get_world_size() == ranks
+    recomputes = options is not None and options.recompute is True  # every stage, asked for
     rows: list[Row] = []
     for m in counts:
         cache[m] = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
@@ -207,9 +208,10 @@ def plan(
                     continue  # e.g. too few micro-batches for this schedule
                 cal = cals[family(built)]
                 fitted = cal.apply(prof) if cal else prof
-                cand = evaluate(built, fitted, memory_limit, cal.overhead if cal else 0.0)
+                overhead = cal.overhead if cal else 0.0
+                cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
                 rows.append((cand, built, fitted, cal))
-    if rows and memory_limit is not None and not any(r[0].fits for r in rows):
+    if rows and not recomputes and memory_limit is not None and not any(r[0].fits for r in rows):
         rows += _with_recompute(rows, memory_limit)
     if not rows:
         raise ConfigError(
