@@ -22,12 +22,10 @@ from torch.autograd.graph import Node
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from conveyor.runtime.opaque_linear import OpaqueCapture, is_opaque, sink
+from conveyor.runtime.opaque_linear import OpaqueCapture, is_opaque, route_linear, sink
 
 Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 # What autocast casts to its lower precision (float64 is left alone).
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
-_ATEN_LINEAR = torch.ops.aten.linear.default
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -83,22 +81,15 @@ class _Capture(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
-        # F.linear, or the ATen op a graph captured with torch.export calls directly.
-        if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            plain = type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter
+        def deferred(x: torch.Tensor, weight: Any, bias: Any, cast: torch.dtype | None) -> Any:
+            return _DeferredLinear.apply(x, weight, bias, self.slot, cast)  # type: ignore[no-untyped-call]
+
+        def takes(x: Any, weight: Any, bias: Any) -> bool:
             # Tensor-parallel (DTensor) weights go through autograd's generic split.
-            if plain and id(weight) in self.params and (bias is None or id(bias) in self.params):
-                device = x.device.type
-                if not torch.is_autocast_enabled(device):
-                    return _DeferredLinear.apply(x, weight, bias, self.slot, None)  # type: ignore[no-untyped-call]
-                # As autocast's linear: x, weight and bias in the autocast dtype.
-                cast = torch.get_autocast_dtype(device)
-                if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
-                    return _DeferredLinear.apply(x.to(cast), weight, bias, self.slot, cast)  # type: ignore[no-untyped-call]
-        return func(*args, **kwargs)
+            plain = type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter
+            return plain and id(weight) in self.params and (bias is None or id(bias) in self.params)
+
+        return route_linear(func, args, kwargs or {}, takes, deferred)
 
 
 class LinearWeightStore:

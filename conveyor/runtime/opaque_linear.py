@@ -17,7 +17,7 @@ rest of the compiled backward, in B.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -106,6 +106,34 @@ def _trainable(t: Any) -> bool:
     return type(t) is nn.Parameter and t.requires_grad
 
 
+Linear = Callable[[torch.Tensor, Any, Any, "torch.dtype | None"], Any]
+
+
+def route_linear(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    takes: Callable[[torch.Tensor, Any, Any], bool],
+    linear: Linear,
+) -> Any:
+    """A torch function mode's handling of a call: ``F.linear`` (or the ATen op a graph
+    captured with torch.export calls directly) on a tensor input that ``takes`` accepts
+    runs as ``linear(x, weight, bias, cast)``, as autocast's linear would (input, weight
+    and bias in ``cast``, the autocast dtype, or None without autocast); anything else
+    runs as it is."""
+    if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if isinstance(x, torch.Tensor) and takes(x, weight, bias):
+            device = x.device.type
+            if not torch.is_autocast_enabled(device):
+                return linear(x, weight, bias, None)
+            cast = torch.get_autocast_dtype(device)
+            if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
+                return linear(x.to(cast), weight, bias, cast)
+    return func(*args, **kwargs)
+
+
 class OpaqueCapture(TorchFunctionMode):
     """Routes ``F.linear`` (and ATen's linear) on parameters whose input needs a gradient
     through ``conveyor::linear`` (see the module doc); traced by ``torch.compile``."""
@@ -113,20 +141,10 @@ class OpaqueCapture(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
-        if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (
-                isinstance(x, torch.Tensor)
-                and x.requires_grad
-                and _trainable(weight)
-                and (bias is None or _trainable(bias))
-            ):
-                device = x.device.type
-                if not torch.is_autocast_enabled(device):
-                    return torch.ops.conveyor.linear(x, weight, bias, None)
-                cast = torch.get_autocast_dtype(device)
-                if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
-                    return torch.ops.conveyor.linear(x.to(cast), weight, bias, cast)
-        return func(*args, **kwargs)
+        def opaque(x: torch.Tensor, weight: Any, bias: Any, cast: torch.dtype | None) -> Any:
+            return torch.ops.conveyor.linear(x, weight, bias, cast)
+
+        def takes(x: Any, weight: Any, bias: Any) -> bool:
+            return x.requires_grad and _trainable(weight) and (bias is None or _trainable(bias))
+
+        return route_linear(func, args, kwargs or {}, takes, opaque)
