@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import conveyor
-from tests import distributed
 from tests.helpers import (
     Trace,
     assert_close,
@@ -24,6 +23,7 @@ from tests.helpers import (
     sgd_trace,
     tied_names,
 )
+from tests.trainer_forked import run_forked
 from tests.zoo import Deep, Net, Skip, TinyGPT, net_sequence
 
 Batch = tuple[Any, torch.Tensor]
@@ -179,7 +179,7 @@ def _check_accumulated(parts: list[dict[str, torch.Tensor]], pp: int) -> None:
 
 @pytest.fixture(scope="module")
 def two_processes() -> list[tuple[Results, dict[str, torch.Tensor]]]:
-    return distributed.run(_run, 2, 2)
+    return run_forked(_run, 2, 2)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 4])
@@ -198,7 +198,7 @@ def test_two_processes(two_processes: list[tuple[Results, dict[str, torch.Tensor
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_four_processes() -> None:
-    results = distributed.run(_run, 4, 4)
+    results = run_forked(_run, 4, 4)
     _check([configs for configs, _ in results], 4)
     parts = [accumulated for _, accumulated in results]
     assert "tok_emb.weight" in parts[0] and "lm_head.weight" in parts[3]  # tied over 0 and 3

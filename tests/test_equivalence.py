@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 import conveyor
-from tests import distributed
 from tests.helpers import assert_close, merge, mse, pipelined, reference
 from tests.models import batch, mlp
+from tests.trainer_forked import run_forked
 
 # (schedule, chunks, micro-batches, batch size of each step): even splits, uneven ones,
 # batch sizes that change between steps, and fewer micro-batches than ranks.
@@ -71,4 +71,4 @@ def test_single_process_world_one_stage() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_process_equals_unsplit_model(world: int) -> None:
-    _check(distributed.run(_run_all, world, world))
+    _check(run_forked(_run_all, world, world))

@@ -28,6 +28,7 @@ from conveyor.verify import Block, SkipNet
 from tests import distributed
 from tests.nccl_model import Record, check
 from tests.nccl_record import recording
+from tests.trainer_forked import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -124,7 +125,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_schedule_and_model_is_deadlock_free_under_nccl_rules(layout: str) -> None:
     pp, dp, tp, fsdp = LAYOUTS[layout]
-    results = distributed.run(_record_all, pp * dp * tp, pp, dp, tp, fsdp, timeout=600)
+    results = run_forked(_record_all, pp * dp * tp, pp, dp, tp, fsdp, timeout=600)
     refused = []
     for key in results[0]:
         runs = [r[key] for r in results]

@@ -18,9 +18,9 @@ import torch
 
 import conveyor
 from conveyor.runtime import microbatch
-from tests import distributed
 from tests.helpers import assert_close_to_largest, grads_of, merge_tied, tied_names
 from tests.real_models import MODELS, has_batch_norm, shared
+from tests.trainer_forked import run_forked
 
 pytest.importorskip("transformers")
 
@@ -115,7 +115,7 @@ def test_one_process(name: str, pp: int) -> None:
 def test_two_processes() -> None:
     names = list(MODELS)
     # One step each: the changing sequence length is covered in one process above.
-    results = distributed.run(_all_schedules, 2, 2, names, 1, timeout=600)
+    results = run_forked(_all_schedules, 2, 2, names, 1, timeout=600)
     for name in names:
         want = reference(name)[:1]
         for schedule, _ in SCHEDULES:
