@@ -89,6 +89,26 @@ def assert_close_to_largest(
         assert err < tol, f"{what}: {n} relative error {err:.1e}"
 
 
+# ------------------------------------------------------------------------------ memory
+def memory_model_peak(actions: Any, split_backward: bool, report: Any) -> int:
+    """The schedule's memory model over one rank's ``actions`` with the sizes a
+    ``MemoryReport`` measured, written apart from conveyor's own: F's bytes held until the
+    last of B / W; under a split backward B's change held until W."""
+    held = peak = 0
+    for a in actions:
+        key = a.stage, a.microbatch
+        if a.kind == "F":
+            held += report.forward[key]
+        elif a.kind == "B" and not split_backward:
+            held -= report.forward[key]
+        elif a.kind == "B":
+            held += report.at_backward[key]
+        else:
+            held -= report.forward[key] + report.at_backward[key]
+        peak = max(peak, held)
+    return peak
+
+
 # --------------------------------------------------------------------- results of several ranks
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One dict from every rank's; no name may come from two ranks."""

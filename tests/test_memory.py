@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.schedules import Action, B, F, Schedule, execution_order
+from conveyor.schedules import Action, B, F, execution_order
 from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks, get_schedule
 from tests import distributed
+from tests.helpers import memory_model_peak
 from tests.models import batch, mlp
 from tests.trainer_forked import run_forked
 
@@ -45,31 +46,13 @@ def _measure(rank: int, pp: int) -> dict[str, Any]:
     return out
 
 
-def _model_peak(actions: list[Action], schedule: Schedule, report: Any) -> int:
-    """The schedule's memory model over ``actions`` with the measured sizes: F's bytes held
-    until the last of B / W; under a split backward B's change held until W."""
-    held = peak = 0
-    for a in actions:
-        key = a.stage, a.microbatch
-        if a.kind == F:
-            held += report.forward[key]
-        elif a.kind == B and not schedule.split_backward:
-            held -= report.forward[key]
-        elif a.kind == B:
-            held += report.at_backward[key]
-        else:
-            held -= report.forward[key] + report.at_backward[key]
-        peak = max(peak, held)
-    return peak
-
-
 def _check(report: Any, name: str, rank: int | None) -> None:
     """``rank``: this process's pipeline rank; None for the one-process world (pp=2)."""
     schedule = get_schedule(name, 2, M, dict(SCHEDULES)[name])
     actions = (
         [a for _, a in execution_order(schedule)] if rank is None else list(schedule.actions[rank])
     )
-    model = _model_peak(actions, schedule, report)
+    model = memory_model_peak(actions, schedule.split_backward, report)
     assert report.simulated_peak == model, (name, report)
     assert report.peak > 0
     assert abs(report.peak / model - 1) <= 0.10, (name, report)
@@ -128,7 +111,8 @@ def _check_recompute(reports: dict[tuple[str, bool], Any], pp: int, rank: int | 
                 assert kept.forward[key] >= full, (name, key, kept.forward, sorted(adjacent))
             else:
                 assert kept.forward[key] == stage_input, (name, key, kept.forward)
-        assert kept.simulated_peak == _model_peak(actions, schedule, kept), name
+        model = memory_model_peak(actions, schedule.split_backward, kept)
+        assert kept.simulated_peak == model, name
         # Measured: the model's peak, plus (across processes, where one rank's model peak
         # is small) one micro-batch's activations recomputed at a B, never above no recompute.
         one = max(plain.forward.values())

@@ -34,6 +34,7 @@ from conveyor.schedules import (
 )
 from conveyor.schedules.v_shape import PERIOD, block_offsets
 from conveyor.simulate import simulate
+from tests.helpers import memory_model_peak
 from tests.models import batch, mlp
 from tests.trainer_forked import run_forked
 
@@ -186,22 +187,6 @@ def _measure(rank: int, pp: int) -> dict[str, Any]:
     return out
 
 
-def _model_peak(actions: tuple[Action, ...], report: Any) -> int:
-    """The memory model over ``actions`` with the measured sizes: F's bytes held until W,
-    B's change held from B until W."""
-    held = peak = 0
-    for a in actions:
-        key = a.stage, a.microbatch
-        if a.kind == F:
-            held += report.forward[key]
-        elif a.kind == B:
-            held += report.at_backward[key]
-        else:
-            held -= report.forward[key] + report.at_backward[key]
-        peak = max(peak, held)
-    return peak
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_measured_memory_on_four_processes() -> None:
@@ -212,7 +197,7 @@ def test_measured_memory_on_four_processes() -> None:
         for rank, reports in enumerate(results):
             report = reports[name]
             assert {s for s, _ in report.forward} == set(schedule.stages_of(rank))
-            model = _model_peak(schedule.actions[rank], report)
+            model = memory_model_peak(schedule.actions[rank], True, report)
             assert report.simulated_peak == model, (name, rank)
             assert abs(report.peak / model - 1) <= 0.10, (name, rank, report.peak, model)
         peaks[name] = max(reports[name].peak for reports in results)
