@@ -122,10 +122,11 @@ class RankParts:
             scale = loss_scale(rows, ctx.dp_size if self.options.fsdp else 1)
         syncs = self.syncs
         # Earlier gradients are put aside (a copy's memory) only where the step must act
-        # on its own: reductions over ranks, or a pair loss's division by its count.
+        # on its own: reductions over ranks, or a division by a count after the backward
+        # (a pair loss's, or ``count``).
         had = self.grads.any()
-        isolate = self.data_parallel is not None or bool(self.shared)
-        isolate = isolate or (had and self.losses.pair is not False)
+        rescaled = count is not None or self.losses.pair is not False
+        isolate = self.data_parallel is not None or bool(self.shared) or (had and rescaled)
         if isolate:
             self.grads.put_aside()
         try:

@@ -368,3 +368,22 @@ def test_autocast_pair_loss_is_the_whole_batch_token_mean() -> None:
         assert loss.item() == pytest.approx(want, rel=1e-5), name  # rows would be 1.7% off
         assert all(p.grad is not None and p.grad.dtype == torch.float32
                    for p in pipe.parameters())  # fmt: skip
+
+
+def test_a_scalar_loss_accumulates_by_count_too() -> None:
+    """``count=`` with a mean over rows: two steps of 6 and 4 rows divided by 10 rows are
+    the mean over the 10 rows (the step's own gradients are scaled apart)."""
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+
+    def net() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    model = net()
+    F.mse_loss(model(x), y).backward()
+    want = grads_of(model.named_parameters())
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(net(), loss_fn=F.mse_loss, microbatches=2)
+    losses = [pipe.train_step(x[:6], y[:6], count=10), pipe.train_step(x[6:], y[6:], count=10)]
+    assert sum(v.item() for v in losses) == pytest.approx(F.mse_loss(net()(x), y).item(), rel=1e-6)
+    assert_close(grads_of(pipe.named_parameters()), want, "scalar accumulated by count")
