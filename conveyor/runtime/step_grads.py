@@ -71,8 +71,10 @@ class StepGradients:
     def scale(self, factor: float) -> None:
         """Multiply the gradients by ``factor`` (this step's alone between
         :meth:`put_aside` and :meth:`add_back`); nothing when it is 1."""
+        if factor == 1.0:  # a scalar loss: every step, nothing to do
+            return
         grads = [local_shard(p.grad) for p in self._params if p.grad is not None]
-        if factor != 1.0 and grads:
+        if grads:
             torch._foreach_mul_(grads, factor)
 
     def give_back(self) -> None:
