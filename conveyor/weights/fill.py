@@ -1,0 +1,351 @@
+"""Giving a model's tensors their values, one module at a time: from a checkpoint, or from
+each module's own initialization under a seed made from its name.
+
+A value is always made whole and then cut to what the rank keeps (an FSDP or tensor-
+parallel shard), so the numbers do not depend on the layout: every rank, split and
+process count draws exactly what :func:`conveyor.materialize` draws for the unsplit
+model. Meta tensors become real in place (``torch.utils.swap_tensors``), so tied weights
+stay one object.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from conveyor.checkpoint.errors import CheckpointError
+from conveyor.errors import ConfigError
+from conveyor.weights.init import rule_of, seed_of
+from conveyor.weights.sources import Source
+
+READ_BYTES = 256 * 2**20
+"""At most this much is read from a checkpoint at once (values waiting to be placed)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor lives: ``holder``'s parameter or buffer ``field``."""
+
+    holder: nn.Module
+    field: str
+    param: bool
+
+    def get(self) -> Tensor:
+        """The tensor there now."""
+        store = self.holder._parameters if self.param else self.holder._buffers
+        value = store[self.field]
+        assert value is not None
+        return value
+
+
+@dataclass
+class Wanted:
+    """The tensors to fill, by canonical name (a tied weight's first name in the model),
+    each with every slot that holds it in the modules being filled."""
+
+    slots: dict[str, list[Slot]] = field(default_factory=dict)
+    persistent: set[str] = field(default_factory=set)  # names a checkpoint holds
+    modules: list[nn.Module] = field(default_factory=list)  # the modules being filled
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter or buffer name of ``model`` -> the first name of the same tensor."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(t), name) for name, t in _named_tensors(model)}
+
+
+def wanted(model: nn.Module, modules: Iterable[nn.Module], everything: bool) -> Wanted:
+    """What to fill in ``modules`` (stages of ``model``, named as in it): every meta tensor,
+    and with ``everything`` every entry of their state dicts too (loading weights).
+
+    Call it before anything replaces the tensors (FSDP's ``to_empty``): slots name places,
+    not objects.
+    """
+    canon = canonical_names(model)
+    out = Wanted(modules=list(modules))
+    for module in out.modules:
+        persistent = set(module.state_dict(keep_vars=True))
+        for name, holder, key, param in _slots(module):
+            value = (holder._parameters if param else holder._buffers)[key]
+            assert value is not None
+            if not (value.is_meta or (everything and name in persistent)):
+                continue
+            c = canon.get(name, name)
+            out.slots.setdefault(c, []).append(Slot(holder, key, param))
+            if name in persistent:
+                out.persistent.add(c)
+    return out
+
+
+def check(model: nn.Module, source: Source | None, everything: bool) -> None:
+    """Raise before anything is allocated, the same on every rank: a tensor of ``model``
+    that the checkpoint lacks or has in another shape, or that nothing can initialize.
+
+    Raises:
+        CheckpointError: ``source`` lacks a tensor or holds another shape (names them).
+        ConfigError: a meta tensor whose module has no initialization, without ``source``.
+    """
+    plan = wanted(model, [model], everything)
+    stored = set(source.names()) if source is not None else set()
+    names = Names(model)
+    missing, shapes, no_rule = [], [], []
+    for c, slots in plan.slots.items():
+        found = names.stored(c, source, stored) if source is not None else None
+        if found is not None and source is not None:
+            shape = tuple(slots[0].get().shape)
+            if source.shape(found) != shape:
+                shapes.append(f"{c} {source.shape(found)} (the model's: {shape})")
+        elif source is not None and c in plan.persistent:
+            missing.append(c)
+        elif rule_of(model, _owner(c), model.get_submodule(_owner(c))) is None:
+            no_rule.append(c)
+    if source is not None and (missing or shapes):
+        what = f"lacks {missing[:3]}" if missing else f"holds other shapes: {shapes[:3]}"
+        count = len(missing) if missing else len(shapes)
+        raise CheckpointError(
+            f"weights {source.where} {what} ({count} in all) of the model's tensors; load "
+            f"a checkpoint of this model (same names and sizes)"
+        )
+    if no_rule:
+        module = model.get_submodule(_owner(no_rule[0]))
+        raise ConfigError(
+            f"{no_rule[0]} is on the meta device and its module ({type(module).__name__}) "
+            f"has no reset_parameters() to initialize it; add reset_parameters to "
+            f"{type(module).__name__}, or pass weights= a checkpoint holding it"
+        )
+
+
+def fill(
+    model: nn.Module,
+    plan: Wanted,
+    device: torch.device,
+    init_seed: int,
+    source: Source | None,
+) -> None:
+    """Give every slot of ``plan`` its value on ``device``: the checkpoint's where
+    ``source`` holds it, else its module's own initialization under
+    ``seed_of(init_seed, module name)``.
+
+    Raises:
+        ConfigError: an initialization left a tensor unset (it still holds the NaN or
+            minimum it was created with); named.
+    """
+    rest = dict(plan.slots)
+    holders = holders_of([model, *plan.modules])
+    if source is not None:
+        stored = set(source.names())
+        names = Names(model)
+        found = {c: names.stored(c, source, stored) for c in plan.slots}
+        loaded = [c for c in plan.slots if found[c] is not None]
+        for batch in _batches(loaded, lambda c: _bytes(plan.slots[c][0].get())):
+            values = source.read(found[c] for c in batch)  # type: ignore[misc]
+            for c in batch:
+                _place(rest.pop(c), values[found[c]], device, holders)  # type: ignore[index]
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    by_module: dict[str, dict[str, list[Slot]]] = {}
+    for c, slots in rest.items():
+        by_module.setdefault(_owner(c), {})[c.rsplit(".", 1)[-1]] = slots
+    for path in sorted(by_module, key=lambda p: -order.get(p, -1)):  # children first
+        _initialize(model, path, by_module[path], device, init_seed, holders)
+
+
+def _initialize(
+    model: nn.Module,
+    path: str,
+    fields: dict[str, list[Slot]],
+    device: torch.device,
+    seed: int,
+    holders: Holders,
+) -> None:
+    """Run the module's own initialization on whole, fresh copies of its tensors, then
+    place the copies of the wanted ones."""
+    module = model.get_submodule(path)
+    rule = rule_of(model, path, module)
+    name = f"{path}.{next(iter(fields))}" if path else next(iter(fields))
+    if rule is None:
+        raise ConfigError(
+            f"{name} is on the meta device and its module ({type(module).__name__}) has no "
+            f"reset_parameters() to initialize it; add reset_parameters, or pass weights="
+        )
+    saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
+    fresh: dict[str, Tensor] = {}
+    for key, value in itertools.chain(saved_params.items(), saved_buffers.items()):
+        if value is not None:
+            fresh[key] = _sentinel(value, device)
+    try:
+        for key in saved_params:
+            if key in fresh:
+                module._parameters[key] = nn.Parameter(
+                    fresh[key], requires_grad=saved_params[key].requires_grad  # type: ignore[union-attr]
+                )
+        for key in saved_buffers:
+            if key in fresh:
+                module._buffers[key] = fresh[key]
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed_of(seed, path))
+            rule()
+        values = {k: (module._parameters if k in saved_params else module._buffers)[k] for k in fields}
+    finally:
+        module._parameters.update(saved_params)
+        module._buffers.update(saved_buffers)
+    for key, slots in fields.items():
+        value = values[key]
+        assert value is not None
+        if _unset(value):
+            raise ConfigError(
+                f"{type(module).__name__}'s initialization left {path}.{key} unset (the meta "
+                f"device holds no values); initialize every parameter and buffer in it, or "
+                f"pass weights= a checkpoint holding them"
+            )
+        _place(slots, value.detach(), device, holders)
+
+
+def _place(slots: list[Slot], whole: Tensor, device: torch.device, holders: Holders) -> None:
+    """Put ``whole`` (the tensor's full value) into each slot: a meta tensor becomes real in
+    place (its object kept, so ties hold); a DTensor keeps its shard; a real tensor is
+    overwritten. Where a meta tensor cannot change in place, the real one replaces it in
+    every module of ``holders``."""
+    done: set[int] = set()
+    for slot in slots:
+        target = slot.get()
+        if id(target) in done:
+            continue
+        done.add(id(target))
+        value = whole.to(device=device, dtype=target.dtype)
+        mesh = getattr(target, "device_mesh", None)
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            placements = target.placements  # type: ignore[attr-defined]
+            local = distribute_tensor(value, mesh, placements, src_data_rank=None).to_local()
+            if not target.is_meta:
+                with torch.no_grad():
+                    target.to_local().copy_(local)  # type: ignore[attr-defined]
+                continue
+            value = DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=target.shape,
+                stride=target.stride(),
+            )  # fmt: skip
+        elif not target.is_meta:
+            with torch.no_grad():
+                target.copy_(value)
+            continue
+        if len(done) > 1:  # another object holding the same value (not a tie): its own copy
+            value = value.clone()
+        real = type(target)(value, requires_grad=target.requires_grad) if slot.param else value
+        try:
+            torch.utils.swap_tensors(target, real)
+        except RuntimeError:  # a weak reference to it (torch.export's caches keep some)
+            for holder, key, param in holders.get(id(target), []):
+                (holder._parameters if param else holder._buffers)[key] = real
+
+
+def _sentinel(like: Tensor, device: torch.device) -> Tensor:
+    """A whole tensor shaped like ``like`` that says "unset": NaN, or the dtype's minimum."""
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        fill = float("nan")
+    elif like.dtype == torch.bool:
+        fill = False
+    else:
+        fill = torch.iinfo(like.dtype).min
+    return torch.full(tuple(like.shape), fill, dtype=like.dtype, device=device)
+
+
+def _unset(value: Tensor) -> bool:
+    """Whether an initialization left any element of ``value`` as :func:`_sentinel` made it."""
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        return bool(torch.isnan(value).any())
+    if value.dtype == torch.bool:
+        return False
+    return bool((value == torch.iinfo(value.dtype).min).any())
+
+
+Holders = dict[int, list[tuple[nn.Module, str, bool]]]
+"""id of a tensor -> every (module, field, is a parameter) holding it."""
+
+
+def holders_of(modules: Iterable[nn.Module]) -> Holders:
+    """Where each tensor of ``modules`` is held (a module reached twice counts once)."""
+    out: Holders = {}
+    seen: set[tuple[int, str, bool]] = set()
+    for module in modules:
+        for _, holder, key, param in _slots(module):
+            value = (holder._parameters if param else holder._buffers)[key]
+            if (id(holder), key, param) not in seen:
+                seen.add((id(holder), key, param))
+                out.setdefault(id(value), []).append((holder, key, param))
+    return out
+
+
+class Names:
+    """A model's names for its tensors: the first name of each (a tied weight has several)
+    and all of them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.canonical = canonical_names(model)
+        self.aliases: dict[str, list[str]] = {}
+        for name, c in self.canonical.items():
+            self.aliases.setdefault(c, []).append(name)
+        self.prefix = str(getattr(model, "base_model_prefix", "") or "")
+
+    def stored(self, name: str, source: Source, stored: set[str]) -> str | None:
+        """The checkpoint's name for the tensor ``name``: one of its names, with or
+        without a transformers model's base prefix (``model.``)."""
+        dotted = f"{self.prefix}."
+        for n in self.aliases.get(name, [name]):
+            candidates = [n]
+            if self.prefix:
+                candidates.append(n[len(dotted) :] if n.startswith(dotted) else dotted + n)
+            for candidate in candidates:
+                if source.alias(candidate) in stored:
+                    return source.alias(candidate)
+        return None
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _slots(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool]]:
+    """(name, holder, field, is a parameter) of every tensor under ``module``, ties and
+    shared modules included."""
+    for prefix, holder in module.named_modules(remove_duplicate=False):
+        dotted = f"{prefix}." if prefix else ""
+        for key, p in holder._parameters.items():
+            if p is not None:
+                yield dotted + key, holder, key, True
+        for key, b in holder._buffers.items():
+            if b is not None:
+                yield dotted + key, holder, key, False
+
+
+def _bytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _batches(names: list[str], size: object) -> Iterator[list[str]]:
+    """``names`` in runs of at most :data:`READ_BYTES` (one larger tensor alone)."""
+    run: list[str] = []
+    total = 0
+    for n in names:
+        b = size(n)  # type: ignore[operator]
+        if run and total + b > READ_BYTES:
+            yield run
+            run, total = [], 0
+        run.append(n)
+        total += b
+    if run:
+        yield run
