@@ -36,7 +36,7 @@ from conveyor.runtime.step_loss import Combined, LossKind, combine, global_rows,
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Action, Schedule
-from conveyor.weights import give_values, has_meta
+from conveyor.weights import Pending, has_meta
 from conveyor.weights.allocate import allocate_sharded
 
 
@@ -235,8 +235,13 @@ def build(
     meta = has_meta([all_stages[s] for s in held])
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
     sharding = options.tp_plan is not None or bool(options.fsdp)
-    if (meta or options.weights is not None) and not sharding:
-        give_values(model, list(stages.values()), ctx.device, options.weights, options.init_seed)
+    given = meta or options.weights is not None
+    pending = (
+        Pending(model, list(stages.values()), options.weights, options.init_seed)
+        if given else None
+    )  # fmt: skip
+    if pending is not None and not sharding:
+        pending.give(ctx.device)
     description = describe_split(model, all_stages, schedule.placement)
     # Tied weights on several ranks: copies start equal and their gradients are summed.
     ties = [
@@ -245,7 +250,6 @@ def build(
     ]
     shared = SharedParameters(ties, schedule.placement, stages, ctx)
     # Values given by conveyor are equal on every rank by construction (seeded by name).
-    given = meta or options.weights is not None
     if not given:
         shared.make_equal()
     # Data-parallel replicas start from replica 0's parameters (before any sharding).
@@ -274,12 +278,10 @@ def build(
         assert ctx.mesh is not None
         _check_ties_for_fsdp(ties, schedule.placement)
         sharded = Sharded(stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard")
-    if given and sharding:
-        allocate = (lambda: allocate_sharded(stages.values(), ctx.device)) if meta else None
-        give_values(
-            model, list(stages.values()), ctx.device, options.weights, options.init_seed,
-            allocate,
-        )  # fmt: skip
+    if pending is not None and sharding:
+        owned = meta and bool(options.fsdp)  # FSDP allocates its shards' storage itself
+        allocate = (lambda: allocate_sharded(stages.values(), ctx.device)) if owned else None
+        pending.give(ctx.device, allocate)
     if sharding:
         shared.rebind(stages)
     # Without FSDP, replicas average their gradients while the pipeline drains.
@@ -350,7 +352,10 @@ def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: A
 
 def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:
     """``stage`` with its real tensors on ``device``; meta ones stay (they get values later)."""
-    return stage._apply(lambda t: t if t.is_meta else t.to(device))
+    moved: nn.Module = stage._apply(  # type: ignore[no-untyped-call]
+        lambda t: t if t.is_meta else t.to(device)
+    )
+    return moved
 
 
 def _check_every_rank_trains(schedule: Schedule, all_stages: list[nn.Module]) -> None:

@@ -21,7 +21,7 @@ from conveyor.weights.sources import Source, open_source
 Weights = str | os.PathLike[str] | None
 """``weights=``: a checkpoint path, or None to initialize."""
 
-__all__ = ["Weights", "empty_weights", "give_values", "has_meta", "materialize"]
+__all__ = ["Pending", "Weights", "empty_weights", "give_values", "has_meta", "materialize"]
 
 
 def materialize(
@@ -55,22 +55,34 @@ def materialize(
     return model
 
 
+class Pending:
+    """Values to give, planned while ties are still one object (before tensor parallelism
+    or FSDP replace the parameters); :meth:`give` gives them."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], weights: Weights,
+                 init_seed: int) -> None:  # fmt: skip
+        self.model, self.init_seed = model, init_seed
+        self.source: Source | None = open_source(weights) if weights is not None else None
+        check(model, self.source, everything=self.source is not None)
+        self.plan = wanted(model, modules, everything=self.source is not None)
+
+    def give(self, device: torch.device, allocate: Callable[[], None] | None = None) -> None:
+        """Fill the planned tensors on ``device``. ``allocate`` first makes meta tensors
+        real (but unset) where something else owns their memory (FSDP)."""
+        if allocate is not None:
+            allocate()
+        if self.plan:
+            fill(self.model, self.plan, device, self.init_seed, self.source)
+
+
 def give_values(
     model: nn.Module,
     modules: list[nn.Module],
     device: torch.device,
     weights: Weights,
     init_seed: int,
-    allocate: Callable[[], None] | None = None,
 ) -> None:
     """Fill ``modules`` (parts of ``model`` under its names: its stages, or itself): their
     meta tensors, and with ``weights`` every state-dict entry. Errors the whole model would
-    raise are raised first, so every rank raises the same one. ``allocate``: makes the
-    meta tensors real (but unset) first, where something else owns them (FSDP)."""
-    source: Source | None = open_source(weights) if weights is not None else None
-    check(model, source, everything=source is not None)
-    plan = wanted(model, modules, everything=source is not None)
-    if allocate is not None:
-        allocate()
-    if plan:
-        fill(model, plan, device, init_seed, source)
+    raise are raised first, so every rank raises the same one."""
+    Pending(model, modules, weights, init_seed).give(device)

@@ -33,7 +33,7 @@ def empty_weights() -> Iterator[None]:
             meta.__dict__.update(param.__dict__)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +48,7 @@ class Wanted:
     """The tensors to fill, by canonical name (a tied weight's first name in the model),
     each with every slot that holds it in the modules being filled."""
 
+    names: Names
     slots: dict[str, list[Slot]] = field(default_factory=dict)
     persistent: set[str] = field(default_factory=set)  # names a checkpoint holds
     modules: list[nn.Module] = field(default_factory=list)  # the modules being filled
@@ -65,11 +67,12 @@ def wanted(model: nn.Module, modules: Iterable[nn.Module], everything: bool) -> 
     """What to fill in ``modules`` (stages of ``model``, named as in it): every meta tensor,
     and with ``everything`` every entry of their state dicts too (loading weights).
 
-    Call it before anything replaces the tensors (FSDP's ``to_empty``): slots name places,
-    not objects.
+    Call it before anything replaces the tensors (tensor parallelism, FSDP): ties are
+    known by identity, and slots name places, not objects.
     """
-    canon = canonical_names(model)
-    out = Wanted(modules=list(modules))
+    names = Names(model)
+    canon = names.canonical
+    out = Wanted(names, modules=list(modules))
     for module in out.modules:
         persistent = set(module.state_dict(keep_vars=True))
         for name, holder, key, param in _slots(module):
@@ -94,7 +97,7 @@ def check(model: nn.Module, source: Source | None, everything: bool) -> None:
     """
     plan = wanted(model, [model], everything)
     stored = set(source.names()) if source is not None else set()
-    names = Names(model)
+    names = plan.names
     missing, shapes, no_rule = [], [], []
     for c, slots in plan.slots.items():
         found = names.stored(c, source, stored) if source is not None else None
@@ -141,8 +144,7 @@ def fill(
     holders = holders_of([model, *plan.modules])
     if source is not None:
         stored = set(source.names())
-        names = Names(model)
-        found = {c: names.stored(c, source, stored) for c in plan.slots}
+        found = {c: plan.names.stored(c, source, stored) for c in plan.slots}
         loaded = [c for c in plan.slots if found[c] is not None]
         for batch in _batches(loaded, lambda c: _bytes(plan.slots[c][0].get())):
             values = source.read(found[c] for c in batch)  # type: ignore[misc]
@@ -192,7 +194,9 @@ def _initialize(
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(seed_of(seed, path))
             rule()
-        values = {k: (module._parameters if k in saved_params else module._buffers)[k] for k in fields}
+        values = {
+            k: (module._parameters if k in saved_params else module._buffers)[k] for k in fields
+        }
     finally:
         module._parameters.update(saved_params)
         module._buffers.update(saved_buffers)
@@ -240,12 +244,14 @@ def _place(slots: list[Slot], whole: Tensor, device: torch.device, holders: Hold
             continue
         if len(done) > 1:  # another object holding the same value (not a tie): its own copy
             value = value.clone()
-        real = type(target)(value, requires_grad=target.requires_grad) if slot.param else value
+        kind: Any = type(target) if issubclass(type(target), nn.Parameter) else nn.Parameter
+        real = kind(value, requires_grad=target.requires_grad) if slot.param else value
         try:
-            torch.utils.swap_tensors(target, real)
+            torch.utils.swap_tensors(target, real)  # type: ignore[no-untyped-call]
         except RuntimeError:  # a weak reference to it (torch.export's caches keep some)
             for holder, key, param in holders.get(id(target), []):
-                (holder._parameters if param else holder._buffers)[key] = real
+                store: Any = holder._parameters if param else holder._buffers
+                store[key] = real
 
 
 def _sentinel(like: Tensor, device: torch.device) -> Tensor:

@@ -53,7 +53,9 @@ class Safetensors:
             files = {SAFETENSORS: path / SAFETENSORS}
         from safetensors import safe_open
 
-        self._files = {f: safe_open(str(p), framework="pt", device="cpu") for f, p in files.items()}
+        self._files: dict[str, Any] = {
+            f: safe_open(str(p), framework="pt", device="cpu") for f, p in files.items()
+        }
         self._file_of = {n: f for f, handle in self._files.items() for n in handle.keys()}  # noqa: SIM118
 
     def names(self) -> list[str]:
