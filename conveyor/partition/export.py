@@ -81,7 +81,9 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
         _devices_of_inputs(graph, args, kwargs)
     guards = getattr(gm, "_guards_fn", None)
     for node in list(graph.nodes):  # stage 0 checks the guards itself (check_inputs)
-        if node.op == "call_module" and node.target == "_guards_fn":
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        # export's checks of the dtypes it saw: under autocast the stages see others
+        if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fixed = tuple(_fixed_sizes(n.meta.get("val")) for n in placeholders)

@@ -117,12 +117,7 @@ def check(model: nn.Module, source: Source | None, everything: bool) -> None:
             f"a checkpoint of this model (same names and sizes)"
         )
     if no_rule:
-        module = model.get_submodule(_owner(no_rule[0]))
-        raise ConfigError(
-            f"{no_rule[0]} is on the meta device and its module ({type(module).__name__}) "
-            f"has no reset_parameters() to initialize it; add reset_parameters to "
-            f"{type(module).__name__}, or pass weights= a checkpoint holding it"
-        )
+        raise ConfigError(_no_rule(model, no_rule[0]))
 
 
 def fill(
@@ -170,12 +165,8 @@ def _initialize(
     place the copies of the wanted ones."""
     module = model.get_submodule(path)
     rule = rule_of(model, path, module)
-    name = f"{path}.{next(iter(fields))}" if path else next(iter(fields))
     if rule is None:
-        raise ConfigError(
-            f"{name} is on the meta device and its module ({type(module).__name__}) has no "
-            f"reset_parameters() to initialize it; add reset_parameters, or pass weights="
-        )
+        raise ConfigError(_no_rule(model, _join(path, next(iter(fields)))))
     saved_params, saved_buffers = dict(module._parameters), dict(module._buffers)
     fresh: dict[str, Tensor] = {}
     for key, value in itertools.chain(saved_params.items(), saved_buffers.items()):
@@ -205,7 +196,7 @@ def _initialize(
         assert value is not None
         if _unset(value):
             raise ConfigError(
-                f"{type(module).__name__}'s initialization left {path}.{key} unset (the meta "
+                f"{type(module).__name__}'s initialization left {_join(path, key)} unset (the meta "
                 f"device holds no values); initialize every parameter and buffer in it, or "
                 f"pass weights= a checkpoint holding them"
             )
@@ -314,6 +305,27 @@ class Names:
                 if source.alias(candidate) in stored:
                     return source.alias(candidate)
         return None
+
+
+def _no_rule(model: nn.Module, name: str) -> str:
+    """The error for a meta tensor whose module has no initialization."""
+    module = type(model.get_submodule(_owner(name))).__name__
+    if name in dict(model.named_buffers(remove_duplicate=False)):
+        return (
+            f"buffer {name} is on the meta device, and {module} has no reset_parameters() to "
+            f"compute it again (it was computed in __init__, on no data); build the model "
+            f"under conveyor.empty_weights() (buffers stay real), or pass weights= a "
+            f"checkpoint holding it"
+        )
+    return (
+        f"{name} is on the meta device and its module ({module}) has no reset_parameters() "
+        f"to initialize it; add reset_parameters to {module}, or pass weights= a checkpoint "
+        f"holding it"
+    )
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _owner(name: str) -> str:
