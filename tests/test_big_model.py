@@ -285,6 +285,27 @@ def test_checkpoint_errors_name_the_tensor(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+class ReadsItsWeights(nn.Module):
+    """A forward that branches on a weight's value: neither fx nor a capture on the meta
+    device can follow it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x) if float(self.a.weight.sum()) > 0 else self.a(x)
+
+
+def test_a_meta_model_that_cannot_be_split_without_values_says_so() -> None:
+    says = r"cannot split ReadsItsWeights while its parameters are on the meta device.*Sequential"
+    with pytest.raises(ConfigError, match=says):
+        conveyor.Pipeline(
+            _meta(ReadsItsWeights), loss_fn=F.mse_loss, microbatches=2,
+            context=conveyor.init(pp=2), sample=(torch.randn(4, 4), None),
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------ composes with
 @pytest.mark.parametrize(
     "options",

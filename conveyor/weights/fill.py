@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from conveyor.checkpoint.errors import CheckpointError
-from conveyor.errors import ConfigError
+from conveyor.errors import CheckpointError, ConfigError
 from conveyor.weights.init import rule_of, seed_of
 from conveyor.weights.sources import Source
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from conveyor.checkpoint.errors import CheckpointError
+from conveyor.errors import CheckpointError
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -78,7 +78,7 @@ class ConveyorCheckpoint:
     def __init__(self, path: Path) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from conveyor.checkpoint.meta import read_checkpoint
+        from conveyor.storage import read_checkpoint
 
         self._dir, meta, metadata = read_checkpoint(path)
         self.where = str(self._dir)
@@ -99,7 +99,7 @@ class ConveyorCheckpoint:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        from conveyor.checkpoint.dcp import dcp_errors, quiet
+        from conveyor.storage import dcp_errors, quiet
 
         state: dict[str, Any] = {}
         for n in names:
@@ -120,7 +120,7 @@ def open_source(path: str | os.PathLike[str]) -> Source:
     Raises:
         CheckpointError: nothing readable is there, in one sentence.
     """
-    from conveyor.checkpoint import exists
+    from conveyor.storage import exists
 
     root = Path(path)
     if root.is_file() and root.suffix == ".safetensors":
