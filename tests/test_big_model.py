@@ -109,6 +109,14 @@ def test_materialize_draws_each_module_from_its_name_and_seed() -> None:
     assert torch.equal(ln.weight, torch.ones(4)) and torch.equal(ln.bias, torch.zeros(4))
 
 
+def test_a_parent_initializing_its_child_runs_after_it() -> None:
+    """nn.MultiheadAttention's own rule zeroes its out_proj's bias, as when built eagerly."""
+    mha = conveyor.materialize(_meta(lambda: nn.MultiheadAttention(8, 2)))
+    assert torch.equal(mha.out_proj.bias, torch.zeros(8))
+    assert torch.equal(mha.in_proj_bias, torch.zeros(24))
+    assert mha.in_proj_weight.abs().max() <= (6 / (24 + 8)) ** 0.5  # xavier's bound
+
+
 def _meta(build: Any) -> Any:
     with conveyor.empty_weights():
         return build()
@@ -214,6 +222,24 @@ def test_weights_from_a_sharded_transformers_checkpoint(tmp_path: Path) -> None:
     loaded = conveyor.Pipeline(real, loss_fn=None, microbatches=2, weights=tmp_path,
                                sample=(batch, None))  # fmt: skip
     assert_same_values(loaded, saved)
+
+
+def test_weights_stored_under_another_name_of_a_tie_or_without_the_base_prefix(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import save_file
+
+    saved = conveyor.materialize(llama(), init_seed=12)
+    state = {k: v.clone() for k, v in saved.state_dict().items()}
+    state.pop("model.embed_tokens.weight")  # the tie stored under its other name only
+    save_file(state, str(tmp_path / "model.safetensors"))
+    got = conveyor.materialize(llama(), weights=tmp_path)
+    assert torch.equal(got.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    # A checkpoint of the base model (LlamaModel: no "model." prefix) into the causal LM.
+    saved.model.save_pretrained(tmp_path / "base")
+    got = conveyor.materialize(llama(), weights=tmp_path / "base")
+    for n, v in saved.state_dict().items():
+        assert torch.equal(got.state_dict()[n], v), n
 
 
 def test_weights_from_a_conveyor_checkpoint_of_another_split(tmp_path: Path) -> None:

@@ -141,3 +141,28 @@ def test_a_checkpoint_of_one_layout_loads_into_a_meta_pipeline_of_another(tmp_pa
     distributed.run(_save, 2, path)
     layout = {"pp": 2, "dp": 2, "fsdp": True, "schedule": "1f1b"}
     _check(distributed.run(_layout, 4, layout, path, timeout=240), layout)
+
+
+def _norms() -> torch.nn.Sequential:
+    with conveyor.empty_weights():
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+            torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3),
+        )  # fmt: skip
+
+
+def _fsdp_state(rank: int) -> dict[str, torch.Tensor]:
+    ctx = conveyor.init(pp=2, dp=2)
+    model = _norms()
+    with torch.no_grad():  # a real buffer's own value, which allocating the shards must keep
+        model[1].running_var.fill_(3.0)
+    pipe = conveyor.Pipeline(model, loss_fn=torch.nn.functional.mse_loss, microbatches=2,
+                             fsdp=True, balance=[3, 3], init_seed=SEED, context=ctx)  # fmt: skip
+    return {n: _whole(t).detach().clone() for n, t in pipe.state_dict().items()}
+
+
+def test_fsdp_allocates_shards_and_keeps_the_real_buffers() -> None:
+    want = conveyor.materialize(_norms(), init_seed=SEED).state_dict()
+    want["1.running_var"] = torch.full((8,), 3.0)
+    for got in distributed.run(_fsdp_state, 4):
+        assert got and all(torch.equal(v, want[n]) for n, v in got.items()), got.keys()
