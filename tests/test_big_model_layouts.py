@@ -75,10 +75,12 @@ def _layout(rank: int, layout: dict[str, Any], weights: str | None) -> dict[str,
         weights=weights,
         init_seed=SEED,
     )
-    # This rank's memory: its parameters' local elements; the rest of the model stays meta.
+    # This rank's memory: its parameters' local elements (shards), against the elements of
+    # its stages; the rest of the model stays meta.
     local = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in pipe.parameters()
     )
+    stages = sum(p.numel() for p in pipe.parameters())
     held = {id(p) for p in pipe.parameters()}
     real_elsewhere = [n for n, p in model.named_parameters() if not p.is_meta and id(p) not in held]
     values = {n: _whole(p).detach().clone() for n, p in pipe.named_parameters()}
@@ -89,7 +91,7 @@ def _layout(rank: int, layout: dict[str, Any], weights: str | None) -> dict[str,
     loss = pipe.train_step(ids, targets)
     grads = {n: _whole(p.grad).clone() for n, p in pipe.named_parameters()}
     return {"values": values, "grads": grads, "loss": float(loss), "local": local,
-            "real_elsewhere": real_elsewhere}  # fmt: skip
+            "stages": stages, "real_elsewhere": real_elsewhere}  # fmt: skip
 
 
 def _check(results: list[dict[str, Any]], layout: dict[str, Any]) -> None:
@@ -100,9 +102,15 @@ def _check(results: list[dict[str, Any]], layout: dict[str, Any]) -> None:
         for n, v in r["values"].items():
             assert torch.equal(v, values[n]), f"{layout}: {n} differs from materialize's"
         assert abs(r["loss"] - loss) < 1e-5 * abs(loss)
-        # a rank holds its share, not the whole model
-        shards = layout.get("dp", 1) if layout.get("fsdp") else 1
-        assert r["local"] < 0.75 * whole / max(1, shards * layout.get("tp", 1) // 2)
+        # a rank holds its stages (under FSDP their shards, under TP the sharded layers'
+        # parts), not the whole model
+        assert r["stages"] < 0.75 * whole
+        if layout.get("fsdp"):
+            assert r["local"] <= r["stages"] / 2 + 16 * len(r["values"]), r  # shards, padded
+        elif layout.get("tp", 1) > 1:
+            assert r["local"] < 0.75 * r["stages"]
+        else:
+            assert r["local"] == r["stages"]
     got = {n: g for r in results for n, g in r["grads"].items()}
     assert set(got) | {"head.weight"} == set(values), "every parameter is held somewhere"
     # A gradient zero in exact arithmetic (attention's key bias) is rounding noise on both

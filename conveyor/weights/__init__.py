@@ -63,8 +63,10 @@ class Pending:
                  init_seed: int) -> None:  # fmt: skip
         self.model, self.init_seed = model, init_seed
         self.source: Source | None = open_source(weights) if weights is not None else None
-        check(model, self.source, everything=self.source is not None)
-        self.plan = wanted(model, modules, everything=self.source is not None)
+        everything = self.source is not None
+        whole = wanted(model, [model], everything)
+        self.found = check(model, whole, self.source)
+        self.plan = whole if modules == [model] else wanted(model, modules, everything)
 
     def give(self, device: torch.device, allocate: Callable[[], None] | None = None) -> None:
         """Fill the planned tensors on ``device``. ``allocate`` first makes meta tensors
@@ -72,7 +74,7 @@ class Pending:
         if allocate is not None:
             allocate()
         if self.plan:
-            fill(self.model, self.plan, device, self.init_seed, self.source)
+            fill(self.model, self.plan, device, self.init_seed, self.source, self.found)
 
 
 def give_values(

@@ -86,25 +86,29 @@ def wanted(model: nn.Module, modules: Iterable[nn.Module], everything: bool) -> 
     return out
 
 
-def check(model: nn.Module, source: Source | None, everything: bool) -> None:
-    """Raise before anything is allocated, the same on every rank: a tensor of ``model``
-    that the checkpoint lacks or has in another shape, or that nothing can initialize.
+def check(model: nn.Module, whole: Wanted, source: Source | None) -> dict[str, str]:
+    """Raise before anything is allocated, the same on every rank: a tensor of the model
+    (``whole``: :func:`wanted` over all of it) that the checkpoint lacks or holds in
+    another shape, or that nothing can initialize.
+
+    Returns:
+        The checkpoint's name of each tensor it holds (by canonical name).
 
     Raises:
         CheckpointError: ``source`` lacks a tensor or holds another shape (names them).
         ConfigError: a meta tensor whose module has no initialization, without ``source``.
     """
-    plan = wanted(model, [model], everything)
     stored = set(source.names()) if source is not None else set()
-    names = plan.names
+    found: dict[str, str] = {}
     missing, shapes, no_rule = [], [], []
-    for c, slots in plan.slots.items():
-        found = names.stored(c, source, stored) if source is not None else None
-        if found is not None and source is not None:
+    for c, slots in whole.slots.items():
+        name = whole.names.stored(c, source, stored) if source is not None else None
+        if name is not None and source is not None:
+            found[c] = name
             shape = tuple(slots[0].get().shape)
-            if source.shape(found) != shape:
-                shapes.append(f"{c} {source.shape(found)} (the model's: {shape})")
-        elif source is not None and c in plan.persistent:
+            if source.shape(name) != shape:
+                shapes.append(f"{c} {source.shape(name)} (the model's: {shape})")
+        elif source is not None and c in whole.persistent:
             missing.append(c)
         elif rule_of(model, _owner(c), model.get_submodule(_owner(c))) is None:
             no_rule.append(c)
@@ -117,6 +121,7 @@ def check(model: nn.Module, source: Source | None, everything: bool) -> None:
         )
     if no_rule:
         raise ConfigError(_no_rule(model, no_rule[0]))
+    return found
 
 
 def fill(
@@ -125,10 +130,11 @@ def fill(
     device: torch.device,
     init_seed: int,
     source: Source | None,
+    found: dict[str, str],
 ) -> None:
     """Give every slot of ``plan`` its value on ``device``: the checkpoint's where
-    ``source`` holds it, else its module's own initialization under
-    ``seed_of(init_seed, module name)``.
+    ``source`` holds it (under the name ``found`` gives), else its module's own
+    initialization under ``seed_of(init_seed, module name)``.
 
     Raises:
         ConfigError: an initialization left a tensor unset (it still holds the NaN or
@@ -137,13 +143,11 @@ def fill(
     rest = dict(plan.slots)
     holders = holders_of([model, *plan.modules])
     if source is not None:
-        stored = set(source.names())
-        found = {c: plan.names.stored(c, source, stored) for c in plan.slots}
-        loaded = [c for c in plan.slots if found[c] is not None]
+        loaded = [c for c in plan.slots if c in found]
         for batch in _batches(loaded, lambda c: _bytes(plan.slots[c][0].get())):
-            values = source.read(found[c] for c in batch)  # type: ignore[misc]
+            values = source.read(found[c] for c in batch)
             for c in batch:
-                _place(rest.pop(c), values[found[c]], device, holders)  # type: ignore[index]
+                _place(rest.pop(c), values[found[c]], device, holders)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     by_module: dict[str, dict[str, list[Slot]]] = {}
     for c, slots in rest.items():
