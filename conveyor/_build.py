@@ -232,7 +232,8 @@ def build(
     held = held_stages(schedule, ctx)
     # Meta tensors (conveyor.empty_weights) get values only where they are held, after
     # any sharding: a rank allocates its own stages (under FSDP, its own shards).
-    meta = has_meta([all_stages[s] for s in held])
+    # Decided on the whole model, so that every rank takes the same collectives below.
+    meta = has_meta(all_stages)
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
     sharding = options.tp_plan is not None or bool(options.fsdp)
     given = meta or options.weights is not None
@@ -249,7 +250,9 @@ def build(
         for name, group in shared_parameters(all_stages)
     ]
     shared = SharedParameters(ties, schedule.placement, stages, ctx)
-    # Values given by conveyor are equal on every rank by construction (seeded by name).
+    # Values given by conveyor are equal on every rank by construction (seeded by name, or
+    # read from one checkpoint); the real parameters of a partly meta model must be built
+    # the same on every rank.
     if not given:
         shared.make_equal()
     # Data-parallel replicas start from replica 0's parameters (before any sharding).
