@@ -3,7 +3,7 @@ Llama built whole on every rank, built on the meta device and initialized per ra
 built on the meta device and loaded per rank from a sharded transformers checkpoint.
 
     python benchmarks/big_model.py [--pp 2,4] [--paths whole,init,load] [--layers 20]
-                                   [--hidden 1024] [--json FILE] [--quick]
+                                   [--hidden 1024] [--json FILE] [--quick] [--together]
 
 The model: a transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` (nothing
 downloaded; default hidden 1024, 20 layers, intermediate 2816, vocabulary 32000, untied
@@ -22,10 +22,14 @@ each). The three paths:
   its own, outside the runs), so its loss equals the ``whole`` path's.
 
 Each rank reports its peak resident memory (``VmHWM`` of ``/proc/self/status``) at the end
-of its first step, the seconds from its process start to then, and its share: parameters +
-gradients of its own stages (``pipe.parameters()``), the least a rank can hold. Each path
-and pp runs in fresh processes, one after another. Prints a markdown table; ``--json``
-writes every number.
+of its first step and once ``Pipeline(..., sample=)`` has split the model and given its
+stages their values ("built"), the seconds from its process start to both, and its share:
+parameters + gradients of its own stages (``pipe.parameters()``), the least a rank can
+hold. Each path and pp runs in fresh processes, one after another (``--together``: the
+paths of one pp at once, for a quick test; their times then mean nothing), each only if
+an estimate of its memory fits in what the machine has available. The checkpoint goes to
+a temporary directory (under ``$BIG_MODEL_DIR`` if set). Prints a markdown table;
+``--json`` writes every number.
 """
 
 from __future__ import annotations
