@@ -242,6 +242,20 @@ def test_weights_stored_under_another_name_of_a_tie_or_without_the_base_prefix(
         assert torch.equal(got.state_dict()[n], v), n
 
 
+def test_loaded_weights_do_not_stay_backed_by_the_file(tmp_path: Path) -> None:
+    """safetensors maps the file: a parameter must not change when the file is rewritten."""
+    from safetensors.torch import save_file
+
+    zeros = {k: torch.zeros_like(v) for k, v in conveyor.materialize(_mlp()).state_dict().items()}
+    save_file(zeros, str(tmp_path / "model.safetensors"))
+    model = conveyor.materialize(_mlp(), weights=tmp_path)
+    ones = {k: torch.ones_like(v) for k, v in zeros.items()}
+    save_file(ones, str(tmp_path / "ones.safetensors"))
+    with open(tmp_path / "model.safetensors", "r+b") as f:  # rewritten in place
+        f.write((tmp_path / "ones.safetensors").read_bytes())
+    assert all(float(p.detach().abs().sum()) == 0.0 for p in model.parameters())
+
+
 def test_weights_from_a_conveyor_checkpoint_of_another_split(tmp_path: Path) -> None:
     conveyor.init(pp=2)
     first = conveyor.Pipeline(conveyor.materialize(_mlp(), init_seed=5), loss_fn=F.mse_loss,

@@ -65,7 +65,9 @@ class Safetensors:
         return tuple(self._files[self._file_of[name]].get_slice(name).get_shape())
 
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
-        return {n: self._files[self._file_of[n]].get_tensor(n) for n in names}
+        # get_tensor maps the file: a copy, so a parameter never stays backed by a file
+        # that may be rewritten (or truncated: SIGBUS) while training.
+        return {n: self._files[self._file_of[n]].get_tensor(n).clone() for n in names}
 
     def alias(self, name: str) -> str:
         return name
