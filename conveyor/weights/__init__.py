@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from conveyor.weights.empty import empty_weights, has_meta
-from conveyor.weights.fill import check, fill, wanted
+from conveyor.weights.fill import check, fill
+from conveyor.weights.plan import wanted
 from conveyor.weights.sources import Source, open_source
 
 Weights = str | os.PathLike[str] | None

@@ -11,8 +11,7 @@ stay one object.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,70 +19,11 @@ from torch import Tensor, nn
 
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.weights.init import rule_of, seed_of
+from conveyor.weights.plan import Holders, Slot, Wanted, holders_of, owner
 from conveyor.weights.sources import Source
 
 READ_BYTES = 256 * 2**20
 """At most this much is read from a checkpoint at once (values waiting to be placed)."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a tensor lives: ``holder``'s parameter or buffer ``field``."""
-
-    holder: nn.Module
-    field: str
-    param: bool
-
-    def get(self) -> Tensor:
-        """The tensor there now."""
-        store = self.holder._parameters if self.param else self.holder._buffers
-        value = store[self.field]
-        assert value is not None
-        return value
-
-
-@dataclass
-class Wanted:
-    """The tensors to fill, by canonical name (a tied weight's first name in the model),
-    each with every slot that holds it in the modules being filled."""
-
-    names: Names
-    slots: dict[str, list[Slot]] = field(default_factory=dict)
-    persistent: set[str] = field(default_factory=set)  # names a checkpoint holds
-    modules: list[nn.Module] = field(default_factory=list)  # the modules being filled
-
-    def __bool__(self) -> bool:
-        return bool(self.slots)
-
-
-def canonical_names(model: nn.Module) -> dict[str, str]:
-    """Each parameter or buffer name of ``model`` -> the first name of the same tensor."""
-    first: dict[int, str] = {}
-    return {name: first.setdefault(id(t), name) for name, t in _named_tensors(model)}
-
-
-def wanted(model: nn.Module, modules: Iterable[nn.Module], everything: bool) -> Wanted:
-    """What to fill in ``modules`` (stages of ``model``, named as in it): every meta tensor,
-    and with ``everything`` every entry of their state dicts too (loading weights).
-
-    Call it before anything replaces the tensors (tensor parallelism, FSDP): ties are
-    known by identity, and slots name places, not objects.
-    """
-    names = Names(model)
-    canon = names.canonical
-    out = Wanted(names, modules=list(modules))
-    for module in out.modules:
-        persistent = set(module.state_dict(keep_vars=True))
-        for name, holder, key, param in _slots(module):
-            value = (holder._parameters if param else holder._buffers)[key]
-            assert value is not None
-            if not (value.is_meta or (everything and name in persistent)):
-                continue
-            c = canon.get(name, name)
-            out.slots.setdefault(c, []).append(Slot(holder, key, param))
-            if name in persistent:
-                out.persistent.add(c)
-    return out
 
 
 def check(model: nn.Module, whole: Wanted, source: Source | None) -> dict[str, str]:
@@ -110,7 +50,7 @@ def check(model: nn.Module, whole: Wanted, source: Source | None) -> dict[str, s
                 shapes.append(f"{c} {source.shape(name)} (the model's: {shape})")
         elif source is not None and c in whole.persistent:
             missing.append(c)
-        elif rule_of(model, _owner(c), model.get_submodule(_owner(c))) is None:
+        elif rule_of(model, owner(c), model.get_submodule(owner(c))) is None:
             no_rule.append(c)
     if source is not None and (missing or shapes):
         what = f"lacks {missing[:3]}" if missing else f"holds other shapes: {shapes[:3]}"
@@ -151,7 +91,7 @@ def fill(
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     by_module: dict[str, dict[str, list[Slot]]] = {}
     for c, slots in rest.items():
-        by_module.setdefault(_owner(c), {})[c.rsplit(".", 1)[-1]] = slots
+        by_module.setdefault(owner(c), {})[c.rsplit(".", 1)[-1]] = slots
     for path in sorted(by_module, key=lambda p: -order.get(p, -1)):  # children first
         _initialize(model, path, by_module[path], device, init_seed, holders)
 
@@ -268,51 +208,9 @@ def _unset(value: Tensor) -> bool:
     return bool((value == torch.iinfo(value.dtype).min).any())
 
 
-Holders = dict[int, list[tuple[nn.Module, str, bool]]]
-"""id of a tensor -> every (module, field, is a parameter) holding it."""
-
-
-def holders_of(modules: Iterable[nn.Module]) -> Holders:
-    """Where each tensor of ``modules`` is held (a module reached twice counts once)."""
-    out: Holders = {}
-    seen: set[tuple[int, str, bool]] = set()
-    for module in modules:
-        for _, holder, key, param in _slots(module):
-            value = (holder._parameters if param else holder._buffers)[key]
-            if (id(holder), key, param) not in seen:
-                seen.add((id(holder), key, param))
-                out.setdefault(id(value), []).append((holder, key, param))
-    return out
-
-
-class Names:
-    """A model's names for its tensors: the first name of each (a tied weight has several)
-    and all of them."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.canonical = canonical_names(model)
-        self.aliases: dict[str, list[str]] = {}
-        for name, c in self.canonical.items():
-            self.aliases.setdefault(c, []).append(name)
-        self.prefix = str(getattr(model, "base_model_prefix", "") or "")
-
-    def stored(self, name: str, source: Source, stored: set[str]) -> str | None:
-        """The checkpoint's name for the tensor ``name``: one of its names, with or
-        without a transformers model's base prefix (``model.``)."""
-        dotted = f"{self.prefix}."
-        for n in self.aliases.get(name, [name]):
-            candidates = [n]
-            if self.prefix:
-                candidates.append(n[len(dotted) :] if n.startswith(dotted) else dotted + n)
-            for candidate in candidates:
-                if source.alias(candidate) in stored:
-                    return source.alias(candidate)
-        return None
-
-
 def _no_rule(model: nn.Module, name: str) -> str:
     """The error for a meta tensor whose module has no initialization."""
-    module = type(model.get_submodule(_owner(name))).__name__
+    module = type(model.get_submodule(owner(name))).__name__
     if name in dict(model.named_buffers(remove_duplicate=False)):
         return (
             f"buffer {name} is on the meta device, and {module} has no reset_parameters() to "
@@ -329,28 +227,6 @@ def _no_rule(model: nn.Module, name: str) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
-
-
-def _owner(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
-
-
-def _slots(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, bool]]:
-    """(name, holder, field, is a parameter) of every tensor under ``module``, ties and
-    shared modules included."""
-    for prefix, holder in module.named_modules(remove_duplicate=False):
-        dotted = f"{prefix}." if prefix else ""
-        for key, p in holder._parameters.items():
-            if p is not None:
-                yield dotted + key, holder, key, True
-        for key, b in holder._buffers.items():
-            if b is not None:
-                yield dotted + key, holder, key, False
 
 
 def _bytes(t: Tensor) -> int:
