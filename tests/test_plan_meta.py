@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.errors import ConfigError
 from conveyor.partition import split_model
 from conveyor.planning import profiler
 from conveyor.planning.meta import RealUnits, release
@@ -285,3 +286,42 @@ def test_a_meta_model_keeps_no_weakly_held_copies() -> None:
         release(copy_)
         del copy_
         assert all(r() is None for r in made)
+
+
+class Scale(nn.Module):
+    """A layer with no ``reset_parameters``: only a checkpoint can give it values."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+def test_auto_on_a_meta_model_reads_its_units_from_weights(tmp_path: Path) -> None:
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 16), Scale(16), nn.Tanh(), nn.Linear(16, 8), Scale(8))
+
+    real, meta = built_twice(build)
+    with torch.no_grad():
+        for p in real.parameters():
+            p.add_(torch.randn_like(p))
+    conveyor.save(real, tmp_path / "ckpt")
+    conveyor.init(pp=2)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = conveyor.Pipeline(
+        meta, loss_fn=F.mse_loss, microbatches=2, schedule="auto", sample=(x, y),
+        weights=tmp_path / "ckpt",
+    )  # fmt: skip
+    expected = dict(real.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_a_meta_unit_nothing_can_initialize_is_named_before_profiling() -> None:
+    with conveyor.empty_weights():
+        model = nn.Sequential(nn.Linear(8, 8), Scale(8), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(ConfigError, match=r"1\.gain .*Scale.*reset_parameters"):
+        plan(model, x, y, F.mse_loss, 2, calibrate=False)

@@ -1,0 +1,104 @@
+"""Peak resident memory of planning (``conveyor.plan``) a model built on the meta device
+vs the same model built real: the meta model is profiled one unit at a time, each on a
+real copy of that unit alone, so planning holds about one layer, never the whole model.
+
+Each case runs in a fresh process (one thread) and reports ``VmHWM`` (peak resident set)
+after building the model and after planning it for 2 ranks:
+
+    python benchmarks/plan_memory.py [--layers 16] [--width 2048] [--batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import conveyor
+from conveyor.planning.planner import plan
+
+MB = 2**20
+
+
+def peak_rss() -> int:
+    """This process's peak resident set (``VmHWM``), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def build(layers: int, width: int) -> nn.Sequential:
+    """``layers`` x (Linear(width), ReLU)."""
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def case(meta: bool, args: argparse.Namespace) -> dict[str, float]:
+    """Build (real or meta), plan, and report sizes, peaks and time."""
+    torch.set_num_threads(1)
+    start = peak_rss()
+    if meta:
+        with conveyor.empty_weights():
+            model = build(args.layers, args.width)
+    else:
+        model = build(args.layers, args.width)
+    built = peak_rss()
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    t0 = time.perf_counter()
+    chosen = plan(model, x, y, nn.functional.mse_loss, 2, microbatch_counts=[2])
+    took = time.perf_counter() - t0
+    size = sum(p.numel() * 4 for p in model.parameters())
+    return {
+        "model MB": size / MB,
+        "layer MB": (args.width + 1) * args.width * 4 / MB,
+        "start MB": start / MB,
+        "built MB": built / MB,
+        "planned MB": peak_rss() / MB,
+        "plan s": took,
+        "predicted ms": chosen.predicted_step * 1e3,
+        "balance": chosen.balance,  # type: ignore[dict-item]
+        "schedule": chosen.schedule,  # type: ignore[dict-item]
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each case in its own process, or (with ``--case``) one case here."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--case", choices=["real", "meta"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.case is not None:
+        print(json.dumps(case(args.case == "meta", args)))
+        return 0
+    flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch)]
+    print("| model | model MB | one layer MB | peak after build MB | peak after plan MB | "
+          "plan s | plan |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in ("real", "meta"):
+        out = subprocess.run(
+            [sys.executable, __file__, *flags, "--case", name],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(
+            f"| {name} | {r['model MB']:.0f} | {r['layer MB']:.0f} | {r['built MB']:.0f} | "
+            f"{r['planned MB']:.0f} | {r['plan s']:.1f} | {r['schedule']} {r['balance']}, "
+            f"{r['predicted ms']:.1f} ms |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
