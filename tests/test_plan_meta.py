@@ -239,7 +239,20 @@ def _own_loss(out: Any, _: Any) -> torch.Tensor:
 
 
 def _calibrated(rank: int) -> dict[str, Any]:
+    from conveyor.planning import calibration
+
     conveyor.init()
+    references: list[tuple[int, int]] = []  # (real bytes of the model built, of its stages)
+    build = calibration.build
+
+    def watched(module: nn.Module, *args: Any) -> Any:
+        parts = build(module, *args)
+        real = {id(p): p for p in module.parameters() if not p.is_meta}
+        own = {id(p): p for s in parts.stages.values() for p in s.parameters()}
+        references.append((_bytes(real.values()), _bytes(own.values())))
+        return parts
+
+    calibration.build = watched  # type: ignore[assignment]
     with conveyor.empty_weights():
         model = uneven()
     names = [n for n, _ in model.named_parameters()]
@@ -259,7 +272,12 @@ def _calibrated(rank: int) -> dict[str, Any]:
         "held": sorted(held),
         "equal": equal,
         "real elsewhere": real_elsewhere,
+        "references": references,
     }
+
+
+def _bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 @pytest.mark.multiprocess
@@ -268,6 +286,8 @@ def test_calibrating_a_meta_model_makes_real_only_the_ranks_own_stages() -> None
     results = distributed.run(_calibrated, 2)
     for r in results:
         assert r["calibrated"] and r["equal"] and r["real elsewhere"] == [], r
+        # Each reference pipeline made real exactly this rank's stages of it.
+        assert r["references"] and all(real == own > 0 for real, own in r["references"]), r
     assert sorted(results[0]["held"] + results[1]["held"]) == sorted(
         n for n, _ in uneven().named_parameters()
     )
