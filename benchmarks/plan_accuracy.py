@@ -39,6 +39,7 @@ import conveyor
 from conveyor._options import Options
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.planner import Plan, plan
+from conveyor.planning.profiler import profile
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 from conveyor.simulate import simulate
@@ -157,7 +158,7 @@ def worker(args: argparse.Namespace) -> None:
             model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts, options=options
         )
         took = time.perf_counter() - t0
-        meta_plan, meta_took = None, 0.0
+        meta_plan, meta_took, pairs = None, 0.0, []
         if args.meta:
             with conveyor.empty_weights():
                 meta_model = build()[0]
@@ -168,6 +169,14 @@ def worker(args: argparse.Namespace) -> None:
             )  # fmt: skip
             meta_took = time.perf_counter() - t0
             assert all(p.is_meta for p in meta_model.parameters())  # never made real
+            # The profiles alone, alternating: the meta path against the real one, with
+            # the machine's drift shared by both.
+            m = meta_plan.microbatches
+            pairs = [
+                [sum(profile(net, x, y, nn.functional.mse_loss, m).times(False))
+                 for net in (model, meta_model)]
+                for _ in range(args.rounds)
+            ]  # fmt: skip
         runs = {
             "planned": pipeline_step(
                 model, x, y, chosen.microbatches, chosen.built, chosen.chunks, chosen.balance,
@@ -245,11 +254,11 @@ def worker(args: argparse.Namespace) -> None:
                 f"{on_meta * 1e3:.2f} ms, measured/predicted "
                 f"{on_meta / meta_plan.predicted_step:.3f}"
             )
-            assert chosen.profile is not None and meta_plan.profile is not None
+            real_f, meta_f = (statistics.median(p[i] for p in pairs) for i in (0, 1))
             print(
-                f"profiled F + B of one micro-batch through the model (calibrated): real "
-                f"{sum(chosen.profile.times(False)) * 1e3:.2f} ms, meta "
-                f"{sum(meta_plan.profile.times(False)) * 1e3:.2f} ms"
+                f"profiled F + B of one micro-batch through the model, median of "
+                f"{len(pairs)} alternating: real {real_f * 1e3:.2f} ms, meta "
+                f"{meta_f * 1e3:.2f} ms (meta/real {meta_f / real_f:.3f})"
             )
         if "parameter-balanced" in measured:
             other = statistics.median(measured["parameter-balanced"])
