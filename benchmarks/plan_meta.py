@@ -1,17 +1,22 @@
-"""Peak resident memory of planning (``conveyor.plan``) a model built on the meta device
-vs the same model built real: the meta model is profiled one unit at a time, each on a
-real copy of that unit alone, so planning holds about one layer, never the whole model.
+"""Planning a model built on the meta device vs the same model built real, in one process
+(one thread): the memory it takes and what its profile measures.
 
-Each case runs in a fresh process (one thread) and reports ``VmHWM`` (peak resident set)
-after building the model and after planning it for 2 ranks:
+1. Peak resident memory (``VmHWM``) after building the model and after
+   ``conveyor.plan(model, ..., ranks=2)``, each case in a fresh process: the meta model is
+   profiled one unit at a time, each on a real copy of that unit alone, so planning holds
+   about one layer, never the whole model.
+2. The profile of ``plan_accuracy.py``'s two models (one micro-batch's forward and backward
+   through every unit), real and meta alternating for ``--rounds`` pairs: meta / real per
+   pair.
 
-    python benchmarks/plan_memory.py [--layers 16] [--width 2048] [--batch 16]
+    python benchmarks/plan_meta.py [--layers 16] [--width 2048] [--batch 16] [--rounds 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -23,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 import conveyor
 from conveyor.planning.planner import plan
+from conveyor.planning.profiler import profile
 
 MB = 2**20
 
@@ -71,12 +77,43 @@ def case(meta: bool, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def profiles(rounds: int) -> None:
+    """Print, per model of ``plan_accuracy.py``, the profiled F + B of real and meta."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_accuracy import benchmark_model, unbalanced_model
+
+    torch.set_num_threads(1)
+    print("\n| model | real ms | meta ms | meta / real: median | quartiles |")
+    print("|---|---:|---:|---:|---|")
+    for build_model, shape in ((benchmark_model, (64, 1024)), (unbalanced_model, (64, 64, 128))):
+        model, _, width_out = build_model()
+        with conveyor.empty_weights():
+            meta = build_model()[0]
+        x, y = torch.randn(*shape), torch.randn(64, width_out)
+        ratios: list[float] = []
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(rounds):
+            pair: dict[bool, float] = {}
+            for is_meta in (False, True) if i % 2 == 0 else (True, False):
+                net = meta if is_meta else model
+                pair[is_meta] = sum(profile(net, x, y, nn.functional.mse_loss, 8).times(False))
+                times[is_meta].append(pair[is_meta])
+            ratios.append(pair[True] / pair[False])
+        q = statistics.quantiles(ratios, n=4)
+        print(
+            f"| {build_model.__name__} | {statistics.median(times[False]) * 1e3:.2f} | "
+            f"{statistics.median(times[True]) * 1e3:.2f} | {statistics.median(ratios):.3f} | "
+            f"{q[0]:.2f}-{q[2]:.2f} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run each case in its own process, or (with ``--case``) one case here."""
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=8, help="pairs of profiles (0: none)")
     p.add_argument("--case", choices=["real", "meta"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case is not None:
@@ -97,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['planned MB']:.0f} | {r['plan s']:.1f} | {r['schedule']} {r['balance']}, "
             f"{r['predicted ms']:.1f} ms |"
         )
+    if args.rounds:
+        profiles(args.rounds)
     return 0
 
 
