@@ -12,6 +12,7 @@ on the meta device. Calibration builds its reference pipelines on a meta copy of
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,7 +90,10 @@ class RealUnits:
         memo: dict[int, Any] = {
             id(t): t for t in _tensors(unit) if not t.is_meta and _same(t.device, here)
         }
-        made = copy.deepcopy(unit, memo)
+        with warnings.catch_warnings():
+            # torch's own deprecation, met copying the tree specs of a torch.export capture
+            warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)`", FutureWarning)
+            made = copy.deepcopy(unit, memo)
         made._apply(lambda t: t if t.is_meta or _same(t.device, here) else t.to(here))  # type: ignore[no-untyped-call]
         plan = wanted(self.model, [made], everything=False)
         if plan:
