@@ -293,7 +293,7 @@ def test_calibrating_a_meta_model_makes_real_only_the_ranks_own_stages() -> None
     )
 
 
-def test_a_meta_model_keeps_no_weakly_held_copies() -> None:
+def test_a_released_unit_copy_frees_its_parameters_at_once() -> None:
     # The unit copies are released as soon as they are timed: their parameters die with
     # the last reference (a graph module's own cycle keeps nothing alive).
     with conveyor.empty_weights():
@@ -302,6 +302,7 @@ def test_a_meta_model_keeps_no_weakly_held_copies() -> None:
     real = RealUnits(model, torch.device("cpu"), SEED)
     for unit in profiler.units(model):
         copy_ = real.real(unit)
+        assert not any(p.is_meta for p in copy_.parameters())
         made += [weakref.ref(p) for p in copy_.parameters()]
         release(copy_)
         del copy_
