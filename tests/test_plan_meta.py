@@ -267,12 +267,17 @@ def _calibrated(rank: int) -> dict[str, Any]:
     held = dict(pipe.named_parameters())
     equal = all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in held.items())
     real_elsewhere = [n for n in names if n not in held and not model.get_parameter(n).is_meta]
+    # Nothing else real is left alive: the references' stages were dropped.
+    known = {id(p) for p in (*held.values(), *reference.parameters())}
+    gc.collect()
+    leftover = [i for i in _real_parameter_bytes() if i not in known]
     return {
         "calibrated": pipe.plan.calibration is not None,
         "held": sorted(held),
         "equal": equal,
         "real elsewhere": real_elsewhere,
         "references": references,
+        "leftover": leftover,
     }
 
 
@@ -286,6 +291,7 @@ def test_calibrating_a_meta_model_makes_real_only_the_ranks_own_stages() -> None
     results = distributed.run(_calibrated, 2)
     for r in results:
         assert r["calibrated"] and r["equal"] and r["real elsewhere"] == [], r
+        assert r["leftover"] == [], r
         # Each reference pipeline made real exactly this rank's stages of it.
         assert r["references"] and all(real == own > 0 for real, own in r["references"]), r
     assert sorted(results[0]["held"] + results[1]["held"]) == sorted(
