@@ -45,6 +45,23 @@ def uneven() -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class Tower(nn.Module):
+    """Nested blocks, split by an execution sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 32)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)))
+
+
+def tower() -> nn.Module:
+    return conveyor.sequence(Tower(), ["stem", "body.0", "body.1", "body.2", "head"])
+
+
 def tiny_gpt(depth: int = 4) -> gpt.GPT:
     return gpt.GPT(vocab=13, context=8, width=16, depth=depth, heads=4)
 
@@ -73,6 +90,7 @@ def _ids() -> dict[str, torch.Tensor]:
 
 SPLITS = [
     pytest.param(uneven, None, 3, id="layer-list"),
+    pytest.param(tower, None, 2, id="sequence"),
     pytest.param(tiny_gpt, None, 3, id="fx"),
     pytest.param(llama, _ids, 2, id="export", marks=pytest.mark.slow),
 ]
@@ -147,9 +165,12 @@ def test_planning_a_meta_model_holds_one_unit_at_a_time(monkeypatch: pytest.Monk
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_auto_on_a_meta_model_has_the_weights_materialize_gives() -> None:
+@pytest.mark.parametrize("build", [uneven, tower], ids=["layer-list", "sequence"])
+def test_auto_on_a_meta_model_has_the_weights_materialize_gives(
+    build: Callable[[], nn.Module],
+) -> None:
     with conveyor.empty_weights():
-        model = uneven()
+        model = build()
     reference = conveyor.materialize(copy.deepcopy(model), init_seed=SEED)
     conveyor.init(pp=2)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
@@ -203,6 +224,8 @@ def _same_plan(a: Plan, b: Plan) -> None:
 PLANNED = [
     pytest.param(uneven, lambda: (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, 2,
                  id="layer-list"),
+    pytest.param(tower, lambda: (torch.randn(8, 8), torch.randn(8, 8)), F.mse_loss, 2,
+                 id="sequence"),
     pytest.param(tiny_gpt, _gpt_batch, _token_loss, 2, id="fx"),
     pytest.param(llama, lambda: (_ids(), _ids()["labels"]), None, 2, id="export",
                  marks=pytest.mark.slow),
