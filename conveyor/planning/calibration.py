@@ -187,12 +187,12 @@ def _run_reference(
     """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
     of ``schedule``, built and run as a pipeline with ``template``'s options builds and
     runs them; a collective. Gradients already in ``.grad`` are left as they were."""
+    ctx = current()
     meta = is_meta(model)
     # A meta model stays meta: the reference gives values to this rank's stages of a copy.
-    module = meta_copy(model) if meta else as_module(model)
+    module = meta_copy(model, ctx.device) if meta else as_module(model)
     params = list(module.parameters())
     keep = [p.grad for p in params]
-    ctx = current()
     m = schedule.microbatches
     options = Options(loss_fn, m, schedule.chunks, list(balance))
     if template is not None:

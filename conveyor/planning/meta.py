@@ -47,11 +47,15 @@ def profiling_device(device: torch.device | str | None) -> torch.device:
     return out
 
 
-def meta_copy(model: Model) -> nn.Module:
-    """A copy of ``model`` for a throw-away pipeline: its meta tensors are new (meta, no
-    memory), its real tensors are the model's own objects (not copied)."""
+def meta_copy(model: Model, device: torch.device) -> nn.Module:
+    """A copy of ``model`` for a throw-away pipeline on ``device``: its meta tensors are
+    new (meta, no memory); its real tensors on ``device`` are the model's own objects, and
+    those elsewhere are copied (moving a stage to its device moves its parameters in
+    place, which must not move the model's)."""
     module = as_module(model)
-    memo: dict[int, Any] = {id(t): t for t in _tensors(module) if not t.is_meta}
+    memo: dict[int, Any] = {
+        id(t): t for t in _tensors(module) if not t.is_meta and _same(t.device, device)
+    }
     return copy.deepcopy(module, memo)
 
 
