@@ -10,10 +10,13 @@ does not count it). For the unbalanced model the same schedule also runs with th
 parameter-balanced split (``balance=None``).
 
     python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3] [--microbatches 8]
-        [--recompute] [--autocast]
+        [--recompute] [--autocast] [--meta]
 
 ``--recompute`` / ``--autocast`` (bf16) plan and run with those options: the planner's
 calibration runs the pipeline's own step, so its prediction should stay as close.
+``--meta`` also plans the same model built under ``conveyor.empty_weights()`` (each unit
+timed on a real copy of it alone, calibration on each rank's own stages) and measures that
+plan in a ``Pipeline`` of a meta model: its choice and prediction beside the real model's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import conveyor
 from conveyor._options import Options
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.planner import Plan, plan
+from conveyor.planning.profiler import profile
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 from conveyor.simulate import simulate
@@ -96,7 +100,7 @@ def median_step(step: Callable[[], None], steps: int, warmup: int) -> float:
 
 
 def pipeline_step(
-    model: nn.Module,
+    model: nn.Module | Callable[[], nn.Module],
     x: Tensor,
     y: Tensor,
     microbatches: int,
@@ -105,7 +109,11 @@ def pipeline_step(
     balance: list[int] | None,
     options: Options,
 ) -> Callable[[], None]:
-    """One training step (gradients cleared after; no optimizer step)."""
+    """One training step (gradients cleared after; no optimizer step). A builder for
+    ``model`` is called under ``conveyor.empty_weights()``: each rank makes its own stages."""
+    if not isinstance(model, nn.Module):
+        with conveyor.empty_weights():
+            model = model()
     pipe = conveyor.Pipeline(
         model,
         loss_fn=nn.functional.mse_loss,
@@ -150,6 +158,25 @@ def worker(args: argparse.Namespace) -> None:
             model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts, options=options
         )
         took = time.perf_counter() - t0
+        meta_plan, meta_took, pairs = None, 0.0, []
+        if args.meta:
+            with conveyor.empty_weights():
+                meta_model = build()[0]
+            t0 = time.perf_counter()
+            meta_plan = plan(
+                meta_model, x, y, nn.functional.mse_loss, PROCS, microbatch_counts=counts,
+                options=options,
+            )  # fmt: skip
+            meta_took = time.perf_counter() - t0
+            assert all(p.is_meta for p in meta_model.parameters())  # never made real
+            # The profiles alone, alternating: the meta path against the real one, with
+            # the machine's drift shared by both.
+            m = meta_plan.microbatches
+            pairs = [
+                [sum(profile(net, x, y, nn.functional.mse_loss, m).times(False))
+                 for net in (model, meta_model)]
+                for _ in range(args.rounds)
+            ]  # fmt: skip
         runs = {
             "planned": pipeline_step(
                 model, x, y, chosen.microbatches, chosen.built, chosen.chunks, chosen.balance,
@@ -162,6 +189,11 @@ def worker(args: argparse.Namespace) -> None:
                 model, x, y, cal.microbatches, cal.schedule, cal.chunks, list(cal.balance),
                 options,
             )
+        if meta_plan is not None:
+            runs["meta-planned"] = pipeline_step(
+                lambda build=build: build()[0], x, y, meta_plan.microbatches, meta_plan.built,
+                meta_plan.chunks, meta_plan.balance, options,
+            )  # fmt: skip
         if label == "unbalanced":
             runs["parameter-balanced"] = pipeline_step(
                 model, x, y, chosen.microbatches, chosen.built, chosen.chunks, None, options
@@ -209,6 +241,25 @@ def worker(args: argparse.Namespace) -> None:
                 f"{statistics.median(measured['reference']) * 1e3:.2f} ms "
                 f"(in calibration {cal.measured * 1e3:.2f} ms)"
             )
+        if meta_plan is not None:
+            on_meta = statistics.median(measured["meta-planned"])
+            same = (meta_plan.schedule, meta_plan.chunks, meta_plan.balance) == (
+                chosen.schedule, chosen.chunks, chosen.balance
+            )
+            print(
+                f"planned on the meta model in {meta_took:.1f} s: {meta_plan.schedule} "
+                f"chunks={meta_plan.chunks} microbatches={meta_plan.microbatches} "
+                f"balance={meta_plan.balance} ({'the same' if same else 'another'} plan); "
+                f"predicted {meta_plan.predicted_step * 1e3:.2f} ms, measured "
+                f"{on_meta * 1e3:.2f} ms, measured/predicted "
+                f"{on_meta / meta_plan.predicted_step:.3f}"
+            )
+            real_f, meta_f = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+            print(
+                f"profiled F + B of one micro-batch through the model, median of "
+                f"{len(pairs)} alternating: real {real_f * 1e3:.2f} ms, meta "
+                f"{meta_f * 1e3:.2f} ms (meta/real {meta_f / real_f:.3f})"
+            )
         if "parameter-balanced" in measured:
             other = statistics.median(measured["parameter-balanced"])
             print(
@@ -234,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--recompute", action="store_true", help="plan and run with recompute")
     p.add_argument("--autocast", action="store_true", help="plan and run under bf16 autocast")
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="also plan the model built on the meta device, and measure that plan",
+    )
     args = p.parse_args(argv)
     return run_on_processes(__file__, PROCS, argv, worker, args)
 

@@ -4,6 +4,7 @@
 - :mod:`~conveyor.planning.measure`: timing and sizing one unit on one micro-batch;
 - :mod:`~conveyor.planning.link`: latency and bandwidth between ranks;
 - :mod:`~conveyor.planning.profiler`: the model cut into units, each measured;
+- :mod:`~conveyor.planning.meta`: a meta-device model's units made real one at a time;
 - :mod:`~conveyor.planning.cost_model`: a candidate's balance, step time and memory;
 - :mod:`~conveyor.planning.calibration`: a profile scaled to a few real steps;
 - :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches.

@@ -8,11 +8,16 @@ real steps of one reference per schedule family (:data:`REFERENCES`: ``1f1b``, `
 action time, and fits the per-transfer latency that makes the simulated reference step
 equal the measured one. Every candidate is then predicted from those few numbers, not
 measured.
+
+A model on the meta device is calibrated on a meta copy of it
+(:func:`conveyor.planning.meta.meta_copy`): each rank makes real only its own stages of the
+reference, as the pipeline would, and drops them after the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -29,6 +34,7 @@ from conveyor.errors import ConfigError
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.cost_model import balanced, predict_step, recomputed_shares
 from conveyor.planning.measure import LossFn
+from conveyor.planning.meta import as_module, is_meta, meta_copy
 from conveyor.planning.profile_data import Profile
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
@@ -181,18 +187,21 @@ def _run_reference(
     """Median step seconds (slowest rank) and per-stage mean (F, B, W) of a few real steps
     of ``schedule``, built and run as a pipeline with ``template``'s options builds and
     runs them; a collective. Gradients already in ``.grad`` are left as they were."""
-    module = model if isinstance(model, nn.Module) else nn.Sequential(*model)
+    ctx = current()
+    meta = is_meta(model)
+    # A meta model stays meta: the reference gives values to this rank's stages of a copy.
+    module = meta_copy(model, ctx.device) if meta else as_module(model)
     params = list(module.parameters())
     keep = [p.grad for p in params]
-    ctx = current()
     m = schedule.microbatches
     options = Options(loss_fn, m, schedule.chunks, list(balance))
     if template is not None:
         # Calibration runs only where the world is the pipeline ranks alone: no replicas
         # or tensor-parallel ranks for fsdp / tp_plan to shard over.
         options = dataclasses.replace(
-            options, recompute=template.recompute, autocast=template.autocast
-        )
+            options, recompute=template.recompute, autocast=template.autocast,
+            weights=template.weights if meta else None, init_seed=template.init_seed,
+        )  # fmt: skip
     parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
     batch = parts.divide("train", inputs, targets)
     steps: list[float] = []
@@ -209,6 +218,9 @@ def _run_reference(
             timings += record.timings
     for p, g in zip(params, keep, strict=True):
         p.grad = g
+    del parts, params, keep, module
+    if meta:
+        gc.collect()  # the reference's stages, before anything else is made real
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (steps, timings))
     # Every rank computes the same numbers from the same gathered data.

@@ -9,6 +9,10 @@ candidate that fits the memory limit wins, or the simplest of those within :data
 Under a tight limit the V schedules ``v-half`` and ``v-min`` (a half and a third of 1F1B's
 activations) are often the fastest that fit; when no schedule fits, every one is tried
 again with recompute (each stage keeps only its input and re-runs its forward at B).
+
+A model on the meta device is planned without being made real: each unit is timed on a
+real copy of it alone, and calibration makes real only this rank's stages of its
+reference pipelines (:mod:`conveyor.planning.meta`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -120,6 +125,7 @@ def plan(
     calibrate: bool = True,
     param_shards: int = 1,
     options: Options | None = None,
+    device: torch.device | str | None = None,
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks within ``memory_limit``.
 
@@ -148,7 +154,10 @@ def plan(
             (FSDP over D replicas times tensor parallelism T); the memory model counts one
             piece.
         options: A pipeline's options (``fsdp``, ``tp_plan``, ``recompute``,
-            ``autocast``...): calibration then times the very step that pipeline runs.
+            ``autocast``...): calibration then times the very step that pipeline runs. A
+            meta model's units get the values its ``weights`` / ``init_seed`` give.
+        device: Where a model on the meta device is profiled, one unit at a time (see
+            :func:`~conveyor.planning.profiler.profile`).
 
     Returns:
         The chosen configuration and every candidate, ranked.
@@ -170,12 +179,19 @@ def plan(
     real = calibrate and _distributed() and dist.get_world_size() == ranks
     recomputes = options is not None and options.recompute is True  # every stage, asked for
     rows: list[Row] = []
+    seed, weights = (options.init_seed, options.weights) if options is not None else (0, None)
+
+    def measured(m: int) -> Profile:
+        return profile(
+            model, inputs, targets, loss_fn, m, device=device, init_seed=seed, weights=weights
+        )
+
     for m in counts:
-        cache[m] = cache.get(m) or profile(model, inputs, targets, loss_fn, m)
+        cache[m] = cache.get(m) or measured(m)
     for m in _outliers(cache, counts):
         # A profile far slower than the others was disturbed (another process, a one-off
         # stall): measure again, keep the fastest, and drop the count if it stays off.
-        again = [cache[m], *(profile(model, inputs, targets, loss_fn, m) for _ in range(2))]
+        again = [cache[m], *(measured(m) for _ in range(2))]
         cache[m] = min(again, key=_step_compute)
         if m in _outliers(cache, counts):
             del cache[m]
@@ -286,6 +302,7 @@ def plan_pipeline(
         microbatch_counts=[options.microbatches],
         param_shards=shards,
         options=options,
+        device=ctx.device,
     )
 
 

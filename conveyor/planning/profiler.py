@@ -7,6 +7,11 @@ balance over these units is exactly a ``balance=`` the pipeline accepts. Each un
 one real micro-batch chained from the previous unit's output
 (:func:`conveyor.planning.measure.measure_unit`); in a distributed world every rank
 profiles at once and all take the mean.
+
+A model on the meta device (:func:`conveyor.empty_weights`) is never made real: each unit
+in turn is copied, given values on the device as a pipeline stage would be, timed on the
+previous unit's output, and released (:mod:`conveyor.planning.meta`), so profiling holds
+one unit's parameters and one micro-batch's activations at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import layers_of, split_sequential
 from conveyor.planning.link import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, measure_link_speed
 from conveyor.planning.measure import Clock, LossFn, measure_unit
+from conveyor.planning.meta import RealUnits, is_meta, profiling_device, release
 from conveyor.planning.profile_data import LayerProfile, Profile, mean_layers
 from conveyor.runtime import microbatch
+from conveyor.weights import Weights
 
 _ANNOTATED = (
     "the model has pipeline_stage annotations, which fix its split; remove them to let "
@@ -75,6 +82,9 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     measure_link: bool = True,
+    device: torch.device | str | None = None,
+    init_seed: int = 0,
+    weights: Weights = None,
 ) -> Profile:
     """Measure every unit of ``model`` on the first of ``microbatches`` micro-batches.
 
@@ -94,6 +104,12 @@ def profile(
         repeats: Timed runs per unit; the median is kept.
         warmup: Untimed runs per unit before them.
         measure_link: Whether to measure the link (in a world of two or more ranks).
+        device: Where a model on the meta device is timed (default: this process's GPU,
+            else the CPU); a real model is timed where its parameters are.
+        init_seed: For a meta model: the seed its units are initialized with, as
+            ``Pipeline(init_seed=)``.
+        weights: For a meta model: a checkpoint its units are read from instead, as
+            ``Pipeline(weights=)``.
 
     Returns:
         The per-unit measurements and the link.
@@ -106,7 +122,8 @@ def profile(
     latency, bandwidth = DEFAULT_LATENCY, DEFAULT_BANDWIDTH
     if distributed and measure_link and dist.get_world_size() > 1:
         latency, bandwidth = measure_link_speed()
-    layers = _profile_units(model, inputs, targets, loss_fn, microbatches, repeats, warmup)
+    meta = (device, init_seed, weights)
+    layers = _profile_units(model, inputs, targets, loss_fn, microbatches, repeats, warmup, meta)
     if distributed:
         # Every rank profiles at once, as they compute at once in the pipeline: on shared
         # cores or memory bandwidth a unit is slower then than alone. All ranks take the
@@ -126,10 +143,17 @@ def _profile_units(
     microbatches: int,
     repeats: int,
     warmup: int,
+    meta: tuple[torch.device | str | None, int, Weights],
 ) -> tuple[LayerProfile, ...]:
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    device = next((p.device for p in _parameters(model)), torch.device("cpu"))
+    real: RealUnits | None = None
+    if is_meta(model):
+        where, init_seed, weights = meta
+        device = profiling_device(where)
+        real = RealUnits(model, device, init_seed, weights)
+    else:
+        device = next((p.device for p in _parameters(model)), torch.device("cpu"))
     clock = Clock(device)
     value = _first_microbatch(inputs, microbatches, "inputs", device)
     parts = units(model, value)
@@ -137,9 +161,13 @@ def _profile_units(
     out: list[LayerProfile] = []
     for i, unit in enumerate(parts):
         last = i == len(parts) - 1
+        timed = real.real(unit) if real is not None else unit
         layer, value = measure_unit(
-            i, unit, value, target, loss_fn if last else None, repeats, warmup, clock
+            i, timed, value, target, loss_fn if last else None, repeats, warmup, clock
         )
+        if real is not None:
+            release(timed)  # before the next unit is made real
+        del timed
         out.append(layer)
     return tuple(out)
 
