@@ -13,9 +13,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-L = pytest.importorskip("lightning")
+pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
+import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -164,7 +165,8 @@ def test_one_process_pp2_equals_lightning_and_saves_a_loadable_checkpoint(tmp_pa
     assert rel < 1e-6, rel
     assert lit.val_losses == pytest.approx(val, rel=1e-6)
     assert sum(losses[-6:]) < sum(losses[:6]) - 0.5  # it learns
-    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert logged == pytest.approx(losses, rel=1e-6)
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
@@ -187,7 +189,8 @@ def test_one_process_pp2_equals_lightning_and_saves_a_loadable_checkpoint(tmp_pa
 
 def test_bf16_mixed_runs_as_conveyors_autocast() -> None:
     reference = LitMLP()
-    trainer(max_steps=4, precision="bf16-mixed").fit(reference, DataLoader(mlp_data(), batch_size=8))
+    data = DataLoader(mlp_data(), batch_size=8)
+    trainer(max_steps=4, precision="bf16-mixed").fit(reference, data)
     lit = LitMLP()
     run = trainer(max_steps=4, precision="bf16-mixed", strategy=PipelineStrategy(pp=2))
     run.fit(lit, DataLoader(mlp_data(), batch_size=8))
@@ -264,9 +267,9 @@ def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     first.fit(lit, data, val)
     losses, vals = list(lit.losses), list(lit.val_losses)
     again = LitMLP(lr=1.0)  # the checkpoint's learning rate wins
+    saves = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True)
     resumed = trainer(**MLP_FIT, devices=world, strategy=PipelineStrategy(microbatches=2),
-                      enable_checkpointing=True,
-                      callbacks=[ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True)])  # fmt: skip
+                      enable_checkpointing=True, callbacks=[saves])  # fmt: skip
     resumed.fit(again, data, val, ckpt_path=f"{tmp}/ckpt/last.ckpt")
     return {"losses": losses + again.losses, "val": vals + again.val_losses}
 

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
 from conveyor.checkpoint import load as load_checkpoint
@@ -168,7 +168,7 @@ class PipelineStrategy(ParallelStrategy):
             raise ConfigError(
                 f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}"
             )
-        self.init_options = {"pp": pp, "dp": dp}
+        self.init_options: dict[str, Any] = {"pp": pp, "dp": dp}
         self.init_options.update({k: v for k, v in pipeline_options.items() if k in init_keys})
         self.pipeline_options = {k: v for k, v in pipeline_options.items() if k in pipe_keys}
         self.module_attr = module_attr
@@ -292,7 +292,8 @@ class PipelineStrategy(ParallelStrategy):
             )
         user_loss = getattr(module, self.loss_attr, None)
         token = model_token_loss(network) if user_loss is None else None
-        loss: Any = user_loss if user_loss is not None else token if token is not None else OutputLoss()
+        loss: Any = user_loss if user_loss is not None else token
+        loss = loss if loss is not None else OutputLoss()
         self._style = "fn" if user_loss is not None else "token" if token is not None else "own"
         self._loss = Scaled(loss)
         config: Any = getattr(network, "config", None)
@@ -459,7 +460,8 @@ class PipelineStrategy(ParallelStrategy):
             raise _Captured(inputs, targets)
         pipe, loss = self.pipe, self._loss
         assert pipe is not None and loss is not None and self.lightning_module is not None
-        factor = int(self.lightning_module.trainer.accumulate_grad_batches) if mode == "train" else 1
+        trainer = self.lightning_module.trainer
+        factor = int(trainer.accumulate_grad_batches) if mode == "train" else 1
         loss.factor = factor
         try:
             if mode == "train":
@@ -635,10 +637,10 @@ class PipelineStrategy(ParallelStrategy):
 def _is_split(pipe: Pipeline) -> bool:
     """Whether the pipeline has split its model (not waiting for a first batch)."""
     try:
-        pipe.stages
+        stages = pipe.stages
     except ConfigError:
         return False
-    return True
+    return bool(stages)
 
 
 def _autocast(precision: Precision) -> torch.dtype | None:
