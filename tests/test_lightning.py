@@ -257,8 +257,8 @@ def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     lit = LitMLP()
     data = DataLoader(mlp_data(), batch_size=8 // dp)
     val = DataLoader(mlp_data(16), batch_size=8 // dp)
-    strategy = PipelineStrategy(dp=dp, microbatches=2)
-    if dp > 1:
+    strategy = PipelineStrategy(dp=dp, microbatches=2, fsdp=dp > 1)
+    if dp > 1:  # replicas with FSDP2: sharded parameters, gradients and optimizer state
         trainer(**MLP_FIT, devices=world, strategy=strategy).fit(lit, data, val)
         return {"losses": lit.losses, "val": lit.val_losses}
     saves = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True)
