@@ -39,6 +39,7 @@ loader = [(x, y)] * 2
 SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom torch import nn": "",
     "import torch, conveyor\nfrom transformers": "",
+    "import torch, lightning as L": "",
     "from conveyor.schedules import": "",
     "from conveyor.runtime.program import": "",
     "# plan_me.py": "",
@@ -90,6 +91,7 @@ PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}
 # Snippets that take more than about 3 s in one process (importing transformers, export).
 SLOW = {
     "import torch, conveyor\nfrom transformers",
+    "import torch, lightning as L",
     'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="zbv"',
 }
 
