@@ -108,6 +108,13 @@ class LitLM(L.LightningModule):
         self.losses.append(float(loss.detach()))
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return self.model(**inputs).logits
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
@@ -328,3 +335,26 @@ def test_lightnings_fork_launcher_returns_the_whole_network() -> None:
     assert math.isclose(float(run.callback_metrics["train_loss"]), losses[-1], rel_tol=1e-6)
     for name, value in weights.items():
         assert torch.allclose(lit.model.state_dict()[name], value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_a_checkpoint_validates_and_predicts_in_a_new_trainer(tmp_path: Path) -> None:
+    """A network captured on a batch (transformers): fit saves, then new trainers split it
+    on a validation batch and on a predict batch, and load the checkpoint."""
+    lit = LitLM()
+    fit = trainer(max_steps=3, strategy=PipelineStrategy(pp=2, microbatches=2))
+    fit.fit(lit, DataLoader(Padded(24), batch_size=8))
+    fit.save_checkpoint(tmp_path / "lm.ckpt")
+    unsplit = LitLM()
+    unsplit.model.load_state_dict(conveyor.load_model_state(tmp_path / "lm.ckpt"))
+    batches = list(DataLoader(Padded(16, seed=5), batch_size=8))
+    with torch.no_grad():
+        expected = sum(float(unsplit.model(**b).loss) for b in batches) / len(batches)
+        logits = torch.cat([unsplit.predict_step(b, 0) for b in batches])
+    val = DataLoader(Padded(16, seed=5), batch_size=8)
+    new = trainer(strategy=PipelineStrategy(pp=2, microbatches=2))
+    metrics = new.validate(LitLM(), val, ckpt_path=tmp_path / "lm.ckpt")
+    assert metrics[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+    new = trainer(strategy=PipelineStrategy(pp=2, microbatches=2))
+    out = new.predict(LitLM(), val, ckpt_path=tmp_path / "lm.ckpt")
+    assert torch.allclose(torch.cat(out), logits, rtol=1e-4, atol=1e-5)
