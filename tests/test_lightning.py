@@ -358,3 +358,29 @@ def test_a_checkpoint_validates_and_predicts_in_a_new_trainer(tmp_path: Path) ->
     new = trainer(strategy=PipelineStrategy(pp=2, microbatches=2))
     out = new.predict(LitLM(), val, ckpt_path=tmp_path / "lm.ckpt")
     assert torch.allclose(torch.cat(out), logits, rtol=1e-4, atol=1e-5)
+
+
+def test_the_standalone_pytorch_lightning_package_takes_it_too() -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    from conveyor.integrations.pytorch_lightning import PipelineStrategy as PLStrategy
+
+    class Module(pl.LightningModule):  # LitMLP's network and steps, on the other package
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.loss_fn, self.losses = LitMLP().model, F.cross_entropy, []
+
+        training_step = LitMLP.training_step
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    reference = LitMLP()
+    reference.configure_optimizers = lambda: torch.optim.AdamW(reference.parameters(), lr=0.05)
+    trainer(max_steps=6).fit(reference, DataLoader(mlp_data(), batch_size=8))
+    module = Module()
+    run = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, strategy=PLStrategy(pp=2))  # fmt: skip
+    assert isinstance(run.strategy, pl.strategies.ParallelStrategy)
+    run.fit(module, DataLoader(mlp_data(), batch_size=8))
+    assert module.losses == pytest.approx(reference.losses, rel=1e-6)
