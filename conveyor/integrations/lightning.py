@@ -42,7 +42,7 @@ from torch import nn
 
 from conveyor.checkpoint import load as load_checkpoint
 from conveyor.checkpoint import save as save_checkpoint
-from conveyor.context import Context, in_torchrun, init
+from conveyor.context import Context, backend_timeout, in_torchrun, init
 from conveyor.errors import ConfigError, one_line
 from conveyor.integrations._hf_model import gather_state_dict
 from conveyor.integrations._lightning_parts import (
@@ -127,8 +127,8 @@ class PipelineStrategy(ParallelStrategy):
             did: ``"popen"`` (runs the script again per process, as Lightning's DDP),
             ``"spawn"`` or ``"fork"``.
         process_group_backend: ``"gloo"`` or ``"nccl"`` (default: the device's).
-        timeout: The process group's time-out.
-        **pipeline_options: :func:`conveyor.init`'s keywords (``tp``, ``timeout``, ...) and
+        **pipeline_options: :func:`conveyor.init`'s keywords (``tp``, ``timeout``: seconds
+            any wait on another rank may take, the process group's too, ...) and
             :class:`conveyor.Pipeline`'s (``microbatches`` (default: ``pp``),
             ``schedule``, ``chunks``, ``balance``, ``fsdp``, ``tp_plan``, ``compile``,
             ``recompute``, ``sample``, ...).
@@ -148,7 +148,6 @@ class PipelineStrategy(ParallelStrategy):
         loss_attr: str = "loss_fn",
         start_method: str = "popen",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
         **pipeline_options: Any,
     ) -> None:
         super().__init__()
@@ -176,7 +175,6 @@ class PipelineStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self.context: Context | None = None
         self.pipe: Pipeline | None = None
         self._loss: Scaled | None = None
@@ -245,8 +243,9 @@ class PipelineStrategy(ParallelStrategy):
             )
             assert self.cluster_environment is not None
             kwargs: dict[str, Any] = {}
-            if self._timeout is not None:
-                kwargs["timeout"] = self._timeout
+            seconds = self.init_options.get("timeout")
+            if seconds is not None:  # else Lightning's; conveyor's own waits keep theirs
+                kwargs["timeout"] = timedelta(seconds=backend_timeout(backend, float(seconds)))
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.context = init(**self.init_options)
 
@@ -263,8 +262,8 @@ class PipelineStrategy(ParallelStrategy):
                 "forward and backward in one step); remove automatic_optimization = False and "
                 "return the loss from training_step"
             )
-        if self.pipe is None:
-            self._build(trainer, module)
+        if not isinstance(getattr(module, self.module_attr, None), PipelineNetwork):
+            self._build(trainer, module)  # first use of this module (else: its pipeline)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -415,8 +414,19 @@ class PipelineStrategy(ParallelStrategy):
         return self._step("predict_step", "predict", args, kwargs)
 
     def network_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``self.model(...)`` inside a step: a :class:`PipelineOutput` (predict: the
-        whole batch's output on every pipeline rank of the replica)."""
+        """``self.model(...)`` inside a step.
+
+        Args:
+            args: The call's positional inputs.
+            kwargs: The call's keyword inputs.
+
+        Returns:
+            A :class:`PipelineOutput` waiting for the loss; in ``predict_step`` the whole
+            batch's output, on every pipeline rank of the replica.
+
+        Raises:
+            ConfigError: a call outside a step, or a second call in one step.
+        """
         mode = self._mode
         if mode is None:
             raise ConfigError(
@@ -437,7 +447,19 @@ class PipelineStrategy(ParallelStrategy):
         return self._pending
 
     def loss_call(self, output: PipelineOutput, targets: Any) -> torch.Tensor:
-        """The step's loss: ``loss_fn(network(inputs), targets)`` of the whole batch."""
+        """Run the step whose output reached the loss.
+
+        Args:
+            output: The step's :class:`PipelineOutput`.
+            targets: The loss's targets (None for a network computing its own loss).
+
+        Returns:
+            The whole (global) batch's loss, detached, the same on every rank; training
+            steps leave its gradients for :meth:`backward`.
+
+        Raises:
+            ConfigError: an output of another step, or missing targets.
+        """
         if output is not self._pending or output.used:
             raise ConfigError(
                 "a network output from another step (or used twice) reached the loss; compute "
@@ -577,7 +599,14 @@ class PipelineStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
         """Write a checkpoint directory: conveyor's checkpoint of the network (and the
-        optimizer), each rank its part, and Lightning's state in :data:`TRAINER_STATE`."""
+        optimizer), each rank its part, and Lightning's state in :data:`TRAINER_STATE`.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict (its ``state_dict`` and
+                ``optimizer_states`` are left to conveyor's checkpoint).
+            filepath: The directory (every rank takes rank 0's).
+            storage_options: Not taken.
+        """
         if storage_options is not None:
             raise ConfigError(
                 "PipelineStrategy writes conveyor checkpoints without a CheckpointIO; drop "
@@ -585,7 +614,8 @@ class PipelineStrategy(ParallelStrategy):
             )
         path = Path(self.broadcast(str(filepath)))
         if self.is_global_zero and path.is_file():
-            path.unlink()
+            path.unlink()  # a file of that name (Lightning's own format): replaced
+        self.barrier()
         state = dict(checkpoint)
         state.pop("state_dict", None)
         optimizer = self.optimizers[0] if "optimizer_states" in state and self.optimizers else None
@@ -601,7 +631,15 @@ class PipelineStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Load a checkpoint directory :meth:`save_checkpoint` wrote into the pipeline (and
-        the optimizer, when fitting); returns Lightning's state."""
+        the optimizer, when fitting).
+
+        Args:
+            checkpoint_path: The directory (any split, schedule or process count saved it).
+            weights_only: Unused (Lightning's state is this library's own file).
+
+        Returns:
+            Lightning's state (loops, callbacks, LR schedulers, ...).
+        """
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.pipe is not None
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -620,8 +658,12 @@ class PipelineStrategy(ParallelStrategy):
                 path.unlink()
 
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole network's state dict (original names) on rank 0, ``{}`` elsewhere. A
-        collective: call it on every rank."""
+        """The whole network's state dict, gathered from every stage. A collective: call
+        it on every rank.
+
+        Returns:
+            The state dict under the network's own names on rank 0, ``{}`` elsewhere.
+        """
         assert self.pipe is not None and self.lightning_module is not None
         stand_in = getattr(self.lightning_module, self.module_attr)
         return gather_state_dict(self.pipe, stand_in.__dict__["original"])
