@@ -30,7 +30,7 @@ from tests.trainer_forked import run_forked
 class LitMLP(L.LightningModule):
     """A plain LightningModule: its network in self.model, its loss in self.loss_fn."""
 
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.2) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = nn.Sequential(
@@ -58,7 +58,8 @@ class LitMLP(L.LightningModule):
         return self.model(batch[0])
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        # SGD: a gradient off by a factor moves the weights by that factor (Adam would not)
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=8, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
