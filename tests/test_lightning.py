@@ -267,8 +267,11 @@ def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     val = DataLoader(mlp_data(16), batch_size=8 // dp)
     strategy = PipelineStrategy(dp=dp, microbatches=2, fsdp=dp > 1)
     if dp > 1:  # replicas with FSDP2: sharded parameters, gradients and optimizer state
-        trainer(**MLP_FIT, devices=world, strategy=strategy).fit(lit, data, val)
-        return {"losses": lit.losses, "val": lit.val_losses}
+        run = trainer(**MLP_FIT, devices=world, strategy=strategy)
+        run.fit(lit, data, val)
+        # every rank, the first stage's too, gets its replica's predictions
+        out = torch.cat(run.predict(lit, DataLoader(mlp_data(16), batch_size=4)))
+        return {"losses": lit.losses, "val": lit.val_losses, "predict": out, "dp_rank": rank // 2}
     saves = ModelCheckpoint(dirpath=f"{tmp}/ckpt", save_last=True)
     first = trainer(**{**MLP_FIT, "max_epochs": 2}, devices=world, strategy=strategy,
                     enable_checkpointing=True, callbacks=[saves])  # fmt: skip
@@ -292,6 +295,12 @@ def test_mlp_loss_curve_equals_lightnings(world: int, dp: int, tmp_path: Path) -
         print(f"MLP, {world} processes, dp {dp}: max relative difference {rel:.2e}")
         assert rel < 1e-6
         assert r["val"] == pytest.approx(val, rel=1e-6)
+        if dp > 1:
+            unsplit = LitMLP()
+            unsplit.model.load_state_dict(weights)
+            with torch.no_grad():
+                expected = unsplit.model(mlp_data(16).tensors[0][r["dp_rank"] :: dp])
+            assert torch.allclose(r["predict"], expected, rtol=1e-5, atol=1e-6)
     if dp == 1:  # the resumed run's checkpoints load into the unsplit module
         unsplit = LitMLP()
         unsplit.model.load_state_dict(conveyor.load_model_state(tmp_path / "ckpt" / "last.ckpt"))
