@@ -233,6 +233,27 @@ class Metric(LitMLP):
         return self.loss_fn(out, y)
 
 
+class Branchy(nn.Module):
+    """A network torch.fx cannot trace (a branch on a value): split on a first batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) if x.sum() > 0 else x)
+
+
+class LogsFirst(LitMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Branchy()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("lr", 0.1)  # outside Lightning's loop (the first-batch run) it cannot
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.parametrize(
     ("module", "strategy", "message"),
     [
@@ -240,8 +261,11 @@ class Metric(LitMLP):
         (Outside, {}, r"^PipelineStrategy trains self.model only, .*\['head.weight', "),
         (NoNetwork, {}, r"found in self.model; put the network there .*\(module_attr="),
         (Metric, {}, r"^output.argmax: under PipelineStrategy the network's output exists"),
+        (LogsFirst, {}, r"^PipelineStrategy ran training_step on a first batch to find the "
+                        r"network's inputs and it raised .*; pass sample=\(inputs, targets\)"),
     ],
-    ids=["manual-optimization", "parameters-outside", "no-network", "output-used"],
+    ids=["manual-optimization", "parameters-outside", "no-network", "output-used",
+         "first-batch-run-fails"],
 )
 def test_what_it_cannot_split_is_one_sentence(module: Any, strategy: Any, message: str) -> None:
     with pytest.raises(conveyor.ConfigError, match=message):

@@ -367,6 +367,14 @@ class PipelineStrategy(ParallelStrategy):
                 getattr(module, step)(batch, 0)
         except _Captured as captured:
             return captured.inputs, captured.targets
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"PipelineStrategy ran {step} on a first batch to find the network's inputs "
+                f"and it raised {one_line(exc, 120)}; pass sample=(inputs, targets) to the "
+                f"strategy"
+            ) from exc
         raise ConfigError(
             f"{step} never passed self.{self.module_attr}'s output to self.{self.loss_attr}; "
             f"compute the loss as self.{self.loss_attr}(self.{self.module_attr}(inputs), "
