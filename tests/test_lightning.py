@@ -178,6 +178,11 @@ def test_one_process_pp2_equals_lightning_and_saves_a_loadable_checkpoint(tmp_pa
     logged = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert logged == pytest.approx(losses[1::2], rel=1e-6)  # one line per optimizer step
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    # Another trainer (and strategy) validates the trained module: it splits it anew.
+    metrics = trainer(strategy=PipelineStrategy(pp=2)).validate(
+        lit, DataLoader(mlp_data(16), batch_size=8)
+    )
+    assert metrics[0]["val_loss"] == pytest.approx(sum(val[-2:]) / 2, rel=1e-6)
     # Predict: the network's output for the whole batch.
     out = run.predict(lit, DataLoader(mlp_data(16), batch_size=8))
     plain = LitMLP()

@@ -262,8 +262,9 @@ class PipelineStrategy(ParallelStrategy):
                 "forward and backward in one step); remove automatic_optimization = False and "
                 "return the loss from training_step"
             )
-        if not isinstance(getattr(module, self.module_attr, None), PipelineNetwork):
-            self._build(trainer, module)  # first use of this module (else: its pipeline)
+        stand_in = getattr(module, self.module_attr, None)
+        if not (isinstance(stand_in, PipelineNetwork) and stand_in.__dict__["runner"] is self):
+            self._build(trainer, module)  # first use of this module here (else: its pipeline)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -275,6 +276,8 @@ class PipelineStrategy(ParallelStrategy):
     def _build(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Make the pipeline from the module's network and loss, and put the stand-ins in."""
         network = getattr(module, self.module_attr, None)
+        if isinstance(network, PipelineNetwork):  # another strategy's: split it anew
+            network = network.__dict__["original"]
         if not isinstance(network, nn.Module):
             raise ConfigError(
                 f"PipelineStrategy splits the LightningModule's network, found in "
@@ -282,7 +285,9 @@ class PipelineStrategy(ParallelStrategy):
                 f"attribute with PipelineStrategy(module_attr=...)"
             )
         inside = {id(p) for p in network.parameters()}
-        outside = [n for n, p in module.named_parameters() if id(p) not in inside]
+        mine = f"{self.module_attr}."
+        named = module.named_parameters()
+        outside = [n for n, p in named if id(p) not in inside and not n.startswith(mine)]
         if outside:
             raise ConfigError(
                 f"PipelineStrategy trains self.{self.module_attr} only, but the "
@@ -290,6 +295,8 @@ class PipelineStrategy(ParallelStrategy):
                 f"those layers into self.{self.module_attr}"
             )
         user_loss = getattr(module, self.loss_attr, None)
+        if isinstance(user_loss, PipelineLoss):
+            user_loss = user_loss.__dict__["loss_fn"]
         token = model_token_loss(network) if user_loss is None else None
         loss: Any = user_loss if user_loss is not None else token
         loss = loss if loss is not None else OutputLoss()
