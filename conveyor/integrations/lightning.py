@@ -243,10 +243,18 @@ class PipelineStrategy(ParallelStrategy):
             )
             assert self.cluster_environment is not None
             kwargs: dict[str, Any] = {}
+            if self.root_device.type != "cpu":  # bound to its GPU at once, as conveyor.init
+                kwargs["device_id"] = self.root_device
             seconds = self.init_options.get("timeout")
             if seconds is not None:  # else Lightning's; conveyor's own waits keep theirs
                 kwargs["timeout"] = timedelta(seconds=backend_timeout(backend, float(seconds)))
             _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        elif self.root_device.type != "cpu":
+            raise ConfigError(
+                f"one process runs every pipeline stage on the CPU, not on "
+                f"{self.root_device}; give the Trainer devices=pp*dp to run a stage per "
+                f"{self.root_device.type} device, or accelerator='cpu'"
+            )
         self.context = init(**self.init_options)
 
     # ------------------------------------------------------------------ the pipeline
