@@ -288,6 +288,21 @@ def test_unsupported_options_are_one_sentence() -> None:
         trainer(strategy=PipelineStrategy(pp=2), precision="64-true")
 
 
+def test_pipeline_keywords_come_from_its_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keyword Pipeline gains (weights=, init_seed=, ...) is taken without a change here."""
+    from conveyor.pipeline import Pipeline
+
+    def init(self: Any, model: Any, *, loss_fn: Any, microbatches: int, init_seed: int = 0,
+             fresh_option: bool = False) -> None: ...  # fmt: skip
+
+    monkeypatch.setattr(Pipeline, "__init__", init)
+    strategy = PipelineStrategy(pp=2, tp=1, init_seed=3, fresh_option=True)
+    assert strategy.pipeline_options == {"init_seed": 3, "fresh_option": True}
+    assert strategy.init_options == {"pp": 2, "dp": 1, "tp": 1}
+    with pytest.raises(conveyor.ConfigError, match=r"does not know \['schedule'\]"):
+        PipelineStrategy(schedule="gpipe")  # gone from this Pipeline
+
+
 # ---------------------------------------------------------------------- several processes
 def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     """pp=2 (x dp): with dp=1, 2 epochs, a checkpoint, and 2 more epochs resumed from it."""
