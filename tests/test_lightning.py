@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -385,7 +386,12 @@ def test_lightnings_fork_launcher_returns_the_whole_network() -> None:
     lit = LitMLP()
     run = trainer(**MLP_FIT, devices=2,
                   strategy=PipelineStrategy(pp=2, microbatches=2, start_method="fork"))  # fmt: skip
-    run.fit(lit, DataLoader(mlp_data(), batch_size=8), DataLoader(mlp_data(16), batch_size=8))
+    environment = dict(os.environ)
+    try:
+        run.fit(lit, DataLoader(mlp_data(), batch_size=8), DataLoader(mlp_data(16), batch_size=8))
+    finally:  # the launcher sets MASTER_PORT here: leave this process as it was
+        os.environ.clear()
+        os.environ.update(environment)
     assert math.isclose(float(run.callback_metrics["train_loss"]), losses[-1], rel_tol=1e-6)
     for name, value in weights.items():
         assert torch.allclose(lit.model.state_dict()[name], value, rtol=1e-5, atol=1e-6), name
