@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from conveyor.planning.planner import plan
     from conveyor.planning.profiler import profile
     from conveyor.training import Trainer
+    from conveyor.weights import empty_weights, materialize
 
 __all__ = [
     "CheckpointError",
@@ -33,10 +34,12 @@ __all__ = [
     "Trainer",
     "balance",
     "checkpoint",
+    "empty_weights",
     "init",
     "load",
     "load_model_state",
     "losses",
+    "materialize",
     "plan",
     "profile",
     "save",
@@ -58,6 +61,8 @@ _LAZY = {
     "sequence": "conveyor.partition.execution",
     "set_stage": "conveyor.partition.annotations",
     "Trainer": "conveyor.training",
+    "empty_weights": "conveyor.weights",
+    "materialize": "conveyor.weights",
 }
 
 

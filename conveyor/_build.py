@@ -36,6 +36,8 @@ from conveyor.runtime.step_loss import Combined, LossKind, combine, global_rows,
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Action, Schedule
+from conveyor.weights import Pending, has_meta
+from conveyor.weights.allocate import allocate_sharded
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,19 @@ def build(
     if options.balance is None and annotated_stages(model) is None:
         _check_every_rank_trains(schedule, all_stages)
     held = held_stages(schedule, ctx)
-    stages: dict[int, nn.Module] = {s: all_stages[s].to(ctx.device) for s in held}
+    # Meta tensors (conveyor.empty_weights) get values only where they are held, after
+    # any sharding: a rank allocates its own stages (under FSDP, its own shards).
+    # Decided on the whole model, so that every rank takes the same collectives below.
+    meta = has_meta(all_stages)
+    stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
+    sharding = options.tp_plan is not None or bool(options.fsdp)
+    given = meta or options.weights is not None
+    pending = (
+        Pending(model, list(stages.values()), options.weights, options.init_seed)
+        if given else None
+    )  # fmt: skip
+    if pending is not None and not sharding:
+        pending.give(ctx.device)
     description = describe_split(model, all_stages, schedule.placement)
     # Tied weights on several ranks: copies start equal and their gradients are summed.
     ties = [
@@ -236,10 +250,14 @@ def build(
         for name, group in shared_parameters(all_stages)
     ]
     shared = SharedParameters(ties, schedule.placement, stages, ctx)
-    shared.make_equal()
+    # Values given by conveyor are equal on every rank by construction (seeded by name, or
+    # read from one checkpoint); the real parameters of a partly meta model must be built
+    # the same on every rank.
+    if not given:
+        shared.make_equal()
     # Data-parallel replicas start from replica 0's parameters (before any sharding).
     replicas = ctx.distributed and ctx.dp_size > 1
-    if replicas:
+    if replicas and not given:
         make_replicas_equal(stages, ctx)
     sharded = None
     if options.tp_plan is not None:
@@ -263,7 +281,11 @@ def build(
         assert ctx.mesh is not None
         _check_ties_for_fsdp(ties, schedule.placement)
         sharded = Sharded(stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard")
-    if options.tp_plan is not None or options.fsdp:
+    if pending is not None and sharding:
+        owned = meta and bool(options.fsdp)  # FSDP allocates its shards' storage itself
+        allocate = (lambda: allocate_sharded(stages.values(), ctx.device)) if owned else None
+        pending.give(ctx.device, allocate)
+    if sharding:
         shared.rebind(stages)
     # Without FSDP, replicas average their gradients while the pipeline drains.
     dp = DataParallel(schedule, stages, ctx) if replicas and not options.fsdp else None
@@ -329,6 +351,14 @@ def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: A
             "step got inputs=None; pass the batch, or Pipeline(..., sample=(inputs, targets))"
         )
     return sample
+
+
+def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:
+    """``stage`` with its real tensors on ``device``; meta ones stay (they get values later)."""
+    moved: nn.Module = stage._apply(  # type: ignore[no-untyped-call]
+        lambda t: t if t.is_meta else t.to(device)
+    )
+    return moved
 
 
 def _check_every_rank_trains(schedule: Schedule, all_stages: list[nn.Module]) -> None:

@@ -8,6 +8,7 @@ and the schedule (:func:`pipeline_schedule`, :meth:`Options.check_schedule`).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from conveyor.runtime.compute import LossFn
 from conveyor.runtime.recompute import autocast_dtype, recompute_stages
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import default_chunks, get_schedule
+from conveyor.weights import Weights
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Options:
     autocast: torch.dtype | None = None
     track_memory: bool = False
     compile: bool | dict[str, Any] = False
+    weights: Weights = None
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -60,6 +64,13 @@ class Options:
             # a collection read once (a generator too); check_schedule checks its indices
             with contextlib.suppress(TypeError):
                 object.__setattr__(self, "recompute", tuple(self.recompute))
+        if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool):
+            raise ConfigError(f"init_seed must be an int, got {self.init_seed!r}")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise ConfigError(
+                f"weights must be a checkpoint path (a conveyor or transformers checkpoint "
+                f"directory) or None, got {type(self.weights).__name__}"
+            )
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(

@@ -26,6 +26,17 @@ class PipelineError(ConveyorError, RuntimeError):
     """A step failed at run time, e.g. a peer rank died or stalled."""
 
 
+class CheckpointError(ConveyorError, RuntimeError):
+    """A checkpoint cannot be written, is missing or damaged, or does not fit the model.
+
+    Raised by :func:`~conveyor.checkpoint.save`, :func:`~conveyor.checkpoint.load`,
+    :func:`~conveyor.checkpoint.load_model_state` and ``weights=`` loads; the message says
+    what to do.
+    """
+
+    __module__ = "conveyor.checkpoint"  # where users import it from, as tracebacks show it
+
+
 def one_line(error: BaseException, limit: int | None = None) -> str:
     """An exception as one line, for logs, summaries and other errors' reasons.
 

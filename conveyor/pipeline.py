@@ -33,6 +33,7 @@ from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
+from conveyor.weights import Weights
 
 
 class Pipeline:
@@ -83,6 +84,13 @@ class Pipeline:
         compile: True or a dict of :func:`torch.compile` keywords: each rank's stages run
             compiled, per block where the split has blocks, whole for a captured graph,
             on every schedule (docs/guide/compile.md).
+        weights: where this rank's parameters come from: None keeps real ones and
+            initializes meta ones (a model built under :func:`conveyor.empty_weights`:
+            each module's own ``reset_parameters`` / transformers ``_init_weights``); a
+            conveyor checkpoint or a transformers checkpoint directory (safetensors) loads
+            them, each rank reading only its own tensors.
+        init_seed: seeds that initialization per module name, so every layout (and
+            :func:`conveyor.materialize` of the unsplit model) draws the same weights.
 
     Raises:
         ConfigError: an option that cannot work, in one sentence that says what to do.
@@ -106,10 +114,13 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         track_memory: bool = False,
         compile: bool | dict[str, Any] = False,
+        weights: Weights = None,
+        init_seed: int = 0,
     ) -> None:
         self.context = ctx = context if context is not None else current()
         options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
-                          fsdp, tp_plan, sample, recompute, autocast, track_memory, compile)
+                          fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
+                          weights, init_seed)
         options.check_context(ctx)  # before a plan's collective profiling run
         self.plan: Plan | None = None
         if schedule == "auto":

@@ -116,6 +116,27 @@ def test_resnet_reads_cifar_binary_files(cifar_dir: Path) -> None:
     assert "held-out accuracy" in out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_big_model_ranks_hold_their_own_stages_and_load_weights(tmp_path: Path) -> None:
+    """examples/big_model.py: built on the meta device; each of 2 ranks holds its stages
+    only (the rest stays meta), initialized, then loaded from a checkpoint."""
+    pytest.importorskip("transformers")
+    tiny = ["examples/big_model.py", "--steps", "4", "--chars", "20000", "--width", "32",
+            "--depth", "2", "--context", "16"]  # fmt: skip
+    first = run([sys.executable, *tiny, "--checkpoint", str(tmp_path), "--save-every", "4"])
+    assert "rank 0: stages [0, 1] hold" in first and "(100%); 0 stay on the meta device" in first
+    out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", *tiny,
+               "--weights", str(tmp_path)], timeout=240)  # fmt: skip
+    held = [line for line in out.splitlines() if " hold " in line]
+    assert len(held) == 2, out
+    for line in held:
+        numbers = [int(w.replace(",", "")) for w in line.split() if w.replace(",", "").isdigit()]
+        mine, whole, meta = numbers[-3:]
+        assert mine + meta == whole and 0 < mine < 0.7 * whole, line
+    assert len(losses(out)) >= 2 and "peak resident memory" in out
+
+
 LIGHTNING_TINY = ["examples/lightning_gpt.py", "--steps", "30", "--layers", "2", "--width",
                   "32", "--length", "16", "--batch-size", "8", "--microbatches", "2"]
 

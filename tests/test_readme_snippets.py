@@ -41,6 +41,8 @@ SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom transformers": "",
     "import torch, lightning as L": "",
     "from conveyor.schedules import": "",
+    # The README's meta-device model, after its Use snippet (one process here).
+    "from transformers import AutoModelForCausalLM": "import torch, conveyor\nconveyor.init()\n",
     "from conveyor.runtime.program import": "",
     "# plan_me.py": "",
     "model.blocks[4].pipeline_stage = 1": """
@@ -92,6 +94,7 @@ PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}
 SLOW = {
     "import torch, conveyor\nfrom transformers",
     "import torch, lightning as L",
+    "from transformers import AutoModelForCausalLM",
     'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="zbv"',
 }
 

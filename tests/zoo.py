@@ -194,3 +194,12 @@ def net_sequence(model: Net) -> ExecutionSequence:
     return sequence(
         model, ["conv1", "bn1", model.relu, "layer1.0", "layer1.1", "layer2", flatten, "fc"]
     )
+
+
+class InitGPT(TinyGPT):
+    """TinyGPT with the ``reset_parameters`` its own position embedding needs to be built
+    on the meta device (``conveyor.empty_weights``): a parameter a module owns directly is
+    initialized by that module's rule."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.pos_emb, std=0.1)

@@ -41,17 +41,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from conveyor.checkpoint.dcp import (
-    dcp_errors,
-    empty_for,
-    empty_like_for,
-    is_sharded,
-    pack,
-    quiet,
-    unpack,
-)
+from conveyor.checkpoint.dcp import empty_for, empty_like_for, is_sharded, pack, unpack
 from conveyor.checkpoint.errors import CheckpointError
-from conveyor.checkpoint.layout import LATEST, META, commit, new_name
+from conveyor.checkpoint.layout import commit, new_name
 from conveyor.checkpoint.meta import build_meta, read_checkpoint
 from conveyor.checkpoint.naming import components
 from conveyor.checkpoint.optimizer import hyper_json, load_optimizer, optimizer_index
@@ -64,26 +56,12 @@ from conveyor.checkpoint.view import (
     view_of,
 )
 from conveyor.errors import ConfigError
+from conveyor.storage import dcp_errors, exists, quiet
 
 if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline
 
 __all__ = ["CheckpointError", "exists", "load", "load_model_state", "save"]
-
-
-def exists(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a checkpoint to resume from (unfinished saves do not count).
-
-    Args:
-        path: A directory given to :func:`save`, or one checkpoint's directory in it.
-
-    Returns:
-        True if ``path/latest`` exists (also when it names a checkpoint that has gone
-        missing, so that a resuming script calls :func:`load` and stops with that error
-        instead of silently starting over) or ``path`` is itself a checkpoint.
-    """
-    root = Path(path)
-    return (root / LATEST).is_file() or (root / META).is_file()
 
 
 def save(

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from conveyor.checkpoint.errors import CheckpointError
 
 
 def pack(value: Any) -> Any:
@@ -57,25 +51,3 @@ def empty_like_for(md: Any, param: Any) -> Any:
     return empty_for(md)
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """DCP warns that it runs in one process whenever ``no_dist`` is set; we mean it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
-        warnings.filterwarnings("ignore", message=".*Detected an existing checkpoint.*")
-        yield
-
-
-@contextlib.contextmanager
-def dcp_errors(doing: str, then: str) -> Iterator[None]:
-    """DCP's failures (a ``BaseException`` carrying every rank's error) as CheckpointError."""
-    try:
-        yield
-    except CheckpointException as exc:
-        ranks = sorted(exc.failures)
-        first, _ = exc.failures[ranks[0]]
-        # from None: the message carries the first rank's error; DCP's own exception
-        # would print every rank's traceback above ours.
-        raise CheckpointError(
-            f"{doing} failed on rank(s) {ranks}: {type(first).__name__}: {first}; {then}"
-        ) from None

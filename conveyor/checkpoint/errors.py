@@ -1,15 +1,8 @@
-"""The error every checkpoint failure is raised as."""
+"""The error every checkpoint failure is raised as (defined with conveyor's other errors,
+so that modules below the checkpoints, such as ``weights=`` loading, raise it too)."""
 
 from __future__ import annotations
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import CheckpointError
 
-
-class CheckpointError(ConveyorError, RuntimeError):
-    """A checkpoint cannot be written, is missing or damaged, or does not fit the model.
-
-    Raised by :func:`~conveyor.checkpoint.save`, :func:`~conveyor.checkpoint.load` and
-    :func:`~conveyor.checkpoint.load_model_state`; the message says what to do.
-    """
-
-    __module__ = "conveyor.checkpoint"  # where it is imported from, as tracebacks show it
+__all__ = ["CheckpointError"]

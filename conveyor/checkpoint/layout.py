@@ -15,46 +15,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from conveyor.checkpoint.errors import CheckpointError
+from conveyor.storage import LATEST, META, resolve
 
-LATEST = "latest"
-"""The file in a checkpoint directory that names the current checkpoint."""
-META = "conveyor.json"
-"""conveyor's own metadata file in each checkpoint."""
+__all__ = ["LATEST", "META", "commit", "new_name", "resolve"]
+
 
 
 def new_name(step: int | None) -> str:
     """A fresh checkpoint directory name: ``step-<step>-<hex>`` or ``nostep-<hex>``."""
     prefix = f"step-{step:08d}" if step is not None else "nostep"
     return f"{prefix}-{secrets.token_hex(4)}"
-
-
-def resolve(path: str | os.PathLike[str]) -> Path:
-    """The directory of the current checkpoint at ``path``."""
-    root = Path(path)
-    latest = root / LATEST
-    if latest.is_file():
-        ckpt_name = latest.read_text().strip()
-        current = root / ckpt_name
-        if not (current / META).is_file():
-            raise CheckpointError(
-                f"{latest} names {ckpt_name!r}, but {current / META} is missing: the checkpoint "
-                f"was deleted or moved; restore it or start from another checkpoint"
-            )
-        return current
-    if (root / META).is_file():
-        return root  # a checkpoint directory itself (path/step-...)
-    if not root.exists():
-        raise CheckpointError(
-            f"no checkpoint at {root}: the path does not exist; check it, or start "
-            f"without loading (conveyor.checkpoint.exists(path) tells whether one is there)"
-        )
-    unfinished = sorted(p.name for p in root.glob("*.tmp"))
-    hint = f" (it holds only unfinished saves: {', '.join(unfinished)})" if unfinished else ""
-    raise CheckpointError(
-        f"no checkpoint at {root}: no {LATEST} file{hint}; pass a directory written by "
-        f"conveyor.save, or start without loading"
-    )
 
 
 def _fsync_dir(path: Path) -> None:

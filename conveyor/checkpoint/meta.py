@@ -4,21 +4,13 @@ metadata (ours and DCP's) back with its format checked."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
-
-from conveyor.checkpoint.errors import CheckpointError
-from conveyor.checkpoint.layout import META, resolve
 from conveyor.checkpoint.view import View
+from conveyor.storage import FORMAT, VERSION, read_checkpoint
 
-FORMAT = "conveyor-checkpoint"
-"""The ``format`` entry of every conveyor.json."""
-VERSION = 1
-"""The ``version`` entry this conveyor writes; it reads this version and older ones."""
+__all__ = ["build_meta", "read_checkpoint"]
+
 
 
 def build_meta(
@@ -73,16 +65,3 @@ def build_meta(
     return meta
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Metadata]:
-    """The current checkpoint's directory, its conveyor.json and DCP's metadata."""
-    ckpt_dir = resolve(path)
-    meta = json.loads((ckpt_dir / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt_dir / META} is not a conveyor checkpoint's metadata")
-    if meta.get("version", 0) > VERSION:
-        raise CheckpointError(
-            f"{ckpt_dir} was written by a newer conveyor (format {meta['version']}); upgrade "
-            f"conveyor to load it"
-        )
-    metadata = FileSystemReader(ckpt_dir).read_metadata()
-    return ckpt_dir, meta, metadata

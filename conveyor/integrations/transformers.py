@@ -15,6 +15,7 @@ read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_ste
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -35,9 +36,10 @@ from conveyor.pipeline import Pipeline
 
 INIT_KEYS = ("pp", "dp", "tp", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
-PIPELINE_KEYS = (
-    "microbatches", "schedule", "chunks", "balance", "fsdp", "tp_plan", "recompute",
-    "memory_limit", "track_memory",
+# Pipeline's keywords but those the trainer sets itself (from the model and its arguments).
+PIPELINE_KEYS = tuple(
+    k for k in inspect.signature(Pipeline.__init__).parameters
+    if k not in ("self", "model", "loss_fn", "context", "sample", "autocast")
 )  # fmt: skip
 
 
@@ -154,6 +156,10 @@ class PipelineTrainer(Trainer):
         return self.data_collator([data[i] for i in range(min(count, len(data)))])
 
     # ------------------------------------------------------------------ the model
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """Nothing: the pipeline puts each rank's stages on its device (moving the whole
+        model would hold it on one device, and cannot move meta parameters)."""
+
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> Any:
         """This rank's stages: never a DDP wrapper (the pipeline reduces over dp itself)."""
         return self.stages

@@ -77,9 +77,13 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
             module.training = training
     gm = program.module()
     graph = gm.graph
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        _devices_of_inputs(graph, args, kwargs)
     guards = getattr(gm, "_guards_fn", None)
     for node in list(graph.nodes):  # stage 0 checks the guards itself (check_inputs)
-        if node.op == "call_module" and node.target == "_guards_fn":
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        # export's checks of the dtypes it saw: under autocast the stages see others
+        if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fixed = tuple(_fixed_sizes(n.meta.get("val")) for n in placeholders)
@@ -97,6 +101,22 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
         inputs=layout,
         output_spec=program.call_spec.out_spec,
     )
+
+
+def _devices_of_inputs(graph: fx.Graph, args: Any, kwargs: Any) -> None:
+    """A model with meta parameters (``conveyor.empty_weights``) is recorded running on
+    the meta device, and export writes that device into the graph (``x.to(h.device)``,
+    its metadata checks). The stages run where the inputs are, as for a real model:
+    each ``meta`` the graph names becomes the inputs' device."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+
+    def real(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, real)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, real)
 
 
 def _call_arguments(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

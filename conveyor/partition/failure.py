@@ -38,6 +38,15 @@ def capture_failure(model: nn.Module, error: Exception, fx_error: Exception | No
             f"torch.export on a sample batch: pass sample=(inputs, targets) to the Pipeline "
             f"(or call train_step first: the first batch is the sample)"
         )
+    if any(p.is_meta for p in model.parameters()):
+        return (
+            f"conveyor cannot split {name} while its parameters are on the meta device: "
+            f"torch.fx stopped ({first_line(fx_error)}) and torch.export, which runs the "
+            f"forward on no data, stopped ({first}){at}, where the forward reads values it "
+            f"does not have. Pass its layers as a list (nn.Sequential) or an execution "
+            f"sequence (conveyor.sequence(model, ['embed', 'blocks.0', ...])), which split "
+            f"without running it, or build it with real weights"
+        )
     return (
         f"conveyor cannot capture {name} as a graph: torch.fx stopped ({first_line(fx_error)}) "
         f"and torch.export stopped ({first}){at}. Ways out: rewrite that line without "

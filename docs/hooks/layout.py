@@ -27,10 +27,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("what one rank runs, built from the options", ["conveyor._build", "conveyor._options"]),
     ("seeing what ran", ["conveyor.observe"]),
     ("running a schedule", ["conveyor.runtime"]),
+    ("the model's values: built empty, initialized, loaded", ["conveyor.weights"]),
     ("model to stages", ["conveyor.partition"]),
     ("processes and losses", ["conveyor.context", "conveyor._groups", "conveyor.losses"]),
     ("the simulator's public face", ["conveyor.simulate"]),
     ("schedules as data, and their simulation", ["conveyor.schedules"]),
+    ("a checkpoint on disk, as read back", ["conveyor.storage"]),
     ("errors", ["conveyor.errors"]),
 ]
 """Top to bottom: (what the layer is, its units: top-level modules and subpackages)."""

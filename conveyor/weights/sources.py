@@ -1,0 +1,138 @@
+"""Where ``weights=`` values come from: a conveyor checkpoint or a transformers checkpoint
+directory, read one tensor at a time so that a rank reads only what it holds."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from conveyor.errors import CheckpointError
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class Source(Protocol):
+    """Stored tensors, by name."""
+
+    where: str  # what messages call it
+
+    def names(self) -> list[str]:
+        """The stored tensors' names, in stored order."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A stored tensor's shape, without reading it."""
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The stored tensors ``names`` (on the CPU, in their stored dtype)."""
+
+    def alias(self, name: str) -> str:
+        """The stored name of the model's tensor ``name`` (a tied weight is stored once)."""
+
+
+class Safetensors:
+    """A transformers checkpoint: ``model.safetensors``, or shards listed by
+    ``model.safetensors.index.json``; each tensor is read on its own (safetensors maps
+    the file and copies only that tensor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.where = str(path)
+        if path.is_file():
+            files = {path.name: path}
+            path = path.parent
+        elif (path / INDEX).is_file():
+            weight_map: dict[str, str] = json.loads((path / INDEX).read_text())["weight_map"]
+            files = {f: path / f for f in dict.fromkeys(weight_map.values())}
+        else:
+            files = {SAFETENSORS: path / SAFETENSORS}
+        from safetensors import safe_open
+
+        self._files: dict[str, Any] = {
+            f: safe_open(str(p), framework="pt", device="cpu") for f, p in files.items()
+        }
+        self._file_of = {n: f for f, handle in self._files.items() for n in handle.keys()}  # noqa: SIM118
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self._file_of[name]].get_slice(name).get_shape())
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        # get_tensor maps the file: a copy, so a parameter never stays backed by a file
+        # that may be rewritten (or truncated: SIGBUS) while training.
+        return {n: self._files[self._file_of[n]].get_tensor(n).clone() for n in names}
+
+    def alias(self, name: str) -> str:
+        return name
+
+
+class ConveyorCheckpoint:
+    """A checkpoint :func:`conveyor.save` wrote, of any layout; DCP reads each requested
+    tensor whole from the shards that hold it."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from conveyor.storage import read_checkpoint
+
+        self._dir, meta, metadata = read_checkpoint(path)
+        self.where = str(self._dir)
+        self._aliases: dict[str, str] = meta["aliases"]
+        self._stored = {
+            k[len("model/") :]: md
+            for k, md in metadata.state_dict_metadata.items()
+            if k.startswith("model/") and isinstance(md, TensorStorageMetadata)
+        }
+
+    def names(self) -> list[str]:
+        return list(self._stored)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._stored[name].size)
+
+    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        from conveyor.storage import dcp_errors, quiet
+
+        state: dict[str, Any] = {}
+        for n in names:
+            md = self._stored[n]
+            state[f"model/{n}"] = torch.empty(md.size, dtype=md.properties.dtype)
+        with quiet(), dcp_errors(f"reading weights from {self.where}", "is it damaged?"):
+            dcp_load(state, storage_reader=FileSystemReader(self._dir), no_dist=True)
+        return {k[len("model/") :]: v for k, v in state.items()}
+
+    def alias(self, name: str) -> str:
+        return self._aliases.get(name, name)
+
+
+def open_source(path: str | os.PathLike[str]) -> Source:
+    """The checkpoint at ``path``: a conveyor checkpoint directory, a transformers
+    checkpoint directory, or one ``.safetensors`` file.
+
+    Raises:
+        CheckpointError: nothing readable is there, in one sentence.
+    """
+    from conveyor.storage import exists
+
+    root = Path(path)
+    if root.is_file() and root.suffix == ".safetensors":
+        return Safetensors(root)
+    if root.is_dir() and ((root / SAFETENSORS).is_file() or (root / INDEX).is_file()):
+        return Safetensors(root)
+    if exists(root):
+        return ConveyorCheckpoint(root)
+    raise CheckpointError(
+        f"weights={str(path)!r} is neither a conveyor checkpoint (conveyor.save) nor a "
+        f"transformers checkpoint directory ({SAFETENSORS} or {INDEX}); pass one of them, or "
+        f"weights=None to initialize the model"
+    )
