@@ -304,6 +304,30 @@ def test_pipeline_keywords_come_from_its_signature(monkeypatch: pytest.MonkeyPat
         PipelineStrategy(schedule="gpipe")  # gone from this Pipeline
 
 
+class MetaMLP(LitMLP):
+    """LitMLP's network built on the meta device: no process holds it whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with conveyor.empty_weights():
+            self.model = nn.Sequential(
+                nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+            )
+
+
+def test_a_network_on_the_meta_device_is_initialized_per_stage() -> None:
+    """PipelineStrategy(init_seed=...) passes Pipeline's keywords: each stage gets the
+    values conveyor.materialize gives the unsplit network, and trains as it does."""
+    reference = MetaMLP()
+    conveyor.materialize(reference.model, init_seed=7)
+    trainer(max_steps=6).fit(reference, DataLoader(mlp_data(), batch_size=8))
+    lit = MetaMLP()
+    run = trainer(max_steps=6, strategy=PipelineStrategy(pp=2, init_seed=7, weights=None))
+    run.fit(lit, DataLoader(mlp_data(), batch_size=8))
+    assert run.strategy.pipe.context.pp_size == 2
+    assert lit.losses == pytest.approx(reference.losses, rel=1e-6)
+
+
 # ---------------------------------------------------------------------- several processes
 def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     """pp=2 (x dp): with dp=1, 2 epochs, a checkpoint, and 2 more epochs resumed from it."""
