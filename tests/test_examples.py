@@ -135,3 +135,28 @@ def test_big_model_ranks_hold_their_own_stages_and_load_weights(tmp_path: Path) 
         mine, whole, meta = numbers[-3:]
         assert mine + meta == whole and 0 < mine < 0.7 * whole, line
     assert len(losses(out)) >= 2 and "peak resident memory" in out
+
+
+LIGHTNING_TINY = ["examples/lightning_gpt.py", "--steps", "30", "--layers", "2", "--width",
+                  "32", "--length", "16", "--batch-size", "8", "--microbatches", "2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_lightning_gpt_learns_and_its_checkpoint_loads(launcher: str, tmp_path: Path) -> None:
+    """Lightning's own launcher (devices=2: it runs the script again for rank 1), or
+    torchrun's (conveyor launch); then the unsplit module loads the last checkpoint."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    start = ([sys.executable] if launcher == "lightning"
+             else [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2"])
+    devices = ["--devices", "2"] if launcher == "lightning" else []
+    out = run([*start, *LIGHTNING_TINY, *devices, "--output", str(tmp_path)], timeout=180)
+    assert "GPT2LMHeadModel in 2 stages" in out and "stage 1 on rank 1: lm_head" in out
+    first, last = (float(x) for x in out.split("first loss ")[1].split("\n")[0].split(", last "))
+    assert last < first - 1.0, out  # the counting language is learnt
+    val = float(out.split("val_loss ")[1].split()[0])
+    unsplit = float(out.split("last.ckpt: loss ")[1].split()[0])
+    assert unsplit == pytest.approx(val, rel=1e-4)  # the checkpoint is the trained network
+    assert (tmp_path / "last.ckpt" / "lightning.pt").is_file()

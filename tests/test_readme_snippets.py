@@ -39,6 +39,7 @@ loader = [(x, y)] * 2
 SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom torch import nn": "",
     "import torch, conveyor\nfrom transformers": "",
+    "import torch, lightning as L": "",
     "from conveyor.schedules import": "",
     # The README's meta-device model, after its Use snippet (one process here).
     "from transformers import AutoModelForCausalLM": "import torch, conveyor\nconveyor.init()\n",
@@ -92,6 +93,7 @@ PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}
 # Snippets that take more than about 3 s in one process (importing transformers, export).
 SLOW = {
     "import torch, conveyor\nfrom transformers",
+    "import torch, lightning as L",
     "from transformers import AutoModelForCausalLM",
     'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="zbv"',
 }
