@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from conveyor.weights import Weights, has_meta
-from conveyor.weights.fill import check, fill, wanted
+from conveyor.weights.fill import check, fill
+from conveyor.weights.plan import wanted
 from conveyor.weights.sources import open_source
 
 Model = nn.Module | Sequence[nn.Module]
@@ -81,7 +82,7 @@ class RealUnits:
         self.device = device
         self.init_seed = init_seed
         self.source = open_source(weights) if weights is not None else None
-        check(self.model, self.source, everything=False)
+        self.found = check(self.model, wanted(self.model, [self.model], False), self.source)
 
     def real(self, unit: nn.Module) -> nn.Module:
         """A copy of ``unit`` (named as in the model) with every tensor real on the device:
@@ -101,7 +102,7 @@ class RealUnits:
         made._apply(lambda t: t if t.is_meta or _same(t.device, here) else t.to(here))  # type: ignore[no-untyped-call]
         plan = wanted(self.model, [made], everything=False)
         if plan:
-            fill(self.model, plan, here, self.init_seed, self.source)
+            fill(self.model, plan, here, self.init_seed, self.source, self.found)
         return made
 
 
