@@ -22,30 +22,13 @@ import argparse
 import math
 
 import torch
+from hf_llama import config
 from loop import add_pipeline_options, context, printer, train
 from text import corpus, windows
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import conveyor
 from conveyor.schedules import check_chunks
-
-
-def config(vocab: int, args: argparse.Namespace) -> LlamaConfig:
-    """The model's shape (no weights, nothing downloaded)."""
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=args.width,
-        intermediate_size=args.width * 8 // 3,
-        num_hidden_layers=args.depth,
-        num_attention_heads=args.heads,
-        num_key_value_heads=max(args.heads // 2, 1),
-        max_position_embeddings=args.context,
-        use_cache=False,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
 
 
 def peak_memory_mib() -> float:
@@ -70,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="training steps")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     ap.add_argument("--context", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--width", type=int, default=256, help="hidden size")
+    ap.add_argument("--width", type=int, default=128, help="hidden size")
     ap.add_argument("--depth", type=int, default=4, help="decoder layers")
     ap.add_argument("--heads", type=int, default=4, help="attention heads")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")

@@ -31,9 +31,9 @@ import conveyor
 from conveyor.schedules import check_chunks
 
 
-def build(vocab: int, args: argparse.Namespace) -> LlamaForCausalLM:
-    """The model, from a config: random weights, nothing downloaded."""
-    config = LlamaConfig(
+def config(vocab: int, args: argparse.Namespace) -> LlamaConfig:
+    """The model's shape, from the options (no weights, nothing downloaded)."""
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=args.width,
         intermediate_size=args.width * 8 // 3,
@@ -47,7 +47,11 @@ def build(vocab: int, args: argparse.Namespace) -> LlamaForCausalLM:
         eos_token_id=None,
         pad_token_id=None,
     )
-    return LlamaForCausalLM(config)
+
+
+def build(vocab: int, args: argparse.Namespace) -> LlamaForCausalLM:
+    """The model, from its config: random weights."""
+    return LlamaForCausalLM(config(vocab, args))
 
 
 def generate(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -41,10 +42,20 @@ class Counting(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def gpt2(args: argparse.Namespace) -> GPT2LMHeadModel:
+    """The model, from a config (no download): the same on every rank."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=args.vocab, n_positions=args.length, n_embd=args.width, n_layer=args.layers,
+            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=None, eos_token_id=None,
+        )
+    )  # fmt: skip
+
+
+def options(ap: argparse.ArgumentParser) -> Callable[[str, object, str], None]:
+    """The model's, data's and pipeline's options; returns the helper that adds one."""
 
     def option(name: str, default: object, what: str) -> None:
         kind = type(default) if default is not None else int
@@ -60,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     option("--schedule", "1f1b", "pipeline schedule")
     option("--pp", None, "pipeline ranks; None: processes / dp, or 2 in one process")
     option("--dp", 1, "data-parallel replicas")
+    return option
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    options(ap)
     ap.add_argument("--output", default=None, help="output directory (default: a temporary one)")
     args = ap.parse_args(argv)
 
@@ -67,14 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     launched = dist.is_torchelastic_launched()
     pp = args.pp or (None if launched else 2)
-    torch.manual_seed(0)  # the same model on every rank
-    model = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=args.vocab, n_positions=args.length, n_embd=args.width, n_layer=args.layers,
-            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-            bos_token_id=None, eos_token_id=None,
-        )
-    )  # fmt: skip
+    model = gpt2(args)
     output = args.output or tempfile.mkdtemp(prefix="hf-trainer-")
     training = TrainingArguments(
         output_dir=output,

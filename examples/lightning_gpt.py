@@ -23,44 +23,21 @@ from typing import Any
 
 import lightning as L
 import torch
+from hf_trainer import Counting, gpt2, options
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset
-from transformers import GPT2Config, GPT2LMHeadModel
+from torch.utils.data import DataLoader
 
 import conveyor
 from conveyor.integrations.lightning import PipelineStrategy
 
 
-class Counting(Dataset[dict[str, torch.Tensor]]):
-    """``n`` sequences ``start, start + stride, ...`` (mod ``vocab``), as inputs and labels."""
-
-    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, vocab, (n, 1), generator=g)
-        stride = torch.randint(1, 4, (n, 1), generator=g)
-        self.ids = (start + stride * torch.arange(length)) % vocab
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 class LitGPT(L.LightningModule):
     """A plain LightningModule: nothing in it knows about pipelines."""
 
-    def __init__(self, layers: int, width: int, vocab: int, length: int, steps: int) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
-        torch.manual_seed(0)  # the same network on every rank
-        self.model = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=4,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                bos_token_id=None, eos_token_id=None,
-            )
-        )  # fmt: skip
-        self.steps = steps
+        self.model = gpt2(args)  # the same network on every rank
+        self.steps = args.steps
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -82,21 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
-    def option(name: str, default: object, what: str) -> None:
-        kind = type(default) if default is not None else int
-        ap.add_argument(name, type=kind, default=default, help=f"{what} (default: %(default)s)")
-
-    option("--steps", 200, "optimizer steps")
-    option("--layers", 4, "GPT-2 blocks")
-    option("--width", 64, "model width")
-    option("--vocab", 64, "vocabulary size")
-    option("--length", 32, "tokens per sequence")
-    option("--batch-size", 16, "sequences per replica and step")
-    option("--microbatches", 4, "micro-batches per step")
-    option("--schedule", "1f1b", "pipeline schedule")
+    option = options(ap)  # the model's, data's and pipeline's, as examples/hf_trainer.py's
     option("--devices", None, "processes on this machine; None: torchrun's, else 1")
-    option("--pp", None, "pipeline ranks; None: processes / dp, or 2 in one process")
-    option("--dp", 1, "data-parallel replicas")
     option("--precision", "32-true", "Lightning's precision: 32-true or bf16-mixed")
     ap.add_argument("--output", default=None, help="checkpoints (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -105,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     several = devices > 1 or "WORLD_SIZE" in os.environ
     pp = args.pp or (None if several else 2)
     output = args.output or tempfile.mkdtemp(prefix="lightning-gpt-")
-    module = LitGPT(args.layers, args.width, args.vocab, args.length, args.steps)
+    module = LitGPT(args)
     strategy = PipelineStrategy(
         pp=pp, dp=args.dp, microbatches=args.microbatches, schedule=args.schedule
     )
@@ -132,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         last = float(trainer.callback_metrics["train_loss"])
         print(f"first loss {first[0]:.4f}, last {last:.4f}")
         print(f"val_loss {float(trainer.callback_metrics['val_loss']):.4f}")
-        unsplit = LitGPT(args.layers, args.width, args.vocab, args.length, args.steps)
+        unsplit = LitGPT(args)
         unsplit.model.load_state_dict(conveyor.load_model_state(f"{output}/last.ckpt"))
         batch = Counting(64, args.length, args.vocab, seed=2).ids
         with torch.no_grad():
