@@ -421,6 +421,29 @@ def test_lightnings_fork_launcher_returns_the_whole_network() -> None:
         assert torch.allclose(lit.model.state_dict()[name], value, rtol=1e-5, atol=1e-6), name
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_fork_launcher_leaves_a_meta_network_unassembled(tmp_path: Path) -> None:
+    """A network built on the meta device is never gathered whole into the main process;
+    its trained weights are in the last checkpoint, which the unsplit network loads."""
+    reference = MetaMLP()
+    conveyor.materialize(reference.model, init_seed=7)
+    trainer(max_steps=4).fit(reference, shuffled(mlp_data(), 8))  # as Lightning's sampler
+    lit = MetaMLP()
+    run = trainer(max_steps=4, devices=2, default_root_dir=tmp_path,
+                  strategy=PipelineStrategy(pp=2, microbatches=2, init_seed=7,
+                                            start_method="fork"))  # fmt: skip
+    environment = dict(os.environ)
+    try:
+        run.fit(lit, DataLoader(mlp_data(), batch_size=8))
+    finally:  # the launcher sets MASTER_PORT here: leave this process as it was
+        os.environ.clear()
+        os.environ.update(environment)
+    assert all(p.is_meta for p in lit.model.parameters())  # nothing assembled here
+    assert math.isclose(float(run.callback_metrics["train_loss"]), reference.losses[-1],
+                        rel_tol=1e-6)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_checkpoint_validates_and_predicts_in_a_new_trainer(tmp_path: Path) -> None:
     """A network captured on a batch (transformers): fit saves, then new trainers split it

@@ -56,6 +56,7 @@ from conveyor.integrations._lightning_parts import (
 )
 from conveyor.losses import model_token_loss
 from conveyor.pipeline import Pipeline
+from conveyor.weights import has_meta
 
 __all__ = ["TRAINER_STATE", "PipelineStrategy"]
 
@@ -91,15 +92,21 @@ class _Captured(BaseException):
 
 class _Launcher(_MultiProcessingLauncher):
     """Lightning's spawn / fork launcher; the main process gets the whole trained network
-    (gathered from every stage), not rank 0's stages alone."""
+    (gathered from every stage), not rank 0's stages alone. A network built on the meta
+    device is not gathered (no process may hold it whole): its weights are in the
+    checkpoints."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         strategy = trainer.strategy
         assert isinstance(strategy, PipelineStrategy)
-        whole = strategy.whole_state_dict() if trainer.state.fn == TrainerFn.FITTING else {}
+        # the same answer on every rank: each keeps the other ranks' stages on meta
+        gather = trainer.state.fn == TrainerFn.FITTING and not strategy.network_on_meta()
+        whole = strategy.whole_state_dict() if gather else {}
         if strategy.local_rank != 0:
             return None
         output = super()._collect_rank_zero_results(trainer, results)
+        if output is not None and output.weights_path is not None and not gather:
+            output = output._replace(weights_path=None)  # nothing for the main process
         if output is not None and output.weights_path is not None:
             prefix = f"{strategy.module_attr}."
             self._strategy.checkpoint_io.save_checkpoint(
@@ -679,6 +686,13 @@ class PipelineStrategy(ParallelStrategy):
                 shutil.rmtree(path)
             elif path.exists() or path.is_symlink():
                 path.unlink()
+
+    def network_on_meta(self) -> bool:
+        """Whether any tensor of the network this rank was given is still on the meta
+        device (built under ``conveyor.empty_weights``, other ranks' stages unset)."""
+        assert self.lightning_module is not None
+        stand_in = getattr(self.lightning_module, self.module_attr)
+        return has_meta([stand_in.__dict__["original"]])
 
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole network's state dict, gathered from every stage. A collective: call
