@@ -328,6 +328,18 @@ def test_a_network_on_the_meta_device_is_initialized_per_stage() -> None:
     assert lit.losses == pytest.approx(reference.losses, rel=1e-6)
 
 
+@pytest.mark.slow
+def test_compiled_stages_train_as_lightnings_own_run() -> None:
+    """Pipeline keywords pass through: compile=True runs each stage through torch.compile."""
+    reference = LitMLP()
+    trainer(max_steps=4).fit(reference, DataLoader(mlp_data(), batch_size=8))
+    lit = LitMLP()
+    run = trainer(max_steps=4, strategy=PipelineStrategy(pp=2, microbatches=2, compile=True))
+    run.fit(lit, DataLoader(mlp_data(), batch_size=8))
+    assert run.strategy.pipe.compile_stats is not None
+    assert lit.losses == pytest.approx(reference.losses, rel=1e-5)
+
+
 # ---------------------------------------------------------------------- several processes
 def _mlp_worker(rank: int, world: int, dp: int, tmp: str) -> dict[str, Any]:
     """pp=2 (x dp): with dp=1, 2 epochs, a checkpoint, and 2 more epochs resumed from it."""
