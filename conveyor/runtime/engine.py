@@ -279,7 +279,7 @@ class Engine:
             shapes = [
                 (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                 for mb in batch.inputs
-                for x in pytree.tree_leaves(mb)
+                for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
             ]
             signature = zlib.crc32(repr(shapes).encode())
         sizes = batch.sizes if batch.sizes is not None else (0,) * m
