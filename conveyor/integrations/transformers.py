@@ -15,6 +15,7 @@ read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_ste
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -35,10 +36,14 @@ from conveyor.pipeline import Pipeline
 
 INIT_KEYS = ("pp", "dp", "tp", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
-PIPELINE_KEYS = (
-    "microbatches", "schedule", "chunks", "balance", "fsdp", "tp_plan", "recompute",
-    "memory_limit", "track_memory",
-)  # fmt: skip
+# Pipeline's keywords, less those the trainer sets itself: derived, so a new keyword of
+# Pipeline is a pipeline option without a second list to keep.
+_SET_HERE = ("loss_fn", "context", "sample", "autocast")
+PIPELINE_KEYS = tuple(
+    name
+    for name, p in inspect.signature(Pipeline.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _SET_HERE
+)
 
 
 class PipelineTrainer(Trainer):
