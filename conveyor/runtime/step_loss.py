@@ -162,15 +162,13 @@ def loss_scale(rows: int, fsdp_replicas: int = 1) -> float:
 
 def global_rows(rows: int | None, ctx: Context) -> int:
     """The rows of the global batch, from each replica's ``rows`` (given on the ranks
-    holding the last stage, None elsewhere). Collective over the world with replicas:
-    every rank posts it at the start of the step.
+    holding the last stage, None elsewhere). Only with replicas (``dp_size > 1``; without,
+    the batch's own rows are the global ones): a collective over the world that every
+    rank posts at the start of the step.
 
     Raises:
         PipelineError: a replica with an empty shard.
     """
-    if not ctx.distributed or ctx.dp_size == 1:
-        assert rows is not None
-        return rows
     sizes = torch.zeros(ctx.dp_size, dtype=torch.int64, device=ctx.device)
     if rows is not None and ctx.tp_rank == 0:  # tensor-parallel ranks hold the same rows
         sizes[ctx.dp_rank] = rows
