@@ -138,7 +138,9 @@ class StageCompute:
     def forward(self, action: Action, value: Any) -> Any:
         """F of ``action``: ``value`` is the stage input (the micro-batch for stage 0);
         returns the output to pass on, or None on the last stage."""
-        with self._timing(action.stage):
+        if self.compiled is None:
+            return self._forward(action, value)
+        with self.compiled.timing(action.stage):
             return self._forward(action, value)
 
     def _timing(self, stage: int) -> contextlib.AbstractContextManager[None]:
@@ -255,7 +257,9 @@ class StageCompute:
     def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
         """B of ``action`` given the gradients of its outputs (None on the last stage);
         returns the input gradients to pass on, or None on the first stage."""
-        with self._timing(action.stage):
+        if self.compiled is None:
+            return self._backward(action, grads)
+        with self.compiled.timing(action.stage):
             return self._backward(action, grads)
 
     def _backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:

@@ -92,6 +92,7 @@ class Engine:
             else Mailbox(schedule, stages)
         )
         self._programs: dict[bool, RankProgram] = {}
+        self._stages = schedule.stages  # read every tick
 
     def program(self, train: bool) -> RankProgram:
         """This process's program for a training (``train``) or forward-only step."""
@@ -181,7 +182,7 @@ class Engine:
         if early:
             channel.post(tick)
         if action is not None:
-            producer = producer_of(action, self.schedule.stages)
+            producer = producer_of(action, self._stages)
             value = channel.take(producer, action) if producer is not None else None
             if action.kind == F and action.stage == 0:
                 assert inputs is not None
