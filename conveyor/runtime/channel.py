@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
-from conveyor.errors import PipelineError, one_line
+from conveyor.errors import PipelineError
 from conveyor.runtime.program import Message, Tick, consumer_stage
 from conveyor.runtime.timing import Timing
-from conveyor.runtime.transport import Op, Transport, Work, collective, guarded, wait_bounded
+from conveyor.runtime.transport import Op, Transport, Work, collective
 from conveyor.runtime.wire import (
     HEADER_BYTES,
     TensorMeta,
@@ -126,8 +126,6 @@ class Remote(Mailbox):
         self._incoming: dict[Action, _Incoming] = {}
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
-        # The holder's header broadcast in flight: (work, buffer kept alive, what, who).
-        self._header: tuple[Work, torch.Tensor, str, str] | None = None
 
     def begin(self, key: StepKey, t0: float) -> None:
         super().begin(key, t0)
@@ -152,51 +150,13 @@ class Remote(Mailbox):
             doing = f"receiving the batch's shapes from {name(holder)} (stage 0)"
             suspect = f"{name(holder)} or another pipeline rank"
         source = self.ctx.global_rank(holder)
-        doing = f"{name(self.rank)}: starting a step ({doing})"
-        self._finish_header()  # a step that failed left it
-        if self.rank != holder:
-            collective(
-                lambda: dist.broadcast(buf, source, group=self.ctx.pp_group, async_op=True),
-                self.ctx.timeout,
-                doing,
-                suspect,
-            )
-            return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
-        # The holder knows the header: it starts computing while the broadcast is under
-        # way (a round trip off every step's critical path) and waits for it at the end.
-        values = [int(v) for v in buf.tolist()]
-        work = guarded(
+        collective(
             lambda: dist.broadcast(buf, source, group=self.ctx.pp_group, async_op=True),
-            doing,
+            self.ctx.timeout,
+            f"{name(self.rank)}: starting a step ({doing})",
             suspect,
         )
-        self._header = None if work is None else (work, buf, doing, suspect)
-        return values
-
-    def _finish_header(self) -> None:
-        """Wait for the holder's header broadcast, if one is under way."""
-        if self._header is not None:
-            work, _, doing, suspect = self._header
-            self._header = None
-            wait_bounded(work, self.ctx.timeout, doing, suspect)
-
-    def _header_failed(self, error: PipelineError) -> None:
-        """After a failed wait: raise the header broadcast's failure instead, if it
-        failed or never finished (the peer did not begin the step)."""
-        if self._header is None:
-            return
-        work, _, doing, suspect = self._header
-        self._header = None
-        if not work.is_completed():
-            raise PipelineError(
-                f"{doing} did not finish; {suspect} may have died or stalled"
-            ) from error
-        try:
-            work.wait()
-        except Exception as exc:
-            raise PipelineError(
-                f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled"
-            ) from exc
+        return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
 
     def deliver(self, producer: Action, value: Any) -> None:
         consumer = consumer_stage(producer, self.schedule.stages)
@@ -217,12 +177,8 @@ class Remote(Mailbox):
         kind = "activations" if producer.kind == F else "gradients"
         what = f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
         began = time.perf_counter()
-        try:
-            for work in dict.fromkeys(incoming.works):  # a coalesced group has one work
-                self.transport.wait(work, incoming.message.src, what)
-        except PipelineError as exc:
-            self._header_failed(exc)  # a peer that never began the step is the cause
-            raise
+        for work in dict.fromkeys(incoming.works):  # a coalesced group has one work
+            self.transport.wait(work, incoming.message.src, what)
         ended = time.perf_counter()
         if ended - began > 1e-5:  # a real wait, not an already finished receive
             self.waits.append(
@@ -297,7 +253,6 @@ class Remote(Mailbox):
         self.transport.prune()
 
     def end(self) -> None:
-        self._finish_header()
         self.transport.flush()
         if self._incoming:
             left = ", ".join(action_name(p) for p in self._incoming)
