@@ -10,6 +10,7 @@ generated and validated for p=64 ranks and m=512 micro-batches (``get_schedule``
 validates what it builds).
 
     python benchmarks/overhead.py [--steps 20] [--rounds 5] [--warmup 3] [--json FILE]
+    python benchmarks/overhead.py --width 128   # tiny layers: the runtime's cost per action
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ Step = Callable[[], None]
 def one_stage(x: torch.Tensor, y: torch.Tensor) -> Step:
     """The same training through a one-stage ``Pipeline``."""
     pipe = conveyor.Pipeline(
-        build_model(),
+        build_model(x.shape[-1]),
         loss_fn=nn.functional.mse_loss,
         microbatches=MICROBATCHES,
         schedule="1f1b",
@@ -72,9 +73,8 @@ def schedule_times() -> dict[str, float]:
     """Seconds to generate and validate each named schedule at p=64, m=512."""
     out = {}
     for name in SCHEDULE_NAMES:
-        chunks = 2 if name in ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev") else 1
         t0 = time.perf_counter()
-        get_schedule(name, BIG_RANKS, BIG_MICROBATCHES, chunks)
+        get_schedule(name, BIG_RANKS, BIG_MICROBATCHES)  # each at its default chunks
         out[name] = time.perf_counter() - t0
     return out
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before each run")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--width", type=int, default=WIDTH, help="the Linear layers' width")
     args = p.parse_args(argv)
     if any(name not in os.environ for name in (*MALLOC_TUNABLES, "OMP_NUM_THREADS")):
         # As `conveyor launch` runs workers: glibc reads these at start, so start again.
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    width = args.width
+    x, y = torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen)
     runs = {"plain loop": single_process(x, y), "one-stage Pipeline": one_stage(x, y)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(args.rounds):
@@ -103,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     plain = statistics.median(times["plain loop"])
     ours = statistics.median(times["one-stage Pipeline"])
     print(
-        f"\n{LAYERS} x Linear({WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches, "
+        f"\n{LAYERS} x Linear({width}) + ReLU, batch {BATCH}, {MICROBATCHES} micro-batches, "
         f"1 process x 1 thread; median of {args.rounds} rounds x {args.steps} steps\n"
     )
     print("| run | ms/step | vs plain loop |\n|---|---:|---:|")
     print(f"| plain gradient accumulation | {plain * 1e3:.2f} | 1.000 |")
     print(f"| one-stage Pipeline (1f1b) | {ours * 1e3:.2f} | {ours / plain:.3f} |")
+    per_action = (ours - plain) / (2 * MICROBATCHES)  # an F and a B per micro-batch
+    print(f"\nconveyor's own cost: {per_action * 1e6:.1f} µs per action")
     gen_times = schedule_times()
     print(f"\nGenerate + validate, p={BIG_RANKS}, m={BIG_MICROBATCHES}:\n")
     print("| schedule | seconds |\n|---|---:|")
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     "plain_ms": plain * 1e3,
                     "one_stage_ms": ours * 1e3,
                     "overhead": ours / plain - 1,
+                    "width": width,
+                    "us_per_action": per_action * 1e6,
                     "schedule_seconds": gen_times,
                 },
                 f,

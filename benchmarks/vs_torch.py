@@ -1,6 +1,7 @@
 """conveyor against ``torch.distributed.pipelining`` on CPU, and against one process.
 
-The model: 8 x (Linear(1024, 1024), ReLU) as one seeded ``nn.Sequential`` of 16 modules;
+The model: 8 x (Linear(1024, 1024), ReLU) as one seeded ``nn.Sequential`` of 16 modules
+(``--width`` sets the 1024);
 batch 64 in 8 micro-batches, MSE loss, SGD; 2 processes on gloo, one thread each. Both
 libraries get the same stages (equal contiguous slices, placed as conveyor's schedule
 places them) and run in the same processes, alternated round by round so drift hits both
@@ -9,6 +10,7 @@ accumulation over the same 8 micro-batches) runs on rank 0 in its own phase of e
 while rank 1 waits idle in a barrier.
 
     python benchmarks/vs_torch.py [--steps 10] [--rounds 5] [--warmup 2] [--json FILE]
+    python benchmarks/vs_torch.py --width 128   # tiny stages: the runtime's cost per action
     python benchmarks/vs_torch.py --model gpt2     # a transformers GPT-2 instead
 
 Prints a markdown table: median step time of each library, their ratio, conveyor's
@@ -74,12 +76,12 @@ ROWS = [
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
-def build_model() -> nn.Sequential:
+def build_model(width: int = WIDTH) -> nn.Sequential:
     """The benchmark model, identical on every call and every rank."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+        layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
@@ -88,7 +90,7 @@ Step = Callable[[], None]
 
 def single_process(x: Tensor, y: Tensor) -> Step:
     """The baseline: the whole model in this process, gradient accumulation over micro-batches."""
-    model = build_model()
+    model = build_model(x.shape[-1])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -101,11 +103,11 @@ def single_process(x: Tensor, y: Tensor) -> Step:
     return step
 
 
-def conveyor_pipeline(row: Row, track_memory: bool = False) -> conveyor.Pipeline:
+def conveyor_pipeline(row: Row, width: int, track_memory: bool = False) -> conveyor.Pipeline:
     """``row``'s conveyor pipeline on equal slices of the benchmark model."""
     stages = PROCS * row.chunks
     return conveyor.Pipeline(
-        build_model(),
+        build_model(width),
         loss_fn=nn.functional.mse_loss,
         microbatches=MICROBATCHES,
         schedule=row.schedule,
@@ -133,7 +135,7 @@ def conveyor_step(
 ) -> tuple[Step, conveyor.Pipeline]:
     """One conveyor training step for ``row`` that adds its action timings to ``timings``
     and where its time went to ``splits``, and the Pipeline."""
-    pipe = conveyor_pipeline(row)
+    pipe = conveyor_pipeline(row, x.shape[-1])
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -156,7 +158,7 @@ def conveyor_step(
 
 def activation_memory(row: Row, x: Tensor, y: Tensor) -> tuple[int, int]:
     """(measured, simulated) peak activation bytes on this rank in a tracked step."""
-    pipe = conveyor_pipeline(row, track_memory=True)
+    pipe = conveyor_pipeline(row, x.shape[-1], track_memory=True)
     for _ in range(2):  # the second step has .grad already, like the timed ones
         pipe.train_step(x, y)
     report = pipe.last_step_memory()
@@ -169,7 +171,7 @@ def torch_step(row: Row, x: Tensor, y: Tensor) -> tuple[Step, nn.Module]:
     from torch.distributed import pipelining
 
     assert row.torch_schedule is not None
-    model = build_model()
+    model = build_model(x.shape[-1])
     rank, stages = dist.get_rank(), PROCS * row.torch_chunks
     size = len(model) // stages
     if row.torch_schedule in V_SCHEDULES:
@@ -230,7 +232,8 @@ def worker(args: argparse.Namespace) -> None:
     conveyor.init()
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    width = args.width
+    x, y = torch.randn(BATCH, width, generator=gen), torch.randn(BATCH, width, generator=gen)
 
     runs: dict[tuple[str, str], Step] = {}
     pipes: dict[str, conveyor.Pipeline] = {}
@@ -280,7 +283,7 @@ def worker(args: argparse.Namespace) -> None:
 
     base = statistics.median(one_process)
     print(
-        f"\n{LAYERS} x Linear({WIDTH}, {WIDTH}) + ReLU, batch {BATCH}, {MICROBATCHES} "
+        f"\n{LAYERS} x Linear({width}, {width}) + ReLU, batch {BATCH}, {MICROBATCHES} "
         f"micro-batches, {PROCS} processes x 1 thread, gloo; median of {args.rounds} rounds "
         f"x {args.steps} steps; one process: {base * 1e3:.1f} ms/step; after one step, "
         f"conveyor's and torch's weights differ by at most {max(mismatches):.1e}\n"
@@ -357,7 +360,7 @@ def worker(args: argparse.Namespace) -> None:
         )
     if args.json:
         report = {
-            "model": f"{LAYERS}x Linear({WIDTH},{WIDTH})+ReLU",
+            "model": f"{LAYERS}x Linear({width},{width})+ReLU",
             "batch": BATCH,
             "microbatches": MICROBATCHES,
             "processes": PROCS,
@@ -382,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each run")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--width", type=int, default=WIDTH, help="the Linear layers' width")
     p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
     p.add_argument(
         "--model",

@@ -172,17 +172,11 @@ def pipeline_schedule(
         The validated schedule.
 
     Raises:
-        ConfigError: an interleaved name with one chunk, a wrong type, or a schedule built
-            for other sizes.
+        ConfigError: a chunk count the named schedule cannot run (the registry's one rule,
+            :func:`~conveyor.schedules.registry.check_chunks`), a wrong type, or a schedule
+            built for other sizes.
     """
     if isinstance(schedule, str):
-        one = {"interleaved-1f1b": "1f1b", "looped-bfs": "gpipe"}.get(schedule)
-        if chunks == 1 and one is not None:
-            # Interleaving one chunk per rank would silently be plain 1F1B / GPipe.
-            raise ConfigError(
-                f"schedule {schedule!r} interleaves several chunks per rank; pass "
-                f"chunks={default_chunks(schedule)} (or more), or use {one!r} for one"
-            )
         return get_schedule(schedule, ranks, microbatches, chunks)
     if not isinstance(schedule, Schedule):
         raise ConfigError(

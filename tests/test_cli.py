@@ -84,6 +84,12 @@ def test_simulate_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
              "1"],
             "--schedule zbv runs 2 chunk(s) per rank, got --chunks 1; pass --chunks 2",
         ),
+        (
+            ["simulate", "--schedule", "interleaved-1f1b", "--ranks", "4", "--microbatches",
+             "8", "--chunks", "1"],
+            "--schedule interleaved-1f1b interleaves several chunks per rank; pass --chunks 2 "
+            "(or more), or use --schedule 1f1b for one",
+        ),
         ([*SIMULATE, "--comm", "-1"], "--comm must be a finite number >= 0, got -1"),
         ([*SIMULATE[:4], "four", *SIMULATE[5:]], "argument --ranks: invalid int value: 'four'"),
         (SIMULATE[:3], "the following arguments are required: --ranks, --microbatches"),

@@ -19,7 +19,7 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import ConfigError
-from conveyor.runtime.compiled import compile_stages, frames_compiled
+from conveyor.runtime.compiled import CompileStats, compile_stages, frames_compiled
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.split_backward import backward_input
 from conveyor.schedules import SCHEDULE_NAMES, default_chunks
@@ -95,6 +95,11 @@ def test_compile_option_is_checked() -> None:
         conveyor.Pipeline(model(1), loss_fn=F.mse_loss, microbatches=2, compile="yes")
     with pytest.raises(ConfigError, match=r"which torch\.compile does not take"):
         conveyor.Pipeline(model(1), loss_fn=F.mse_loss, microbatches=2, compile={"speed": 2})
+
+
+def test_recompiles_leave_out_each_units_first_graph() -> None:
+    stats = CompileStats(graphs={0: {"Block": 3, "Linear": 1}, 1: {"Block": 1}})
+    assert (stats.recompiles(0), stats.recompiles(1), stats.recompiles(2)) == (2, 0, 0)
 
 
 @pytest.mark.slow
@@ -185,6 +190,36 @@ def test_at_most_two_graphs_per_unit_over_four_lengths() -> None:
         assert stats.recompiles(s) <= 2 and graphs <= 2, (s, stats.graphs)
     assert int(counters["stats"]["unique_graphs"]) - before <= 2  # one Block code, 2 graphs
     assert "recompile(s)" in repr(pipe) and " s" in repr(pipe)
+
+
+class Timed(nn.Module):
+    """A block that adds a learned embedding of the positions: that Linear's input is made
+    inside the block and needs no gradient (a diffusion model's timestep embedding)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.embed, self.fc = nn.Linear(4, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(x.shape[1], dtype=x.dtype, device=x.device)
+        phases = torch.stack([t.sin(), t.cos(), (t / 3).sin(), (t / 3).cos()], dim=-1)
+        return torch.tanh(self.fc(x)) + self.embed(phases)
+
+
+def test_a_linear_whose_input_needs_no_gradient_gets_its_gradient_under_a_split() -> None:
+    """zb-h1, compiled: the embedding's weight gradient is the eager one (it is 0 when such
+    a Linear is taken into the opaque op: nothing asks for its input's gradient)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), Timed(), Timed(), nn.Linear(16, 4))
+    want = unsplit_grads(copy.deepcopy(net), (5,))
+    pipe = conveyor.Pipeline(
+        net, loss_fn=F.mse_loss, microbatches=2, schedule="zb-h1",
+        context=conveyor.init(pp=2), compile=EAGER_GRAPHS,
+    )  # fmt: skip
+    got = pipe_grads(pipe, (5,))
+    assert float(want[0]["1.embed.weight"].abs().max()) > 1e-3
+    assert sorted(set(want[0]) - set(got[0])) == []  # every parameter got a gradient
+    assert_close_to_largest(got[0], want[0], "zb-h1 compiled", tol=1e-4)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from conveyor.errors import ConfigError, PipelineError
 from conveyor.losses import TokenCrossEntropy
 from conveyor.schedules.registry import SCHEDULE_NAMES, default_chunks
 from tests import distributed
-from tests.helpers import assert_close, grads_of, merge
+from tests.helpers import assert_close, assert_close_to_largest, grads_of, merge
 
 VOCAB, DIM, LENGTH = 13, 16, 12
 # Real (not ignore_index) tokens per row: 12x apart, and rows of one micro-batch differ.
@@ -136,6 +136,24 @@ def test_label_smoothing_and_shift_match_cross_entropy() -> None:
     assert (total / count).item() == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_another_ignore_index_is_the_one_not_counted() -> None:
+    """``ignore_index=0`` (padding as token 0, and -100 a label never seen): the count and
+    the gradients are ``F.cross_entropy(..., ignore_index=0)``'s (counting -100 instead
+    gives 0.43x the loss)."""
+    x, y = tokens()
+    y = torch.where(y == -100, 0, y.clamp(min=1))
+    model = lm()
+    want = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=0)
+    want.backward()
+    want_grads = grads_of(model.named_parameters())
+    _, count = TokenCrossEntropy(ignore_index=0)(torch.randn(10, LENGTH, VOCAB), y)
+    assert int(count) == int(y.ne(0).sum()) == sum(min(r, LENGTH) for r in REAL)
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(ignore_index=0), microbatches=4)
+    assert pipe.train_step(x, y).item() == pytest.approx(want.item(), rel=1e-6)
+    assert_close(grads_of(pipe.named_parameters()), want_grads, "ignore_index=0")
+
+
 # --------------------------------------------------------------- micro-batches cut by the user
 def test_microbatches_cut_by_length_are_exact() -> None:
     """Bucketed by length: each micro-batch has its own sequence length and rows."""
@@ -249,6 +267,53 @@ def test_transformers_causal_lm_loss_is_the_whole_batch() -> None:
         assert_close(grads_of(pipe.named_parameters()), want_grads, name, tol=1e-4)
 
 
+def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
+    """loss_fn=None, 3 micro-batches of 2 rows, the middle one all padding: its own mean is
+    NaN, yet the step's loss and gradients are the whole batch's (not NaN)."""
+    model, batch = _llama_batch()
+    batch["labels"][2:4] = -100
+    want = model(**batch).loss
+    want.backward()
+    want_grads = grads_of(model.named_parameters())
+    for p in model.parameters():
+        p.grad = None
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3)
+    assert pipe.train_step(batch, None).item() == pytest.approx(want.item(), rel=1e-5)
+    assert_close(grads_of(pipe.named_parameters()), want_grads, "empty micro-batch", tol=1e-4)
+
+
+def test_a_masked_lm_counts_every_labelled_position() -> None:
+    """loss_fn=None on ``BertForMaskedLM``: its loss does not shift, so a label at position
+    0 counts (a shifting count is 7.8% off); rows label 1 to 4 positions."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    model = T.BertForMaskedLM(config)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, VOCAB, (6, 8), generator=g)
+    labels = torch.full_like(ids, -100)
+    for row, positions in enumerate([[0], [0, 3], [5], [0, 1, 2, 7], [0], [4, 6]]):
+        labels[row, positions] = ids[row, positions]
+    batch = {"input_ids": ids, "labels": labels}
+    want = model(**batch).loss
+    want.backward()
+    want_grads = grads_of(model.named_parameters())
+    for p in model.parameters():
+        p.grad = None
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3)
+    assert pipe.train_step(batch, None).item() == pytest.approx(want.item(), rel=1e-5)
+    got = grads_of(pipe.named_parameters())
+    got["cls.predictions.bias"] = got.pop("cls.predictions.decoder.bias")  # one tensor
+    assert_close_to_largest(got, want_grads, "masked LM", tol=1e-4)
+
+
 # ------------------------------------------------------------------------- several processes
 def _pipelines(rank: int, pp: int, dp: int, fsdp: bool, names: list[str]) -> dict[str, Any]:
     """Per schedule: this rank's loss and gradients on its replica's uneven share (global
@@ -327,6 +392,32 @@ def test_trainer_fits_and_evaluates_token_weighted() -> None:
     model = lm()
     means = [token_mean(model(a), b).item() for a, b in zip(x.split(3), y.split(3), strict=True)]
     assert abs(sum(means) / len(means) - want) > 1e-2  # batch means would be far off
+
+
+def _hits(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The batch's mean over rows of each row's right guesses (a row's real tokens)."""
+    return (out.argmax(-1) == y).sum(-1).float().mean()
+
+
+def test_metrics_with_a_pair_loss_are_means_over_samples() -> None:
+    """``fit(metrics=...)`` beside a token loss: a metric is the mean over the evaluation
+    samples of the batch means it returns, weighted by rows (not by counted tokens, 5.7x
+    fewer here)."""
+    x, y = tokens(10)
+    data = torch.utils.data.TensorDataset(x, y)
+    model = lm()
+    sizes = [3, 3, 3, 1]
+    means = [_hits(model(a), b).item() for a, b in zip(x.split(3), y.split(3), strict=True)]
+    want = sum(m * n for m, n in zip(means, sizes, strict=True)) / 10
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(lm(), loss_fn=TokenCrossEntropy(), microbatches=2)
+    trainer = conveyor.Trainer(pipe, torch.optim.SGD(pipe.parameters(), lr=0.0))
+    history = trainer.fit(
+        data, batch_size=10, epochs=1, metrics={"hits": _hits},
+        eval_data=torch.utils.data.DataLoader(data, batch_size=3),
+    )  # fmt: skip
+    assert want > 0.1  # the ratio shows
+    assert history.evals[-1]["hits"] == pytest.approx(want, rel=1e-6)
 
 
 def test_gradients_of_earlier_steps_are_kept_apart_only_when_needed() -> None:

@@ -131,11 +131,44 @@ def test_the_loss_curve_equals_the_plain_trainers(
         assert torch.allclose(saved[name], value, rtol=1e-4, atol=1e-5), name
 
 
+def _tensor_parallel(rank: int, tmp: str) -> list[float]:
+    args = arguments(tmp, 8)
+    args.max_steps = 2
+    trainer = PipelineTrainer(
+        gpt2(), args, train_dataset=features(),
+        pipeline_options={"pp": 1, "tp": 2, "microbatches": 2},
+    )  # fmt: skip
+    assert trainer.context.tp_size == 2
+    trainer.train()
+    return _curve(trainer.state.log_history)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tensor_parallel_ranks_count_the_tokens_once(tmp_path: Path) -> None:
+    """tp=2 (replicated weights: no tp_plan): the losses are the plain trainer's; counting
+    the tokens on both tensor-parallel ranks halves them."""
+    args = arguments(str(tmp_path / "plain"), 8)
+    args.max_steps = 2
+    trainer = Trainer(model=gpt2(), args=args, train_dataset=features())
+    trainer.train()
+    want = _curve(trainer.state.log_history)
+    for got in run_forked(_tensor_parallel, 2, str(tmp_path / "pipe")):
+        assert got == [pytest.approx(w, rel=1e-4) for w in want]
+
+
 def test_unknown_pipeline_options_are_one_sentence(tmp_path: Path) -> None:
     reset_context()
-    with pytest.raises(conveyor.ConfigError, match=r"^unknown pipeline_options \['micro'\]; use"):
+    unknown = r"^unknown pipeline_options \['micro'\]; use"
+    with pytest.raises(conveyor.ConfigError, match=unknown) as e:
         PipelineTrainer(gpt2(), arguments(str(tmp_path), 4), train_dataset=features(),
                         pipeline_options={"micro": 2})  # fmt: skip
+    # Pipeline's own keywords, read from its signature (compile included), less those the
+    # trainer sets itself.
+    assert str(e.value).endswith(
+        "or conveyor.Pipeline's ['microbatches', 'schedule', 'chunks', 'balance', 'fsdp', "
+        "'tp_plan', 'memory_limit', 'recompute', 'track_memory', 'compile']"
+    )
 
 
 def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) -> None:
@@ -154,6 +187,29 @@ def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) ->
     saved = GPT2LMHeadModel.from_pretrained(tmp_path / "final").state_dict()
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(saved[name], value), name
+
+
+def test_evaluate_turns_dropout_off(tmp_path: Path) -> None:
+    """Dropout 0.3 everywhere: ``evaluate()`` is deterministic and equals the plain
+    trainer's (a model captured as a graph reads its modes from the original model)."""
+    def dropping() -> GPT2LMHeadModel:
+        model = gpt2()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.3
+        return model
+
+    reset_context()
+    want = Trainer(
+        model=dropping(), args=arguments(str(tmp_path / "plain"), 8),
+        eval_dataset=features(20, seed=1),
+    ).evaluate()["eval_loss"]  # fmt: skip
+    trainer = PipelineTrainer(
+        dropping(), arguments(str(tmp_path / "pipe"), 8), train_dataset=features(),
+        eval_dataset=features(20, seed=1), pipeline_options={"pp": 2, "microbatches": 2},
+    )  # fmt: skip
+    got = [trainer.evaluate()["eval_loss"] for _ in range(2)]
+    assert got == [pytest.approx(want, rel=1e-5)] * 2
 
 
 @pytest.mark.slow

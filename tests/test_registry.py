@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from torch import nn
+from torch.nn import functional as F
 
+import conveyor
 from conveyor.errors import ConfigError
 from conveyor.schedules import (
     SCHEDULE_NAMES,
@@ -32,9 +35,31 @@ def test_interleaved_and_looped_without_chunks_run_two() -> None:
     assert looped.chunks == 2 and looped.actions == gpipe(3, 5, 2).actions
     assert get_schedule("zbv", 4, 8).chunks == get_schedule("dualpipev", 4, 8).chunks == 2
     assert get_schedule("1f1b", 4, 8).chunks == 1
-    # An explicit count still wins, one chunk included (that is plain 1F1B's order).
-    assert get_schedule("interleaved-1f1b", 4, 8, 1).chunks == 1
     assert get_schedule("interleaved-1f1b", 4, 8, 3).chunks == 3
+
+
+def test_one_chunk_of_an_interleaved_schedule_is_refused_by_every_caller() -> None:
+    """``get_schedule``, ``Pipeline`` and ``conveyor simulate`` share one rule: one chunk
+    would silently be plain 1F1B / GPipe."""
+    python = (
+        "schedule 'interleaved-1f1b' interleaves several chunks per rank; pass chunks=2 "
+        "(or more), or use '1f1b' for one"
+    )
+    with pytest.raises(ConfigError) as got:
+        get_schedule("interleaved-1f1b", 4, 8, 1)
+    assert str(got.value) == python
+    with pytest.raises(ConfigError) as got:
+        conveyor.Pipeline(
+            nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), loss_fn=F.mse_loss,
+            microbatches=8, schedule="interleaved-1f1b", chunks=1, context=conveyor.init(pp=2),
+        )  # fmt: skip
+    assert str(got.value) == python
+    with pytest.raises(ConfigError) as got:
+        check_chunks("looped-bfs", 1, flags=True)
+    assert str(got.value) == (
+        "--schedule looped-bfs interleaves several chunks per rank; pass --chunks 2 "
+        "(or more), or use --schedule gpipe for one"
+    )
 
 
 def test_a_count_the_schedule_cannot_run_is_one_sentence_in_either_spelling() -> None:

@@ -38,7 +38,12 @@ chunks = st.integers(1, 4)
 @st.composite
 def named_schedules(draw: st.DrawFn) -> Schedule:
     name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]))
-    v = 1 if name == "1f1b" else draw(chunks)
+    if name == "1f1b":
+        v = 1
+    elif name == "interleaved-1f1b":
+        v = draw(st.integers(2, 4))  # one chunk: the name is refused (it would be 1F1B)
+    else:
+        v = draw(chunks)
     return get_schedule(name, draw(ranks), draw(microbatches), v)
 
 

@@ -266,7 +266,7 @@ def test_auto_is_never_worse_than_zb_h1_at_cap_p(case: tuple[int, int, CostSpec,
 @given(auto_cases(), st.integers(1, 16))
 def test_auto_respects_the_memory_cap(case: tuple[int, int, CostSpec, float], cap: int) -> None:
     p, m, cost, comm = case
-    schedule = validate(zero_bubble_auto(p, m, cost, memory_limit=cap, comm=comm))
+    schedule = validate(zero_bubble_auto(p, m, cost, microbatch_cap=cap, comm=comm))
     assert max(simulate(schedule).peak_activations) <= cap
 
 
@@ -282,7 +282,7 @@ def test_auto_beats_zb_h1_when_the_last_stage_has_a_heavy_weight_gradient() -> N
 
 
 def test_auto_trades_memory_for_time() -> None:
-    times = [simulate(zero_bubble_auto(4, 8, memory_limit=cap)).makespan for cap in (1, 2, 3, 4)]
+    times = [simulate(zero_bubble_auto(4, 8, microbatch_cap=cap)).makespan for cap in (1, 2, 3, 4)]
     # Cap 1: rank 0 takes the next micro-batch only after its W, so each micro-batch
     # costs 4 F + 4 B + 1 W in a row. Cap 4 = p: ZB-H1's 27.
     assert times == [72.0, 41.0, 33.0, 27.0]
@@ -290,8 +290,14 @@ def test_auto_trades_memory_for_time() -> None:
 
 @pytest.mark.parametrize("limit", [0, 0.5, -1, float("nan"), True, "4"])
 def test_auto_rejects_bad_memory_limits(limit: object) -> None:
-    with pytest.raises(ConfigError, match="memory_limit must be a number of micro-batches >= 1"):
-        zero_bubble_auto(4, 8, memory_limit=limit)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="microbatch_cap must be a number of micro-batches >= 1"):
+        zero_bubble_auto(4, 8, microbatch_cap=limit)  # type: ignore[arg-type]
+
+
+def test_auto_takes_its_cap_under_the_former_name_too() -> None:
+    assert zero_bubble_auto(4, 8, memory_limit=2) == zero_bubble_auto(4, 8, microbatch_cap=2)
+    with pytest.raises(ConfigError, match="pass microbatch_cap only"):
+        zero_bubble_auto(4, 8, microbatch_cap=2, memory_limit=2)
 
 
 def test_auto_rejects_costs_for_the_wrong_number_of_stages() -> None:

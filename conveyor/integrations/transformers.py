@@ -36,11 +36,14 @@ from conveyor.pipeline import Pipeline
 
 INIT_KEYS = ("pp", "dp", "tp", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
-# Pipeline's keywords but those the trainer sets itself (from the model and its arguments).
+# Pipeline's keywords, less those the trainer sets itself: derived, so a new keyword of
+# Pipeline is a pipeline option without a second list to keep.
+_SET_HERE = ("loss_fn", "context", "sample", "autocast")
 PIPELINE_KEYS = tuple(
-    k for k in inspect.signature(Pipeline.__init__).parameters
-    if k not in ("self", "model", "loss_fn", "context", "sample", "autocast")
-)  # fmt: skip
+    name
+    for name, p in inspect.signature(Pipeline.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _SET_HERE
+)
 
 
 class PipelineTrainer(Trainer):

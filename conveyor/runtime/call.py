@@ -38,8 +38,8 @@ class StageCaller:
     def __call__(self, key: Hashable, stage: nn.Module, value: Any, first: bool) -> Any:
         """``stage(value)`` as :func:`call_stage`; ``key`` names the stage."""
         known = self._modifies.get(key)
-        if known is False:
-            return call_stage(stage, value, first)
+        if known is False or (isinstance(value, torch.Tensor) and not value.requires_grad):
+            return call_stage(stage, value, first)  # nothing to copy
         copies: list[torch.Tensor] = []
 
         def copy(x: Any) -> Any:

@@ -3,7 +3,7 @@
 One interface, two implementations: :class:`Mailbox` hands values over in memory (every
 consumer is in this process), :class:`Remote` also moves them between ranks with
 :class:`~conveyor.runtime.transport.Transport`, posting exactly what each
-:class:`~conveyor.runtime.program.Step` says (see :mod:`conveyor.runtime.program` for why
+:class:`~conveyor.runtime.program.Tick` says (see :mod:`conveyor.runtime.program` for why
 that order cannot deadlock under NCCL).
 """
 
@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
-from conveyor.runtime.program import Message, Step, consumer_stage
+from conveyor.runtime.program import Message, Tick, consumer_stage
 from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import Op, Transport, Work, collective
 from conveyor.runtime.wire import (
@@ -72,7 +72,9 @@ class Mailbox:
 
     def deliver(self, producer: Action, value: Any) -> None:
         """``producer``'s result (F output or B input gradients), for its consumer."""
-        if producer.kind == F:
+        if producer.kind == F and isinstance(value, torch.Tensor):
+            value = fresh_leaf(value)
+        elif producer.kind == F:
             value = pytree.tree_map(fresh_leaf, value)
         self._box[producer] = value
 
@@ -80,8 +82,8 @@ class Mailbox:
         """``producer``'s result, for ``consumer``."""
         return self._box.pop(producer)
 
-    def post(self, step: Step) -> None:
-        """Post ``step``'s transfers (none: nothing leaves this process)."""
+    def post(self, tick: Tick) -> None:
+        """Post ``tick``'s transfers (none: nothing leaves this process)."""
 
     def end(self) -> None:
         """Finish the step's transfers."""
@@ -170,7 +172,7 @@ class Remote(Mailbox):
         if incoming is None:
             raise PipelineError(
                 f"rank {self.rank}: {action_name(consumer)} needs {action_name(producer)}, "
-                f"which no step of this rank's program receives; the schedule is inconsistent"
+                f"which no tick of this rank's program receives; the schedule is inconsistent"
             )
         kind = "activations" if producer.kind == F else "gradients"
         what = f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
@@ -200,14 +202,14 @@ class Remote(Mailbox):
         ]
         return rebuild(meta, tensors)
 
-    def post(self, step: Step) -> None:
+    def post(self, tick: Tick) -> None:
         descriptions: list[Op] = []
         sends: list[Op] = []
-        if step.sends:
-            sends = self._outgoing_ops(step.sends[0], descriptions)
+        if tick.sends:
+            sends = self._outgoing_ops(tick.sends[0], descriptions)
         self._outgoing = None
         unknown: list[tuple[Message, torch.Tensor]] = []
-        for message in step.recvs:
+        for message in tick.recvs:
             if message.producer.kind == F and self._meta(message) is None:
                 buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
                 unknown.append((message, buf))
@@ -228,7 +230,7 @@ class Remote(Mailbox):
         # their works at the front of the group's list.
         receives: list[_Incoming] = []
         ops: list[Op] = []
-        for message in step.recvs:
+        for message in tick.recvs:
             if message.producer.kind == F:
                 meta = self._meta(message)
                 assert meta is not None

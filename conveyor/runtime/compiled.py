@@ -36,6 +36,7 @@ from torch import fx, nn
 from conveyor.errors import ConfigError
 from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import SequentialStage
+from conveyor.runtime.opaque_linear import keeping_buffers
 
 _KEYWORDS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 # dynamo's own timers: tracing plus the forward's compile, and a lazily compiled backward
@@ -171,14 +172,13 @@ def _compile_unit(
     eager = unit.__dict__.get(_EAGER, unit.forward)  # compiled again: from the original
     compiled: Callable[..., Any] = torch.compile(eager, backend=backend, **kw)
     where = (stage, type(unit).__name__)
-    config = torch._functorch.config
 
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
         before, _current[0] = _current[0], where
         try:
             if retain:
-                with config.patch(donated_buffer=False):
+                with keeping_buffers():
                     return compiled(*args, **kwargs)
             return compiled(*args, **kwargs)
         finally:

@@ -40,6 +40,8 @@ LossFn = Callable[[Any, Any], Any]
 
 def grad_leaves(value: Any) -> list[torch.Tensor]:
     """The tensors of ``value`` that require gradients."""
+    if isinstance(value, torch.Tensor):  # the common case, without a tree walk
+        return [value] if value.requires_grad else []
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
@@ -136,7 +138,9 @@ class StageCompute:
     def forward(self, action: Action, value: Any) -> Any:
         """F of ``action``: ``value`` is the stage input (the micro-batch for stage 0);
         returns the output to pass on, or None on the last stage."""
-        with self._timing(action.stage):
+        if self.compiled is None:
+            return self._forward(action, value)
+        with self.compiled.timing(action.stage):
             return self._forward(action, value)
 
     def _timing(self, stage: int) -> contextlib.AbstractContextManager[None]:
@@ -188,7 +192,7 @@ class StageCompute:
         if self.step.train:
             # A recomputed last stage keeps nothing: B recomputes the loss too.
             recomputed = self.step.stash and (s, m) in self.step.stash
-            kept = [] if recomputed else [term.total * self.step.scale]
+            kept = [] if recomputed else [term.root(self.step.scale)]
             self.step.saved[(s, m)] = (in_leaves, kept)
         return None
 
@@ -239,7 +243,7 @@ class StageCompute:
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
             last = s == self.last_stage
-            outs = [self._term(out, m).total * self.step.scale] if last else grad_leaves(out)
+            outs = [self._term(out, m).root(self.step.scale)] if last else grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
         del self.step.stash[(s, m)]
         return outs
@@ -253,7 +257,9 @@ class StageCompute:
     def backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:
         """B of ``action`` given the gradients of its outputs (None on the last stage);
         returns the input gradients to pass on, or None on the first stage."""
-        with self._timing(action.stage):
+        if self.compiled is None:
+            return self._backward(action, grads)
+        with self.compiled.timing(action.stage):
             return self._backward(action, grads)
 
     def _backward(self, action: Action, grads: list[torch.Tensor] | None) -> Any:

@@ -22,10 +22,15 @@ from torch.autograd.graph import Node
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from conveyor.runtime.opaque_linear import OpaqueCapture, is_opaque, route_linear, sink
-
-Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
-# What autocast casts to its lower precision (float64 is left alone).
+from conveyor.runtime.opaque_linear import (
+    Entry,
+    OpaqueCapture,
+    deferrable,
+    is_opaque,
+    keeping_buffers,
+    route_linear,
+    sink,
+)
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -85,9 +90,7 @@ class _Capture(TorchFunctionMode):
             return _DeferredLinear.apply(x, weight, bias, self.slot, cast)  # type: ignore[no-untyped-call]
 
         def takes(x: Any, weight: Any, bias: Any) -> bool:
-            # Tensor-parallel (DTensor) weights go through autograd's generic split.
-            plain = type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter
-            return plain and id(weight) in self.params and (bias is None or id(bias) in self.params)
+            return deferrable(weight, bias, self.params)
 
         return route_linear(func, args, kwargs or {}, takes, deferred)
 
@@ -121,9 +124,7 @@ class LinearWeightStore:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(sink(None if key is None else self._slots.setdefault(key, [])))
-        # B keeps the graph for W: compiled backwards must not donate their buffers (the
-        # check reads this flag when the backward runs).
-        stack.enter_context(torch._functorch.config.patch(donated_buffer=False))
+        stack.enter_context(keeping_buffers())
         return stack
 
     def kept(self, key: tuple[int, int]) -> list[torch.Tensor]:

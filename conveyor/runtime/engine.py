@@ -26,7 +26,7 @@ from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_pea
 from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.program import (
     RankProgram,
-    Step,
+    Tick,
     producer_of,
     rank_program,
     single_process_program,
@@ -92,6 +92,7 @@ class Engine:
             else Mailbox(schedule, stages)
         )
         self._programs: dict[bool, RankProgram] = {}
+        self._stages = schedule.stages  # read every tick
 
     def program(self, train: bool) -> RankProgram:
         """This process's program for a training (``train``) or forward-only step."""
@@ -131,26 +132,26 @@ class Engine:
         sharded = self.sharded
         if sharded is not None:
             sharded.begin(sorted(program.first, key=program.first.__getitem__), train)
-        steps = program.steps
+        ticks = program.ticks
         with (
             torch.set_grad_enabled(train),
             meter.hooks() if meter is not None else contextlib.nullcontext(),
         ):
             i = 0
-            while i < len(steps):
-                action = steps[i].action
+            while i < len(ticks):
+                action = ticks[i].action
                 if action is not None and sharded is not None and program.first[action.stage] == i:
                     sharded.ready(action.stage)
                     compute.gathered(action.stage)
                 if action is not None and action.kind == W:
                     # Consecutive W of one stage run as one: a GEMM per weight, not per W.
                     j = i + 1
-                    while j < len(steps) and _is_weight_of(steps[j].action, action.stage):
+                    while j < len(ticks) and _is_weight_of(ticks[j].action, action.stage):
                         j += 1
-                    self._weight_grads(steps[i:j])
+                    self._weight_grads(ticks[i:j])
                 else:
                     j = i + 1
-                    self._step(steps[i], batch.inputs)
+                    self._tick(ticks[i], batch.inputs)
                 if action is not None and sharded is not None and program.final[action.stage] < j:
                     sharded.finish(action.stage, train)
                 i = j
@@ -169,28 +170,28 @@ class Engine:
             )
         return state.record(channel.waits, memory, compute.sent_shapes)
 
-    def _step(self, step: Step, inputs: list[Any] | None) -> None:
+    def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
 
         A group without sends holds only receives: it is posted before the compute, so
         they are up before their data arrives (gloo then receives it in the background).
         The order of groups, which is what NCCL's rules constrain, is the same either way.
         """
-        channel, action = self.channel, step.action
-        early = not step.sends
+        channel, action = self.channel, tick.action
+        early = not tick.sends
         if early:
-            channel.post(step)
+            channel.post(tick)
         if action is not None:
-            producer = producer_of(action, self.schedule.stages)
+            producer = producer_of(action, self._stages)
             value = channel.take(producer, action) if producer is not None else None
             if action.kind == F and action.stage == 0:
                 assert inputs is not None
                 value = inputs[action.microbatch]
-            out = self._compute(step.rank, action, value)
+            out = self._compute(tick.rank, action, value)
             if out is not None:
                 channel.deliver(action, out)
         if not early:
-            channel.post(step)
+            channel.post(tick)
         if action is not None and self.on_action is not None:
             self.on_action(action)
 
@@ -220,12 +221,12 @@ class Engine:
         state.timings.append(Timing(rank, action.kind, *key, start - state.t0, end - state.t0))
         return out
 
-    def _weight_grads(self, steps: Sequence[Step]) -> None:
+    def _weight_grads(self, ticks: Sequence[Tick]) -> None:
         """A run of W of one stage, computed together; each W is timed as an equal share.
         W sends nothing, so the run's groups (receives only) are posted first."""
-        for step in steps:
-            self.channel.post(step)
-        fused = [s.action for s in steps if s.action is not None]
+        for tick in ticks:
+            self.channel.post(tick)
+        fused = [t.action for t in ticks if t.action is not None]
         start = time.perf_counter()
         microbatches = [a.microbatch for a in fused]
         try:
@@ -238,7 +239,7 @@ class Engine:
         for k, a in enumerate(fused):
             begin = start - self.compute.step.t0 + k * share
             self.compute.step.timings.append(
-                Timing(steps[0].rank, W, a.stage, a.microbatch, begin, begin + share)
+                Timing(ticks[0].rank, W, a.stage, a.microbatch, begin, begin + share)
             )
             if self.on_action is not None:
                 self.on_action(a)
@@ -279,7 +280,7 @@ class Engine:
             shapes = [
                 (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
                 for mb in batch.inputs
-                for x in pytree.tree_leaves(mb)
+                for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
             ]
             signature = zlib.crc32(repr(shapes).encode())
         sizes = batch.sizes if batch.sizes is not None else (0,) * m

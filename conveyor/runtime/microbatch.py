@@ -27,6 +27,8 @@ def batch_size(batch: Any, what: str) -> int:
             f"is the model's positional arguments, a dict its keyword arguments), e.g. "
             f"tuple({what})"
         )
+    if isinstance(batch, torch.Tensor) and batch.dim():
+        return int(batch.shape[0])
     leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     if not leaves:
         raise ConfigError(f"{what} holds no tensor; pass a tensor, or a tuple / dict of tensors")
@@ -46,6 +48,8 @@ def divide(batch: Any, parts: int, what: str) -> list[Any]:
             f"a batch of {n} cannot be divided into {parts} micro-batches; use microbatches <= {n} "
             f"or a larger batch"
         )
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, parts))
     leaves, spec = pytree.tree_flatten(batch)
     pieces = [
         torch.tensor_split(x, parts) if isinstance(x, torch.Tensor) else [x] * parts for x in leaves
@@ -66,6 +70,8 @@ def divide_for(
         if needed:
             raise missing(what)
         return None
+    if isinstance(value, torch.Tensor):  # one move, then views of it
+        return divide(value.to(device, non_blocking=True), parts, what)
     return [to_device(p, device) for p in divide(value, parts, what)]
 
 

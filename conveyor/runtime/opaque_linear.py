@@ -17,7 +17,7 @@ rest of the compiled backward, in B.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,8 +102,31 @@ def is_opaque(node: Any) -> bool:
     return callable(name) and name() == NODE_NAME
 
 
-def _trainable(t: Any) -> bool:
-    return type(t) is nn.Parameter and t.requires_grad
+def deferrable(weight: Any, bias: Any, params: Set[int] | None) -> bool:
+    """Whether W may take a linear call's weight (and bias) gradient, for eager and
+    compiled stages alike: both are plain tensors (a DTensor goes through autograd's
+    generic split) that are the stage's trainable leaves.
+
+    Eager stages know those by ``params`` (their ids; FSDP's gathered tensors are added
+    when gathered). Compiled stages pass None: an id test in traced code makes dynamo
+    guard on each parameter's identity and compile every block again, so there a leaf is
+    an ``nn.Parameter`` that needs a gradient (compiled units read their own parameters).
+    """
+
+    def mine(t: Any) -> bool:
+        if params is None:
+            return type(t) is nn.Parameter and t.requires_grad
+        return (type(t) is nn.Parameter or type(t) is torch.Tensor) and id(t) in params
+
+    return mine(weight) and (bias is None or mine(bias))
+
+
+@contextmanager
+def keeping_buffers() -> Iterator[None]:
+    """Within this block compiled backwards do not donate their buffers: B keeps the
+    graph for W (the flag is read when a backward is compiled and when it runs)."""
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
 
 
 Linear = Callable[[torch.Tensor, Any, Any, "torch.dtype | None"], Any]
@@ -135,8 +158,9 @@ def route_linear(
 
 
 class OpaqueCapture(TorchFunctionMode):
-    """Routes ``F.linear`` (and ATen's linear) on parameters whose input needs a gradient
-    through ``conveyor::linear`` (see the module doc); traced by ``torch.compile``."""
+    """Routes ``F.linear`` (and ATen's linear) on parameters (:func:`deferrable`) whose
+    input needs a gradient through ``conveyor::linear`` (see the module doc); traced by
+    ``torch.compile``."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -145,6 +169,7 @@ class OpaqueCapture(TorchFunctionMode):
             return torch.ops.conveyor.linear(x, weight, bias, cast)
 
         def takes(x: Any, weight: Any, bias: Any) -> bool:
-            return x.requires_grad and _trainable(weight) and (bias is None or _trainable(bias))
+            # An input without a gradient: nothing would ask for the op's backward.
+            return x.requires_grad and deferrable(weight, bias, None)
 
         return route_linear(func, args, kwargs or {}, takes, opaque)

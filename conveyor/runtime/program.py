@@ -48,10 +48,11 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Step:
+class Tick:
     """One tick of one rank: compute ``action`` (None: idle), then post ``sends`` and
     ``recvs`` as one group. ``rank`` is whose action it is (in the one-process world one
-    program holds every rank's actions)."""
+    program holds every rank's actions). (A "step" is a whole training step; a program
+    is the step's ticks.)"""
 
     tick: int
     rank: int
@@ -64,13 +65,13 @@ class Step:
 class RankProgram:
     """Everything a process does in one step of one mode, in order.
 
-    ``first`` / ``final``: per stage held here, the index in ``steps`` of its first and of
+    ``first`` / ``final``: per stage held here, the index in ``ticks`` of its first and of
     its last action (FSDP gathers before the first and reduces after the last).
     ``adjacent``: (stage, micro-batch) whose B directly follows its F (recomputing its
     forward would free nothing).
     """
 
-    steps: tuple[Step, ...]
+    ticks: tuple[Tick, ...]
     first: dict[int, int]
     final: dict[int, int]
     adjacent: frozenset[tuple[int, int]]
@@ -78,7 +79,7 @@ class RankProgram:
     @property
     def actions(self) -> list[Action]:
         """The actions in the order they run."""
-        return [s.action for s in self.steps if s.action is not None]
+        return [t.action for t in self.ticks if t.action is not None]
 
 
 def producer_of(action: Action, stages: int) -> Action | None:
@@ -135,34 +136,34 @@ def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgr
             outgoing[tick] = message
         else:
             incoming.setdefault(tick, []).append(message)
-    steps = []
+    timeline = []
     for tick in sorted(mine.keys() | incoming.keys()):
         sent = outgoing.get(tick)
         # Receives in peer order: the group's layout is the same on every run.
         recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
-        steps.append(Step(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
-    return _finish(steps)
+        timeline.append(Tick(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
+    return _finish(timeline)
 
 
 def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
     """Every rank's actions in one valid order, for the world of one process (every
     value is handed over in memory)."""
-    steps = [
-        Step(i, rank, action)
+    timeline = [
+        Tick(i, rank, action)
         for i, (rank, action) in enumerate(execution_order(schedule))
         if train or action.kind == F
     ]
-    return _finish(steps)
+    return _finish(timeline)
 
 
-def _finish(steps: Iterable[Step]) -> RankProgram:
-    steps = tuple(steps)
+def _finish(timeline: Iterable[Tick]) -> RankProgram:
+    in_order = tuple(timeline)
     first: dict[int, int] = {}
     final: dict[int, int] = {}
     previous: Action | None = None
     adjacent = set()
-    for i, step in enumerate(steps):
-        a = step.action
+    for i, tick in enumerate(in_order):
+        a = tick.action
         if a is None:
             continue
         first.setdefault(a.stage, i)
@@ -175,4 +176,4 @@ def _finish(steps: Iterable[Step]) -> RankProgram:
         ):
             adjacent.add((a.stage, a.microbatch))
         previous = a
-    return RankProgram(steps, first, final, frozenset(adjacent))
+    return RankProgram(in_order, first, final, frozenset(adjacent))

@@ -34,12 +34,20 @@ from conveyor.runtime.transport import collective
 
 
 class LossTerm(NamedTuple):
-    """One micro-batch's loss as a pair: ``total`` (float32 or wider, differentiable) and
-    ``items``, its count (an integer tensor, or a Python int)."""
+    """One micro-batch's loss as a pair: its total, ``value * weight`` (``value``
+    differentiable, float32 or wider; ``weight`` the rows of a mean over rows, the count
+    of a model's token mean, 1 for a total), and ``items``, its count (an integer tensor,
+    or a Python int). The total stays a product until it is used: one multiplication in
+    the graph per micro-batch, not two."""
 
-    total: torch.Tensor
+    value: torch.Tensor
+    weight: int
     items: torch.Tensor | int
     pair: bool  # the loss_fn returned a pair (else a scalar weighted by rows)
+
+    def root(self, scale: float) -> torch.Tensor:
+        """What the micro-batch's backward starts from: its total times ``scale``."""
+        return self.value * (self.weight * scale)
 
 
 def as_term(result: Any, rows: int) -> LossTerm:
@@ -71,20 +79,20 @@ def as_term(result: Any, rows: int) -> LossTerm:
                 f"{count!r}; count items with an int or an integer tensor, e.g. "
                 f"(labels != ignore_index).sum()"
             )
-        return LossTerm(_wide(total.reshape(())), count, True)
+        return LossTerm(_wide(total.reshape(())), 1, count, True)
     _check_scalar(
         result,
         "loss_fn must return a scalar tensor (the mean loss of the micro-batch) or a pair "
         "(total, count)",
     )
-    return LossTerm(_wide(result.reshape(())) * rows, rows, False)
+    return LossTerm(_wide(result.reshape(())), rows, rows, False)
 
 
 def counted_term(mean: torch.Tensor, count: int) -> LossTerm:
     """A model's own loss averaged over ``count`` tokens (transformers' token losses), as
     a pair. A micro-batch without a counted token (its mean is NaN) adds nothing."""
     _check_scalar(mean, "the model's loss must be a scalar tensor")
-    return LossTerm(torch.nan_to_num(_wide(mean.reshape(())), nan=0.0) * count, count, True)
+    return LossTerm(torch.nan_to_num(_wide(mean.reshape(())), nan=0.0), count, count, True)
 
 
 def _check_scalar(value: Any, rule: str) -> None:
@@ -102,10 +110,23 @@ class StepLoss:
     """The sums over this process's micro-batches of a step: total, count and rows."""
 
     def __init__(self) -> None:
-        self.total: torch.Tensor | None = None
         self.count: torch.Tensor | int = 0
         self.rows = 0
         self.pair: bool | None = None
+        # Detached values and weights of the totals, summed once when read.
+        self._values: list[torch.Tensor] = []
+        self._weights: list[int] = []
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        """The summed totals (float64), None before the first micro-batch."""
+        if not self._values:
+            return None
+        values = self._values
+        if len({v.dtype for v in values}) > 1:
+            values = [v.to(torch.float64) for v in values]
+        weights = torch.tensor(self._weights, dtype=torch.float64, device=values[0].device)
+        return torch.stack(values).to(torch.float64) @ weights
 
     def add(self, term: LossTerm, rows: int) -> None:
         """Add one micro-batch's term (detached).
@@ -119,8 +140,8 @@ class StepLoss:
                 "on others; return the same kind for every micro-batch"
             )
         self.pair = term.pair
-        total = term.total.detach().to(torch.float64)
-        self.total = total if self.total is None else self.total + total
+        self._values.append(term.value.detach())
+        self._weights.append(term.weight)
         self.count = self.count + term.items
         self.rows += rows
 
@@ -141,15 +162,13 @@ def loss_scale(rows: int, fsdp_replicas: int = 1) -> float:
 
 def global_rows(rows: int | None, ctx: Context) -> int:
     """The rows of the global batch, from each replica's ``rows`` (given on the ranks
-    holding the last stage, None elsewhere). Collective over the world with replicas:
-    every rank posts it at the start of the step.
+    holding the last stage, None elsewhere). Only with replicas (``dp_size > 1``; without,
+    the batch's own rows are the global ones): a collective over the world that every
+    rank posts at the start of the step.
 
     Raises:
         PipelineError: a replica with an empty shard.
     """
-    if not ctx.distributed or ctx.dp_size == 1:
-        assert rows is not None
-        return rows
     sizes = torch.zeros(ctx.dp_size, dtype=torch.int64, device=ctx.device)
     if rows is not None and ctx.tp_rank == 0:  # tensor-parallel ranks hold the same rows
         sizes[ctx.dp_rank] = rows
@@ -195,8 +214,9 @@ def combine(
     buf = torch.zeros(4, dtype=torch.float64, device=ctx.device)
     replicas = ctx.distributed and ctx.dp_size > 1
     # Over replicas, one tensor-parallel rank of each speaks (they hold the same loss).
-    if local is not None and local.total is not None and (not replicas or ctx.tp_rank == 0):
-        buf[0] = local.total
+    local_total = local.total if local is not None else None
+    if local is not None and local_total is not None and (not replicas or ctx.tp_rank == 0):
+        buf[0] = local_total
         buf[1] = local.count
         buf[2] = local.rows
         buf[3] = float(bool(local.pair))

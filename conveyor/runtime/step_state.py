@@ -3,8 +3,12 @@
 The engine and the stage compute are long-lived; what a step accumulates (activations
 saved from F to B, W work, recompute stashes, outputs, the loss sums, timings, memory
 bytes) lives in one :class:`StepState`, made when the step starts and turned into the
-step's :class:`StepRecord` at its end. Nothing of a step is left on the long-lived
-objects.
+step's :class:`StepRecord` at its end. Two long-lived objects hold a step's values
+too, each until the step has used them: the channel (values in flight between actions
+and ranks, and the first rank's header broadcast until the step's end) and the
+:class:`~conveyor.runtime.deferred_linear.LinearWeightStore` (each micro-batch's
+``(X, dY)`` from B until its W). What they keep across steps is deliberate: the output
+descriptions already exchanged, per input signature.
 """
 
 from __future__ import annotations

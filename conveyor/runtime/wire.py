@@ -38,8 +38,15 @@ class ValueMeta:
         return [m for m in self.leaves if isinstance(m, TensorMeta)]
 
 
+# The spec of a value that is one tensor (the common stage output), made once.
+_ONE_TENSOR = pytree.tree_flatten(torch.empty(0))[1]
+
+
 def describe(value: Any) -> tuple[ValueMeta, list[torch.Tensor]]:
     """Split ``value`` into its wire description and the tensors to send."""
+    if isinstance(value, torch.Tensor):
+        meta = TensorMeta(tuple(value.shape), value.dtype, value.requires_grad)
+        return ValueMeta(_ONE_TENSOR, (meta,)), [value.detach().contiguous()]
     leaves, spec = pytree.tree_flatten(value)
     metas: list[TensorMeta | tuple[str, Any]] = []
     tensors: list[torch.Tensor] = []
@@ -54,6 +61,8 @@ def describe(value: Any) -> tuple[ValueMeta, list[torch.Tensor]]:
 
 def rebuild(meta: ValueMeta, tensors: list[torch.Tensor]) -> Any:
     """The value described by ``meta`` with ``tensors`` in its tensor leaves."""
+    if meta.spec.is_leaf() and len(tensors) == 1:
+        return tensors[0]
     it = iter(tensors)
     leaves = [next(it) if isinstance(m, TensorMeta) else m[1] for m in meta.leaves]
     return pytree.tree_unflatten(leaves, meta.spec)

@@ -27,27 +27,23 @@ from conveyor.schedules.simulation import (
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2
 
 
-def _memory_cap(ranks: int, microbatches: int, memory_limit: float | None) -> int:
-    """``memory_limit`` as whole micro-batches (default ``ranks``), checked, at most m."""
-    if memory_limit is None:
+def _memory_cap(ranks: int, microbatches: int, cap: float | None) -> int:
+    """``microbatch_cap`` as whole micro-batches (default ``ranks``), checked, at most m."""
+    if cap is None:
         return ranks
-    if (
-        isinstance(memory_limit, bool)
-        or not isinstance(memory_limit, int | float)
-        or not memory_limit >= 1  # also rejects NaN
-    ):
-        raise ConfigError(
-            f"memory_limit must be a number of micro-batches >= 1, got {memory_limit!r}"
-        )
-    return int(min(memory_limit, microbatches))  # no rank can hold more than m
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap >= 1:  # NaN too
+        raise ConfigError(f"microbatch_cap must be a number of micro-batches >= 1, got {cap!r}")
+    return int(min(cap, microbatches))  # no rank can hold more than m
 
 
 def zero_bubble_auto(
     ranks: int,
     microbatches: int,
     cost: CostSpec = (1.0, 1.0, 1.0),
-    memory_limit: float | None = None,
+    microbatch_cap: float | None = None,
     comm: float = 0.0,
+    *,
+    memory_limit: float | None = None,
 ) -> Schedule:
     """A split-backward schedule fitted to ``cost`` under a memory cap (``zb-auto``).
 
@@ -59,22 +55,28 @@ def zero_bubble_auto(
         microbatches: Micro-batches per step.
         cost: (F, B, W) durations of one rank's stage for one micro-batch, or one
             (F, B, W) per stage (``ranks`` of them), in any time unit.
-        memory_limit: The most micro-batch activations any rank may hold, counted in
+        microbatch_cap: The most micro-batch activations any rank may hold, counted in
             whole micro-batches (a fraction is rounded down). Default: ``ranks``,
-            1F1B's peak.
+            1F1B's peak. (Not bytes: ``Pipeline``'s ``memory_limit`` is bytes.)
         comm: Latency of one transfer between ranks, in the unit of ``cost``.
+        memory_limit: The former name of ``microbatch_cap``, kept while the planner
+            (``conveyor/planning/planner.py``) still passes it; give one of the two.
 
     Returns:
         The candidate with the smallest simulated makespan, then the smallest peak,
         named ``"zb-auto"``.
 
     Raises:
-        ConfigError: For sizes below 1, bad costs, or a ``memory_limit`` that is not a
+        ConfigError: For sizes below 1, bad costs, or a ``microbatch_cap`` that is not a
             number >= 1.
     """
 
     check_sizes(ranks, microbatches)
-    cap = _memory_cap(ranks, microbatches, memory_limit)
+    if memory_limit is not None:
+        if microbatch_cap is not None:
+            raise ConfigError("pass microbatch_cap only (memory_limit is its former name)")
+        microbatch_cap = memory_limit
+    cap = _memory_cap(ranks, microbatches, microbatch_cap)
     h1 = zb_h1(ranks, microbatches)
     normalized = normalize_cost(h1, cost)
     if is_per_stage(normalized):

@@ -36,12 +36,15 @@ class ScheduleSpec:
         hint: Appended to the error for a wrong chunk count; ``{schedule}``, ``{end}``
             and ``{chunks}`` in it become Python or command-line wording.
         default: The chunk count used when none is given.
+        one: For a schedule that interleaves chunks: the schedule it would silently be
+            with one chunk per rank (one chunk is then refused).
     """
 
     build: Callable[[int, int, int], Schedule]
     chunks: int | None = None
     hint: str = ""
     default: int = 1
+    one: str | None = None
 
 
 # To add a schedule: write its generator and add one entry here.
@@ -53,8 +56,8 @@ _REGISTRY: dict[str, ScheduleSpec] = {
         hint="use {schedule}interleaved-1f1b{end} for several chunks per rank",
     ),
     # With one chunk these are plain 1F1B and GPipe: the name asks for chunks.
-    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b, default=2),
-    "looped-bfs": ScheduleSpec(looped_bfs, default=2),
+    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b, default=2, one="1f1b"),
+    "looped-bfs": ScheduleSpec(looped_bfs, default=2, one="gpipe"),
     "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
     "zb-late": ScheduleSpec(lambda p, m, v: zb_late(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
@@ -89,8 +92,8 @@ def default_chunks(name: str) -> int:
 
     Returns:
         2 for ``interleaved-1f1b`` and ``looped-bfs`` (with 1 they would be plain 1F1B
-        and GPipe) and for the V schedules ``zbv`` and ``dualpipev`` (the only count they
-        run), else 1.
+        and GPipe) and for the V schedules ``zbv``, ``dualpipev``, ``v-half`` and
+        ``v-min`` (the only count they run), else 1.
 
     Raises:
         ConfigError: For an unknown name.
@@ -101,8 +104,9 @@ def default_chunks(name: str) -> int:
 def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -> int:
     """The chunk count schedule ``name`` runs with: ``chunks``, or its default when None.
 
-    Only checks the count against the schedule (``1f1b`` runs 1, ``zbv`` 2, ...); sizes
-    below 1 are :func:`~conveyor.schedules.core.check_sizes`' job.
+    The one rule for every caller (``get_schedule``, ``Pipeline``, ``conveyor simulate``):
+    checks the count against the schedule (``1f1b`` runs 1, ``zbv`` 2, ``interleaved-1f1b``
+    2 or more, ...); sizes below 1 are :func:`~conveyor.schedules.core.check_sizes`' job.
 
     Args:
         name: A schedule name, one of :data:`SCHEDULE_NAMES`.
@@ -120,9 +124,16 @@ def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -
     spec = _spec(name)
     if chunks is None:
         return spec.default
+    words = _FLAG_WORDS if flags else _PYTHON_WORDS
+    named = f"--schedule {name}" if flags else f"schedule {name!r}"
+    if chunks == 1 and spec.one is not None:
+        # Interleaving one chunk per rank would silently be plain 1F1B / GPipe.
+        raise ConfigError(
+            f"{named} interleaves several chunks per rank; pass {words['chunks']}"
+            f"{spec.default} (or more), or use {words['schedule']}{spec.one}{words['end']} "
+            f"for one"
+        )
     if spec.chunks is not None and chunks != spec.chunks:
-        words = _FLAG_WORDS if flags else _PYTHON_WORDS
-        named = f"--schedule {name}" if flags else f"schedule {name!r}"
         hint = f"; {spec.hint.format(**words)}" if spec.hint else ""
         raise ConfigError(
             f"{named} runs {spec.chunks} chunk(s) per rank, got {words['chunks']}{chunks}{hint}"
