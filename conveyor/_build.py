@@ -3,8 +3,8 @@ tensor and FSDP sharding, and the engine that runs them.
 
 :func:`build` returns a :class:`RankParts`; :class:`conveyor.Pipeline` keeps one, and the
 planner builds its own to time real steps. A model only ``torch.export`` can capture is
-split on a sample: :func:`first_microbatch` makes it, :func:`shared_sample` hands the
-first stage's to every rank.
+split on a sample (:func:`conveyor.runtime.microbatch.first`); :func:`shared_sample`
+hands the first stage's to every rank.
 """
 
 from __future__ import annotations
@@ -201,12 +201,6 @@ def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
     return tuple(range(schedule.stages))
 
 
-def first_microbatch(inputs: Any, microbatches: int) -> Any:
-    """The first micro-batch of ``inputs``: the sample a graph capture traces."""
-    size = microbatch.batch_size(inputs, "inputs")
-    return microbatch.divide(inputs, min(microbatches, size), "inputs")[0]
-
-
 def build(
     model: nn.Module, schedule: Schedule, options: Options, ctx: Context, sample: Any
 ) -> RankParts:
@@ -326,13 +320,13 @@ def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: A
         ConfigError: that rank got no inputs, or a bad batch (raised on every rank).
     """
     if not ctx.distributed:
-        sample = None if inputs is None else first_microbatch(inputs, microbatches)
+        sample = None if inputs is None else microbatch.first(inputs, microbatches)
     else:
         holder = ctx.global_rank(schedule.placement[0])
         box: list[Any] = [None]
         if ctx.rank == holder and inputs is not None:
             try:  # a bad batch is sent as its error, so that every rank raises it
-                first = first_microbatch(inputs, microbatches)
+                first = microbatch.first(inputs, microbatches)
                 box = [microbatch.to_device(first, torch.device("cpu"))]
             except ConfigError as error:
                 box = [error]

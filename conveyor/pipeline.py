@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor._build import RankParts, build, first_microbatch, held_stages, shared_sample
+from conveyor._build import RankParts, build, held_stages, shared_sample
 from conveyor._options import Options, pipeline_ranks, pipeline_schedule, schedule_chunks
 from conveyor._pipeline_text import not_split, pipeline_repr, step_inputs, step_memory
 from conveyor.context import Context, current
@@ -140,7 +140,7 @@ class Pipeline:
         self._parts: RankParts | None = None
         self._last_train: StepRecord | None = None
         self._last_record: StepRecord | None = None  # of any mode: the shapes sent
-        first = None if sample is None else first_microbatch(sample[0], microbatches)
+        first = None if sample is None else microbatch.first(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
             self._parts = build(model, self.schedule, options, ctx, first)

@@ -294,12 +294,6 @@ def test_auto_rejects_bad_memory_limits(limit: object) -> None:
         zero_bubble_auto(4, 8, microbatch_cap=limit)  # type: ignore[arg-type]
 
 
-def test_auto_takes_its_cap_under_the_former_name_too() -> None:
-    assert zero_bubble_auto(4, 8, memory_limit=2) == zero_bubble_auto(4, 8, microbatch_cap=2)
-    with pytest.raises(ConfigError, match="pass microbatch_cap only"):
-        zero_bubble_auto(4, 8, microbatch_cap=2, memory_limit=2)
-
-
 def test_auto_rejects_costs_for_the_wrong_number_of_stages() -> None:
     with pytest.raises(ConfigError, match="got costs for 3 stages, but the schedule has 4"):
         zero_bubble_auto(4, 8, [(1.0, 1.0, 1.0)] * 3)

@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from conveyor._build import build, first_microbatch
+from conveyor._build import build
 from conveyor._options import Options
 from conveyor.context import current
 from conveyor.errors import ConfigError
@@ -36,6 +36,7 @@ from conveyor.planning.cost_model import balanced, predict_step, recomputed_shar
 from conveyor.planning.measure import LossFn
 from conveyor.planning.meta import as_module, is_meta, meta_copy
 from conveyor.planning.profile_data import Profile
+from conveyor.runtime import microbatch
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
 from conveyor.schedules.registry import get_schedule
@@ -202,7 +203,7 @@ def _run_reference(
             options, recompute=template.recompute, autocast=template.autocast,
             weights=template.weights if meta else None, init_seed=template.init_seed,
         )  # fmt: skip
-    parts = build(module, schedule, options, ctx, first_microbatch(inputs, m))
+    parts = build(module, schedule, options, ctx, microbatch.first(inputs, m))
     batch = parts.divide("train", inputs, targets)
     steps: list[float] = []
     timings: list[Timing] = []

@@ -325,7 +325,7 @@ def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Sc
         if cap < 1:
             return None
     costs = prof.costs(bal, True)
-    return zero_bubble_auto(ranks, m, costs, memory_limit=cap, comm=prof.comm(bal))
+    return zero_bubble_auto(ranks, m, costs, microbatch_cap=cap, comm=prof.comm(bal))
 
 
 def _distributed() -> bool:

@@ -155,9 +155,9 @@ def _profile_units(
     else:
         device = next((p.device for p in _parameters(model)), torch.device("cpu"))
     clock = Clock(device)
-    value = _first_microbatch(inputs, microbatches, "inputs", device)
+    value = microbatch.to_device(microbatch.first(inputs, microbatches, "inputs"), device)
     parts = units(model, value)
-    target = _first_microbatch(targets, microbatches, "targets", device)
+    target = microbatch.to_device(microbatch.first(targets, microbatches, "targets"), device)
     out: list[LayerProfile] = []
     for i, unit in enumerate(parts):
         last = i == len(parts) - 1
@@ -184,10 +184,6 @@ def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
     if isinstance(model, nn.Module):
         return list(model.parameters())
     return [p for layer in model for p in layer.parameters()]
-
-
-def _first_microbatch(batch: Any, microbatches: int, what: str, device: torch.device) -> Any:
-    return microbatch.to_device(microbatch.divide(batch, microbatches, what)[0], device)
 
 
 __all__ = ["profile", "units"]

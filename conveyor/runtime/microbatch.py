@@ -57,6 +57,13 @@ def divide(batch: Any, parts: int, what: str) -> list[Any]:
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
 
 
+def first(inputs: Any, microbatches: int, what: str = "inputs") -> Any:
+    """The first of ``microbatches`` micro-batches of ``inputs`` (of fewer, when the batch
+    has fewer rows): the sample a graph capture traces or a profile times."""
+    size = batch_size(inputs, what)
+    return divide(inputs, min(microbatches, size), what)[0]
+
+
 def divide_for(
     value: Any, parts: int, what: str, needed: bool, device: torch.device
 ) -> list[Any] | None:

@@ -42,8 +42,6 @@ def zero_bubble_auto(
     cost: CostSpec = (1.0, 1.0, 1.0),
     microbatch_cap: float | None = None,
     comm: float = 0.0,
-    *,
-    memory_limit: float | None = None,
 ) -> Schedule:
     """A split-backward schedule fitted to ``cost`` under a memory cap (``zb-auto``).
 
@@ -59,8 +57,6 @@ def zero_bubble_auto(
             whole micro-batches (a fraction is rounded down). Default: ``ranks``,
             1F1B's peak. (Not bytes: ``Pipeline``'s ``memory_limit`` is bytes.)
         comm: Latency of one transfer between ranks, in the unit of ``cost``.
-        memory_limit: The former name of ``microbatch_cap``, kept while the planner
-            (``conveyor/planning/planner.py``) still passes it; give one of the two.
 
     Returns:
         The candidate with the smallest simulated makespan, then the smallest peak,
@@ -72,10 +68,6 @@ def zero_bubble_auto(
     """
 
     check_sizes(ranks, microbatches)
-    if memory_limit is not None:
-        if microbatch_cap is not None:
-            raise ConfigError("pass microbatch_cap only (memory_limit is its former name)")
-        microbatch_cap = memory_limit
     cap = _memory_cap(ranks, microbatches, microbatch_cap)
     h1 = zb_h1(ranks, microbatches)
     normalized = normalize_cost(h1, cost)
