@@ -58,9 +58,9 @@ class Pipeline:
         microbatches: micro-batches per step (>= 1).
         schedule: a schedule name (``gpipe``, ``1f1b``, ``interleaved-1f1b``,
             ``looped-bfs``, ``zb-h1``, ``zb-h2``, ``zb-late``, ``zb-auto``, ``zbv``,
-            ``dualpipev``), ``"auto"`` (the planner picks schedule, chunks and balance,
-            keeping ``microbatches``; the result is ``pipe.plan``; collective), or a
-            :class:`~conveyor.schedules.Schedule`.
+            ``dualpipev``, ``v-half``, ``v-min``), ``"auto"`` (the planner picks schedule,
+            chunks and balance, keeping ``microbatches``; the result is ``pipe.plan``;
+            collective), or a :class:`~conveyor.schedules.Schedule`.
         chunks: stages per rank (interleaved and V schedules); None: the schedule's own
             count (2 for ``interleaved-1f1b``, ``looped-bfs`` and the V schedules, else 1).
         balance: layers per stage, e.g. ``[3, 2, 3]``; None: the model's

@@ -131,7 +131,7 @@ class Engine:
                 torch.cuda.reset_peak_memory_stats(self.ctx.device)
         sharded = self.sharded
         if sharded is not None:
-            sharded.begin(sorted(program.first, key=program.first.__getitem__), train)
+            sharded.begin(sorted(program.first, key=program.first.__getitem__))
         ticks = program.ticks
         with (
             torch.set_grad_enabled(train),

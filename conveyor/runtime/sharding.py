@@ -239,7 +239,7 @@ class Sharded:
             _release_at_exit(stage)
         self._pending: dict[int, Any] = {}
 
-    def begin(self, order: list[int], train: bool) -> None:
+    def begin(self, order: list[int]) -> None:
         """Start gathering every stage, in the order the schedule first uses them."""
         for s in order:
             stage: Any = self.stages[s]
