@@ -267,11 +267,12 @@ def test_transformers_causal_lm_loss_is_the_whole_batch() -> None:
         assert_close(grads_of(pipe.named_parameters()), want_grads, name, tol=1e-4)
 
 
-def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
-    """loss_fn=None, 3 micro-batches of 2 rows, the middle one all padding: its own mean is
-    NaN, yet the step's loss and gradients are the whole batch's (not NaN)."""
-    model, batch = _llama_batch()
-    batch["labels"][2:4] = -100
+def _unsplit_then_pp2(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's own loss on the whole batch, then a pp=2 pipeline of 3 micro-batches
+    on it with ``loss_fn=None``: the loss is asserted equal; returns (pipeline gradients,
+    unsplit gradients)."""
     want = model(**batch).loss
     want.backward()
     want_grads = grads_of(model.named_parameters())
@@ -280,7 +281,16 @@ def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
     conveyor.init(pp=2)
     pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3)
     assert pipe.train_step(batch, None).item() == pytest.approx(want.item(), rel=1e-5)
-    assert_close(grads_of(pipe.named_parameters()), want_grads, "empty micro-batch", tol=1e-4)
+    return grads_of(pipe.named_parameters()), want_grads
+
+
+def test_a_micro_batch_without_a_counted_token_adds_nothing() -> None:
+    """loss_fn=None, 3 micro-batches of 2 rows, the middle one all padding: its own mean is
+    NaN, yet the step's loss and gradients are the whole batch's (not NaN)."""
+    model, batch = _llama_batch()
+    batch["labels"][2:4] = -100
+    got, want_grads = _unsplit_then_pp2(model, batch)
+    assert_close(got, want_grads, "empty micro-batch", tol=1e-4)
 
 
 def test_a_masked_lm_counts_every_labelled_position() -> None:
@@ -300,16 +310,7 @@ def test_a_masked_lm_counts_every_labelled_position() -> None:
     labels = torch.full_like(ids, -100)
     for row, positions in enumerate([[0], [0, 3], [5], [0, 1, 2, 7], [0], [4, 6]]):
         labels[row, positions] = ids[row, positions]
-    batch = {"input_ids": ids, "labels": labels}
-    want = model(**batch).loss
-    want.backward()
-    want_grads = grads_of(model.named_parameters())
-    for p in model.parameters():
-        p.grad = None
-    conveyor.init(pp=2)
-    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3)
-    assert pipe.train_step(batch, None).item() == pytest.approx(want.item(), rel=1e-5)
-    got = grads_of(pipe.named_parameters())
+    got, want_grads = _unsplit_then_pp2(model, {"input_ids": ids, "labels": labels})
     got["cls.predictions.bias"] = got.pop("cls.predictions.decoder.bias")  # one tensor
     assert_close_to_largest(got, want_grads, "masked LM", tol=1e-4)
 
