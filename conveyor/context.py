@@ -33,9 +33,12 @@ class Context:
 
     Made by :func:`init`. Global rank = ``(dp_rank * pp_size + pp_rank) * tp_size +
     tp_rank``: tensor-parallel groups are consecutive ranks, and with ``tp_size == 1``
-    consecutive ranks form one pipeline replica. The process groups (:attr:`pp_group`,
-    :attr:`dp_group`, :attr:`tp_group`) and the :attr:`mesh` are ``None`` in a world of
-    one process.
+    consecutive ranks form one pipeline replica. With expert parallelism (``ep_size > 1``)
+    the data-parallel rank splits as ``dp_rank = edp_rank * ep_size + ep_rank``: an
+    expert-parallel group is ``ep_size`` consecutive replicas (torchtitan's convention, EP
+    borrows from the data-parallel dimension). The process groups (:attr:`pp_group`,
+    :attr:`dp_group`, :attr:`tp_group`, :attr:`ep_group`, :attr:`expert_replica_group`)
+    and the :attr:`mesh` are ``None`` in a world of one process.
 
     Attributes:
         rank: Global rank, ``0 .. world_size - 1``.
@@ -55,6 +58,10 @@ class Context:
             its balance or annotations describe.
         tp_rank: Tensor-parallel rank, ``0 .. tp_size - 1``.
         tp_size: Processes sharing each pipeline rank's layers.
+        ep_rank: Expert-parallel rank, ``dp_rank % ep_size``: which share of every expert
+            collection this process holds.
+        ep_size: Processes sharing each expert collection (they are data-parallel ranks
+            of the same ``pp_rank`` and ``tp_rank``).
     """
 
     rank: int
@@ -72,6 +79,8 @@ class Context:
     pp_explicit: bool = field(default=True, repr=False, compare=False)
     tp_rank: int = 0
     tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
     # The mesh and its groups, through handles that the exit hook releases (_groups.py).
     _mesh: Held[DeviceMesh] | None = field(default=None, repr=False, compare=False)
     _groups: Held[dict[str, dist.ProcessGroup]] | None = field(
@@ -80,7 +89,13 @@ class Context:
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The ``(dp, pp, tp)`` device mesh (None in a world of one process)."""
+        """The ``(dp, pp, tp)`` device mesh (None in a world of one process).
+
+        With ``ep_size > 1`` its dimensions are ``(edp, ep, pp, tp)``, and ``"dp"`` is
+        their first two flattened: ``mesh["dp"]``, ``mesh["pp"]``, ``mesh["tp"]`` work
+        as without expert parallelism, and ``mesh["ep"]`` is the expert-parallel
+        sub-mesh, ``mesh["edp"]`` the replicas holding the same experts.
+        """
         return self._mesh.get() if self._mesh is not None else None
 
     @property
@@ -98,8 +113,22 @@ class Context:
         """The ranks sharing this process's layers' shards (its tensor-parallel group)."""
         return self._group("tp")
 
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks sharing this process's expert collections (its expert-parallel
+        group): ``ep_size`` data-parallel ranks. None when ``ep_size == 1``."""
+        return self._group("ep") if self.ep_size > 1 else None
+
+    @property
+    def expert_replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts as this process: the ``dp_size / ep_size``
+        data-parallel ranks with its ``ep_rank`` (the whole :attr:`dp_group` when
+        ``ep_size == 1``). Expert gradients are summed over it."""
+        return self._group("edp") if self.ep_size > 1 else self.dp_group
+
     def _group(self, name: str) -> dist.ProcessGroup | None:
-        """The mesh's ``name`` (``"pp"``, ``"dp"``, ``"tp"``) process group, or None."""
+        """The mesh's ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"ep"``, ``"edp"``) process
+        group, or None."""
         return self._groups.get()[name] if self._groups is not None else None
 
     def global_rank(self, pp_rank: int) -> int:
@@ -171,6 +200,7 @@ def init(
     pp: int | None = None,
     dp: int = 1,
     tp: int = 1,
+    ep: int = 1,
     backend: str | None = None,
     timeout: float | None = None,
 ) -> Context:
@@ -190,6 +220,10 @@ def init(
             reduce-scattered) over the replicas.
         tp: Tensor-parallel processes per pipeline rank, sharing its layers' matrices
             (``Pipeline(tp_plan=...)``).
+        ep: Expert-parallel processes: each expert collection is split over ``ep``
+            data-parallel ranks of the same pipeline and tensor-parallel rank (``ep``
+            divides ``dp``), and tokens reach their experts by all-to-all
+            (``Pipeline(ep_plan=...)``).
         backend: The process-group backend. Default: ``"nccl"`` with CUDA, else
             ``"gloo"``. Ignored when a default process group exists.
         timeout: Seconds any wait on another rank may take, so that a dead or stalled
@@ -199,16 +233,23 @@ def init(
         This process's context, also kept for :func:`current`.
 
     Raises:
-        ConfigError: For a ``pp``, ``dp`` or ``tp`` that is not an int >= 1, a timeout
-            that is not a finite number > 0, ``dp`` or ``tp`` above 1 in a world of one
-            process, or a world size that is not ``pp * dp * tp``.
+        ConfigError: For a ``pp``, ``dp``, ``tp`` or ``ep`` that is not an int >= 1, an
+            ``ep`` that does not divide ``dp``, a timeout that is not a finite number > 0,
+            ``dp`` or ``tp`` above 1 in a world of one process, or a world size that is
+            not ``pp * dp * tp``.
     """
     global _current
     seconds = _timeout_from(timeout)
-    for name, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+    for name, value in (("pp", pp), ("dp", dp), ("tp", tp), ("ep", ep)):
         bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
         if value is not None and bad:
             raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
+    if dp % ep:
+        raise ConfigError(
+            f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel "
+            f"ranks into groups of ep, so pick ep among the divisors of dp, or raise dp to a "
+            f"multiple of {ep}"
+        )
     distributed = dist.is_available() and (dist.is_initialized() or in_torchrun())
     if not distributed:
         if dp != 1 or tp != 1:
@@ -260,13 +301,15 @@ def init(
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    mesh = _device_mesh(device.type, backend, dp, pp, tp, seconds)
+    mesh = _device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
+    names = ("dp", "pp", "tp", "ep", "edp") if ep > 1 else ("dp", "pp", "tp")
+    dp_rank = rank // (pp * tp)
     _current = Context(
         rank,
         world,
         (rank // tp) % pp,
         pp,
-        rank // (pp * tp),
+        dp_rank,
         dp,
         device,
         backend,
@@ -274,31 +317,44 @@ def init(
         seconds,
         tp_rank=rank % tp,
         tp_size=tp,
+        ep_rank=dp_rank % ep,
+        ep_size=ep,
         _mesh=Held(mesh, forget_mesh_groups),
-        _groups=Held({name: mesh.get_group(name) for name in ("dp", "pp", "tp")}),
+        _groups=Held({name: mesh[name].get_group() for name in names}),
     )
     return _current
 
 
 def _device_mesh(
-    device_type: str, backend: str, dp: int, pp: int, tp: int, seconds: float
+    device_type: str, backend: str, dp: int, pp: int, tp: int, seconds: float, ep: int = 1
 ) -> DeviceMesh:
     """The ``(dp, pp, tp)`` mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank; its groups
     get our time-out.
+
+    With ``ep > 1`` the mesh is ``(edp, ep, pp, tp)`` with ``dp_rank = edp_rank * ep +
+    ep_rank`` (the same global ranks), and ``"dp"`` is ``("edp", "ep")`` flattened, so
+    that ``mesh["dp"]`` is the data-parallel sub-mesh as before.
 
     Collective over the whole world (every rank creates every group).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = ("dp", "pp", "tp")
+    names: tuple[str, ...] = ("dp", "pp", "tp")
+    shape: tuple[int, ...] = (dp, pp, tp)
+    if ep > 1:
+        names, shape = ("edp", "ep", "pp", "tp"), (dp // ep, ep, pp, tp)
     kwargs: dict[str, Any] = {}
-    options = _group_options(backend, backend_timeout(backend, seconds), len(names))
+    options = _group_options(backend, backend_timeout(backend, seconds), len(names) + 1)
     if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
         kwargs["backend_override"] = {
-            name: (backend, option) for name, option in zip(names, options, strict=True)
+            name: (backend, option) for name, option in zip(names, options, strict=False)
         }
     # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
-    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=names, **kwargs)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, **kwargs)
+    if ep > 1:
+        flat = (backend, options[-1]) if options is not None else None
+        mesh["edp", "ep"]._flatten("dp", backend_override=flat)
+    return mesh
 
 
 def backend_timeout(backend: str, seconds: float) -> float:
