@@ -10,6 +10,10 @@ rank, usually well before the pipeline has drained: the engine reports every act
 :meth:`DataParallel.after_action`, which then flattens those gradients into one buffer per
 dtype and starts an asynchronous all-reduce in the ``dp`` group, overlapping the rest of
 the step; :meth:`DataParallel.wait` finishes them at the end of the step.
+
+With expert parallelism (``conveyor.init(ep=E)``) an expert shard's gradient is summed
+over the ``dp / E`` replicas holding the same experts instead
+(:func:`conveyor.experts.reduction_group`): those parameters get buckets of their own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
+from conveyor.experts.grads import is_expert_parameter, reduction_group
 from conveyor.runtime.sharding import local_shard as _local
 from conveyor.runtime.step_grads import GradientSync
 from conveyor.runtime.transport import collective, wait_bounded
@@ -37,8 +42,12 @@ class _Bucket:
 
     stages: frozenset[int]
     params: list[nn.Parameter]
+    # The ranks the gradients are summed over (None: this rank alone, nothing to sum).
+    group: dist.ProcessGroup | None
     # In flight: (all-reduce work, flat buffer, the buffer's parameters) per dtype/device.
-    pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    pending: list[tuple[dist.Work | None, torch.Tensor, list[nn.Parameter]]] = field(
+        default_factory=list
+    )
     launched: bool = False
 
 
@@ -63,10 +72,14 @@ class DataParallel(GradientSync):
                 if p.requires_grad:
                     users.setdefault(id(p), set()).add(s)
                     params.setdefault(id(p), p)
-        by_stages: dict[frozenset[int], list[nn.Parameter]] = {}
+        # Expert shards are summed over their own replicas: a bucket per kind.
+        by_stages: dict[tuple[frozenset[int], bool], list[nn.Parameter]] = {}
         for key, p in params.items():
-            by_stages.setdefault(frozenset(users[key]), []).append(p)
-        self._buckets = [_Bucket(s, ps) for s, ps in by_stages.items()]
+            by_stages.setdefault((frozenset(users[key]), is_expert_parameter(p)), []).append(p)
+        self._buckets = [
+            _Bucket(s, ps, _summed_over(reduction_group(ps[0], ctx)))
+            for (s, _), ps in by_stages.items()
+        ]
         # The last backward / W of each local stage in this rank's program.
         final: dict[int, Action] = {}
         for action in schedule.actions[ctx.pp_rank]:
@@ -119,8 +132,10 @@ class DataParallel(GradientSync):
                     flat[n + i].zero_()
             for p in params:
                 p.grad = None  # now in the buffer; finish() puts the sum back
-            work = dist.all_reduce(flat, group=self._ctx.dp_group, async_op=True)
-            assert work is not None
+            work = None
+            if bucket.group is not None:
+                work = dist.all_reduce(flat, group=bucket.group, async_op=True)
+                assert work is not None
             bucket.pending.append((work, flat, params))
 
     @torch.no_grad()
@@ -132,7 +147,10 @@ class DataParallel(GradientSync):
                 self._launch(bucket)
         for bucket in self._buckets:
             for work, flat, params in bucket.pending:
-                self._collective(work, "averaging gradients over the data-parallel replicas")
+                if work is not None:
+                    self._collective(
+                        work, "averaging gradients over the data-parallel replicas", bucket.group
+                    )
                 n = flat.numel() - len(params)
                 had = flat[n:].tolist()
                 offset = 0
@@ -148,38 +166,61 @@ class DataParallel(GradientSync):
         for bucket in self._buckets:
             bucket.pending = []
 
-    def _collective(self, work: dist.Work | None, what: str) -> None:
+    def _collective(
+        self, work: dist.Work | None, what: str, group: dist.ProcessGroup | None = None
+    ) -> None:
         assert work is not None
         ctx = self._ctx
         ranks = [ctx.rank_at(r, ctx.pp_rank, ctx.tp_rank) for r in range(ctx.dp_size)]
+        if group is not None and group is not ctx.dp_group:
+            ranks = dist.get_process_group_ranks(group)
         suspect = f"a rank among {ranks} (or another replica)"
         wait_bounded(work, self._ctx.timeout, f"rank {self._ctx.rank}: {what}", suspect)
 
 
 @torch.no_grad()
 def make_replicas_equal(stages: dict[int, nn.Module], ctx: Context) -> None:
-    """Copy the stages' parameters and buffers from replica 0 (before any sharding), so
-    all replicas start equal. Collective over the ``dp`` group."""
+    """Copy the stages' parameters and buffers from replica 0 (before any sharding, but
+    expert shards may be there already: those from the first replica holding the same
+    experts), so all replicas start equal. Collective over the ``dp`` group (and the
+    replicas of each expert shard)."""
     seen: set[int] = set()
     tensors: list[torch.Tensor] = []
+    experts: list[torch.Tensor] = []
     for s in sorted(stages):
         for t in [*stages[s].parameters(), *stages[s].buffers()]:
             if id(t) not in seen:
                 seen.add(id(t))
-                tensors.append(t)
+                (experts if is_expert_parameter(t) else tensors).append(t)
     src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)  # this rank's counterpart in replica 0
-    for group in _by_dtype(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
+    _broadcast(tensors, src, ctx.dp_group, ctx)
+    group = ctx.expert_replica_group
+    if experts and group is not None:
+        _broadcast(experts, dist.get_process_group_ranks(group)[0], group, ctx)
+
+
+def _broadcast(
+    tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup | None, ctx: Context
+) -> None:
+    """Copy ``tensors`` (their local shards) from global rank ``src`` over ``group``."""
+    for same in _by_dtype(tensors):
+        flat = torch.cat([_local(t).detach().reshape(-1) for t in same])
         collective(
-            functools.partial(dist.broadcast, flat, src, group=ctx.dp_group, async_op=True),
+            functools.partial(dist.broadcast, flat, src, group=group, async_op=True),
             ctx.timeout,
             f"rank {ctx.rank}: copying the parameters of replica 0 (rank {src})",
             f"rank {src} or another replica",
         )
         offset = 0
-        for t in group:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t in same:
+            local = _local(t)
+            local.copy_(flat[offset : offset + local.numel()].view_as(local))
+            offset += local.numel()
+
+
+def _summed_over(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, or None when it is this rank alone (nothing to sum)."""
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def _numel(t: torch.Tensor) -> int:
