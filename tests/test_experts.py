@@ -260,3 +260,55 @@ def test_dp4_ep2_expert_replicas() -> None:
         assert got["ep_rank"] == rank % 2
         assert abs(got["loss"] - total) < 1e-5 * abs(total)
         assert_close(got["grads"], want, f"rank {rank} gradients")
+
+
+def compiled_replica(rank: int) -> dict[str, Any]:
+    """The sharded model eager, then through ``torch.compile`` (aot_eager): the graphs hold
+    the count exchange as the opaque ``conveyor::all_to_all_counts`` op and never
+    ``torch.distributed``'s own calls, and the gradients are the eager ones."""
+    ctx = conveyor.init(pp=1, dp=2, ep=2)
+    model = tiny_moe("mixtral")
+    apply_ep(model, None, ctx)
+    batch = shards()
+    ids, labels = batch[ctx.dp_rank]
+    count = torch.tensor(items(batch))
+
+    def run(fn: Any) -> tuple[float, dict[str, torch.Tensor]]:
+        for p in model.parameters():
+            p.grad = None
+        loss = fn(input_ids=ids, labels=labels, num_items_in_batch=count).loss
+        loss.backward()
+        grads = {
+            n: (p.grad.to_local() if is_expert_parameter(p) else p.grad).clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        return float(loss.detach()), grads
+
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(str(gm.graph))
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_compiler
+
+        return aot_autograd(fw_compiler=make_boxed_compiler(lambda g, _: g.forward))(gm, example)
+
+    eager = run(model)
+    compiled = run(torch.compile(model, backend=backend))
+    text = "\n".join(graphs)
+    return dict(
+        eager=eager, compiled=compiled, ops=text.count("conveyor.all_to_all"),
+        dist=text.count("all_to_all_single"),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_compiled_experts_equal_eager() -> None:
+    """torch.compile does not trace into the all-to-all, and changes no gradient."""
+    for got in distributed.run(compiled_replica, 2):
+        (l0, g0), (l1, g1) = got["eager"], got["compiled"]
+        assert l0 == pytest.approx(l1, rel=1e-6)
+        assert_close(g1, g0, "compiled gradients", tol=1e-6)
+        assert got["ops"] >= 1 and got["dist"] == 0
