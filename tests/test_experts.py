@@ -312,3 +312,32 @@ def test_compiled_experts_equal_eager() -> None:
         assert l0 == pytest.approx(l1, rel=1e-6)
         assert_close(g1, g0, "compiled gradients", tol=1e-6)
         assert got["ops"] >= 1 and got["dist"] == 0
+
+
+def recorded_replica(rank: int) -> Any:
+    """What this rank posts in one forward and backward of the sharded model."""
+    from tests import nccl_record
+
+    ctx = conveyor.init(pp=1, dp=2, ep=2)
+    model = tiny_moe("olmoe")
+    apply_ep(model, None, ctx)
+    batch = shards()
+    ids, labels = batch[ctx.dp_rank]
+    with nccl_record.recording() as trace:
+        loss = model(input_ids=ids, labels=labels, num_items_in_batch=items(batch)).loss
+        loss.backward()
+    return trace
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_all_to_alls_replay_under_nccl_rules() -> None:
+    """Every all-to-all (counts, dispatch, combine, and the backward ones) is posted by both
+    ep ranks in the same order: the replay under NCCL's rules finds no deadlock."""
+    from tests import nccl_model
+
+    traces = distributed.run(recorded_replica, 2)
+    names = [r.name for r in traces[0] if r.kind == "collective"]
+    # 2 layers: per forward counts + dispatch + combine, per backward combine + dispatch
+    assert names.count("all_to_all_single") == 2 * 5, names
+    nccl_model.check(dict(enumerate(traces)))
