@@ -191,14 +191,13 @@ def test_one_process_world() -> None:
 
 
 def test_experts_count_not_divisible() -> None:
-    """3 experts over ep=2: one sentence naming the module."""
+    """4 experts over ep=3: one sentence naming the module (checked before any sharding)."""
 
     class Ctx:
-        ep_size = 2
+        ep_size = 3
 
     model = tiny_moe("olmoe")
     with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts has 4 experts, which ep=3"):
-        Ctx.ep_size = 3
         apply_ep(model, None, Ctx)
 
 
