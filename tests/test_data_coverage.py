@@ -113,18 +113,25 @@ def test_pipeline_trainer_loaders_read_every_sample_once(
 ) -> None:
     """PipelineTrainer's loaders (a dataset of feature dicts, labels inside): a global batch
     is per_replica x replicas, so the uneven cut is the last, partial one (5 of 33 over 2,
-    2 of 50 over 3 joining the batch before), kept because drop_last is off."""
+    2 of 50 over 3 joining the batch before), kept because drop_last is off. In training
+    the last stage reads nothing (the model's loss needs no targets; the first stage
+    tells it the rows), but takes as many steps."""
     args = SimpleNamespace(
         train_sampling_strategy="random", data_seed=None, seed=42, dataloader_drop_last=False
     )
     read: list[Counter[int]] = [Counter(), Counter()]
+    steps: list[int] = [0, 0]
     for replica in range(replicas):
         for pp_rank in (0, 1):
             pipe = rank_of(replicas, replica, pp_rank, loss_fn=None)
             loader = replica_loader(args, pipe, Features(n), _stack, per_replica, training)
             loader.set_epoch(1)
-            read[pp_rank].update(i for batch in loader for i in ids(batch))
-    assert read[0] == read[1] == Counter(range(n))
+            for batch in loader:
+                steps[pp_rank] += 1
+                read[pp_rank].update(ids(batch) if batch else [])
+    assert read[0] == Counter(range(n))
+    assert read[1] == (Counter() if training else Counter(range(n)))
+    assert steps[0] == steps[1] > 0
 
 
 def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

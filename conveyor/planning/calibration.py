@@ -204,7 +204,6 @@ def _run_reference(
             weights=template.weights if meta else None, init_seed=template.init_seed,
         )  # fmt: skip
     parts = build(module, schedule, options, ctx, microbatch.first(inputs, m))
-    batch = parts.divide("train", inputs, targets)
     steps: list[float] = []
     timings: list[Timing] = []
     for i in range(CALIBRATION_WARMUP + CALIBRATION_STEPS):
@@ -212,7 +211,7 @@ def _run_reference(
             p.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        record, _ = parts.step("train", batch)  # the step users run, reductions included
+        record = parts.stepper.run("train", inputs, targets).record  # the step users run
         dist.barrier()
         if i >= CALIBRATION_WARMUP:
             steps.append(time.perf_counter() - t0)

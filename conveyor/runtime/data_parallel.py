@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
+from conveyor.runtime.program import RankProgram
 from conveyor.runtime.sharding import local_shard as _local
-from conveyor.runtime.step_grads import GradientSync
+from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import collective, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
@@ -42,7 +43,7 @@ class _Bucket:
     launched: bool = False
 
 
-class DataParallel(GradientSync):
+class DataParallel(StepSync):
     """Sums one pipeline rank's gradients of each step over the data-parallel replicas.
 
     Works on the step's own gradients: the caller puts earlier ones aside before
@@ -78,7 +79,7 @@ class DataParallel(GradientSync):
         self.launched_early = 0  # buckets started by after_action (the rest by wait)
 
     # ----------------------------------------------------------------- one step
-    def begin(self) -> None:
+    def begin(self, program: RankProgram) -> None:
         """Start a training step."""
         self._active = True
         self._done = set()
