@@ -17,11 +17,16 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, held_stages, shared_sample
-from conveyor._options import Options, pipeline_ranks, pipeline_schedule, schedule_chunks
-from conveyor._pipeline_text import not_split, pipeline_repr, step_inputs, step_memory
+from conveyor._options import (
+    Options,
+    check_step_arguments,
+    pipeline_ranks,
+    pipeline_schedule,
+    schedule_chunks,
+)
 from conveyor.context import Context, current
-from conveyor.observe.measure import pipeline_bubble, write_trace
-from conveyor.partition.capture import NeedsSample
+from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
+from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
 from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
@@ -157,7 +162,7 @@ class Pipeline:
     def _split(self, what: str) -> RankParts:
         """This rank's parts; before a split made on the first batch, an error that says so."""
         if self._parts is None:
-            raise not_split(what, self._model)
+            raise not_split_yet(what, self._model)
         return self._parts
 
     # ------------------------------------------------------------------ the split
@@ -168,9 +173,15 @@ class Pipeline:
         return parts.description.with_shapes(parts.stepper.engine.compute.sent_shapes)
 
     def __repr__(self) -> str:
-        split = "" if self._parts is None else str(self.describe())
-        distributed = self.context.distributed
-        return pipeline_repr(self.schedule, self.microbatches, distributed, self._parts, split)
+        sched = self.schedule
+        where = "" if self.context.distributed else ", in one process"
+        head = (
+            f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
+            f"{sched.stages} stages, {sched.microbatches} micro-batches{where})"
+        )
+        if self._parts is None:
+            return head + "\nnot split yet: the model is captured on the first batch"
+        return head + "\n" + str(self.describe()) + self._parts.compile_note()
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -199,7 +210,7 @@ class Pipeline:
     ) -> Step:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
         model captured on it, splitting the model."""
-        sample = step_inputs(mode, self.loss_fn, inputs, targets, cut)
+        sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
@@ -305,7 +316,7 @@ class Pipeline:
             ConfigError: without ``track_memory=True``, or before any training step.
         """
         self._split("pipe.last_step_memory()")
-        return step_memory(self.options.track_memory, self._last_train)
+        return memory_report(self.options.track_memory, self._last_train)
 
     def measured_bubble(self) -> float:
         """The bubble of the last training step over all pipeline ranks (of this replica):

@@ -158,14 +158,21 @@ class Remote(Mailbox):
         return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
 
     def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The last stage's holder sends ``sums`` to every other pipeline rank (not waited
-        for), which receive into a buffer of their own; the returned call waits for it."""
+        """The last stage's holder sends ``sums`` to every other pipeline rank, which
+        receive into a buffer of their own; the returned call waits for the transfer."""
         holder = self.schedule.placement[-1]
         if self.rank == holder:
             what = "sending the step's loss"
             others = [r for r in range(self.schedule.ranks) if r != holder]
             self.transport.post([Op(True, sums, r, what) for r in others])
-            return lambda: sums
+
+            def sent() -> torch.Tensor:
+                # Waited within the step: a send left pending past the last step would be
+                # lost when the process exits.
+                self.transport.flush()
+                return sums
+
+            return sent
         buf = torch.empty_like(sums)
         (work,) = self.transport.post([Op(False, buf, holder)])
 

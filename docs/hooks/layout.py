@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("other libraries' loops", ["conveyor.integrations"]),
     ("the training loop", ["conveyor.training"]),
     ("checkpoints", ["conveyor.checkpoint"]),
-    ("the pipeline users touch", ["conveyor.pipeline", "conveyor._pipeline_text"]),
+    ("the pipeline users touch", ["conveyor.pipeline"]),
     ("the planner", ["conveyor.planning"]),
     ("what one rank runs, built from the options", ["conveyor._build", "conveyor._options"]),
     ("seeing what ran", ["conveyor.observe"]),
