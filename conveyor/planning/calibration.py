@@ -33,9 +33,9 @@ from conveyor.context import current
 from conveyor.errors import ConfigError
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.cost_model import balanced, predict_step, recomputed_shares
-from conveyor.planning.measure import LossFn
 from conveyor.planning.meta import as_module, is_meta, meta_copy
 from conveyor.planning.profile_data import Profile
+from conveyor.planning.unit_profile import LossFn
 from conveyor.runtime import microbatch
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule

@@ -32,9 +32,9 @@ from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.planning.calibration import REFERENCES, Calibration, calibrate_family, family
 from conveyor.planning.cost_model import Candidate, evaluate
-from conveyor.planning.measure import LossFn
 from conveyor.planning.profile_data import Profile
 from conveyor.planning.profiler import profile, units
+from conveyor.planning.unit_profile import LossFn
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
