@@ -132,7 +132,8 @@ def calibrate_family(
         prof: The profile at the micro-batch count to calibrate.
         ranks: Pipeline ranks (the world size).
         kind: The family, as :func:`family` gives it.
-        memory_limit: Bytes per rank for the reference's balance, or None.
+        memory_limit: Bytes per rank, as the planner's ``memory_limit`` (parameters,
+            gradients, activations held), for the reference's balance; or None.
         options: The pipeline's options, so the reference runs its step (FSDP, tensor
             parallelism, recompute, autocast), or None for a plain step.
 

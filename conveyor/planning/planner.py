@@ -62,11 +62,12 @@ class Plan:
         microbatches: Micro-batches per step.
         balance: Units per stage.
         predicted_step: Seconds per training step.
-        peak_memory: Bytes per rank.
+        peak_memory: Bytes per rank: parameters, gradients and the activations held at the
+            schedule's peak (:mod:`~conveyor.planning.cost_model`).
         alternatives: Every candidate, fastest fitting first, then those that do not fit.
         built: The schedule object to pass to ``Pipeline(schedule=...)`` (for ``zb-auto``
             it is fitted to the measured costs, so pass it rather than the name).
-        memory_limit: The limit planned for, bytes per rank.
+        memory_limit: The limit planned for, bytes per rank as ``peak_memory`` counts them.
         profile: The (calibrated) measurements the choice was made on.
         calibration: Of the chosen schedule's family, if calibration ran.
         recompute: Whether the plan recomputes every stage's forward at B (chosen only
@@ -141,8 +142,10 @@ def plan(
         targets: Its targets.
         loss_fn: ``loss_fn(output, targets)``.
         ranks: Pipeline ranks.
-        memory_limit: Bytes per rank for parameters + gradients + activations (optimizer
-            state not included), or None for no limit.
+        memory_limit: The most bytes any pipeline rank may need for its stages'
+            parameters, their gradients and the activations the schedule holds at once
+            (optimizer state, buffers and transfers not counted: exactly what
+            :mod:`~conveyor.planning.cost_model` counts), or None for no limit.
         microbatch_counts: Micro-batch counts to try (default p, 2p, 4p, 8p, capped by
             the batch size).
         schedules: Schedule names to try (default all).
