@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"schedule={chosen.schedule} chunks={chosen.chunks} microbatches={chosen.microbatches} "
         f"balance={chosen.balance} predicted step {chosen.predicted_step * 1e3:.2f} ms, "
-        f"peak memory per rank (MB) {peaks}\n"
+        f"peak memory per rank (MB) {peaks}\n{chosen.basis}\n"
     )
     print(chosen.table())
     return 0

@@ -30,7 +30,13 @@ from conveyor._options import Options, pipeline_ranks
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance as min_max_balance
-from conveyor.planning.calibration import REFERENCES, Calibration, calibrate_family, family
+from conveyor.planning.calibration import (
+    CALIBRATION_STEPS,
+    REFERENCES,
+    Calibration,
+    calibrate_family,
+    family,
+)
 from conveyor.planning.cost_model import Candidate, evaluate
 from conveyor.planning.profile_data import Profile
 from conveyor.planning.profiler import profile, units
@@ -72,6 +78,9 @@ class Plan:
         calibration: Of the chosen schedule's family, if calibration ran.
         recompute: Whether the plan recomputes every stage's forward at B (chosen only
             when nothing fits without): pass it as ``Pipeline(recompute=...)``.
+        basis: One sentence on what the times were measured on: each unit alone, and
+            whether real steps calibrated them; always eager stages, and it says so when
+            the options asked for ``compile=``, which planning does not apply.
     """
 
     schedule: str
@@ -86,6 +95,7 @@ class Plan:
     profile: Profile | None = None
     calibration: Calibration | None = None
     recompute: bool = False
+    basis: str = ""
 
     def table(self) -> str:
         """The ranked alternatives as a markdown table.
@@ -156,9 +166,11 @@ def plan(
         param_shards: Into how many pieces each rank's parameters and gradients are cut
             (FSDP over D replicas times tensor parallelism T); the memory model counts one
             piece.
-        options: A pipeline's options (``fsdp``, ``tp_plan``, ``recompute``,
-            ``autocast``...): calibration then times the very step that pipeline runs. A
-            meta model's units get the values its ``weights`` / ``init_seed`` give.
+        options: A pipeline's options: calibration's reference pipelines get its
+            ``recompute`` and ``autocast`` but run eager stages even when it has
+            ``compile=`` (:mod:`~conveyor.planning.calibration`; ``Plan.basis`` says so).
+            ``fsdp`` and ``tp_plan`` reach the plan only through ``param_shards``. A meta
+            model's units get the values its ``weights`` / ``init_seed`` give.
         device: Where a model on the meta device is profiled, one unit at a time (see
             :func:`~conveyor.planning.profiler.profile`).
 
@@ -260,7 +272,27 @@ def plan(
         profile=best_prof,
         calibration=best_cal,
         recompute=best.recompute,
+        basis=_basis(best_cal, real, options),
     )
+
+
+def _basis(cal: Calibration | None, real: bool, options: Options | None) -> str:
+    """:attr:`Plan.basis`: what the chosen candidate's times rest on."""
+    if cal is None:
+        why = (
+            "its family's reference could not run"
+            if real
+            else "calibration runs only in a distributed world of exactly the pipeline ranks"
+        )
+        text = f"times: each unit profiled alone with eager stages, not calibrated ({why})"
+    else:
+        text = (
+            f"times: each unit profiled alone, calibrated by {CALIBRATION_STEPS} real steps "
+            f"of {cal.schedule} with eager stages"
+        )
+    if options is not None and options.compile_keywords() is not None:
+        text += "; compile= is not applied while planning: compiled stages may run faster"
+    return text
 
 
 def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
