@@ -189,7 +189,7 @@ def plan(
         if microbatch_counts is None
         else sorted(set(microbatch_counts))
     )
-    names = [n for n in (schedules or SCHEDULE_NAMES)]
+    names = list(schedules or SCHEDULE_NAMES)
     cache = dict(profiles or {})
     real = calibrate and _distributed() and dist.get_world_size() == ranks
     recomputes = options is not None and options.recompute is True  # every stage, asked for
@@ -223,25 +223,25 @@ def plan(
             for kind in REFERENCES
         }
         for name in names:
-            for chunks in _chunk_options(name):
-                if ranks * chunks > n_units:
-                    continue
-                try:
-                    if name == "zb-auto":
-                        cal = cals[True, False]
-                        fitted = cal.apply(prof) if cal else prof
-                        built = _auto_schedule(ranks, m, fitted, memory_limit)
-                        if built is None:
-                            continue
-                    else:
-                        built = get_schedule(name, ranks, m, chunks)
-                except ConfigError:
-                    continue  # e.g. too few micro-batches for this schedule
-                cal = cals[family(built)]
-                fitted = cal.apply(prof) if cal else prof
-                overhead = cal.overhead if cal else 0.0
-                cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
-                rows.append((cand, built, fitted, cal))
+            chunks = default_chunks(name)  # the schedule's own: 2 for interleaved and V ones
+            if ranks * chunks > n_units:
+                continue
+            try:
+                if name == "zb-auto":
+                    cal = cals[True, False]
+                    fitted = cal.apply(prof) if cal else prof
+                    built = _auto_schedule(ranks, m, fitted, memory_limit)
+                    if built is None:
+                        continue
+                else:
+                    built = get_schedule(name, ranks, m, chunks)
+            except ConfigError:
+                continue  # e.g. too few micro-batches for this schedule
+            cal = cals[family(built)]
+            fitted = cal.apply(prof) if cal else prof
+            overhead = cal.overhead if cal else 0.0
+            cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
+            rows.append((cand, built, fitted, cal))
     if rows and not recomputes and memory_limit is not None and not any(r[0].fits for r in rows):
         rows += _with_recompute(rows, memory_limit)
     if not rows:
@@ -339,11 +339,6 @@ def plan_pipeline(
         options=options,
         device=ctx.device,
     )
-
-
-def _chunk_options(name: str) -> tuple[int, ...]:
-    """The chunk counts tried: the schedule's own (2 for the interleaved and V ones)."""
-    return (default_chunks(name),)
 
 
 def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Schedule | None:
