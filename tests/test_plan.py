@@ -121,6 +121,8 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main([str(script), "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "schedule" in out and "| 1 |" in out
+    # It says what the times rest on: one process profiles, nothing calibrates.
+    assert "each unit profiled alone with eager stages, not calibrated" in out
     assert plan_main([str(script), "--ranks", "2", "--memory-limit", "10"]) == 2
 
 
@@ -174,6 +176,58 @@ def _calibrated_options(rank: int) -> list[tuple[Any, Any]]:
                              autocast=torch.bfloat16, context=ctx)  # fmt: skip
     pipe.train_step(x, y)
     return seen
+
+
+def test_a_plan_says_compile_is_not_applied_while_planning() -> None:
+    """Profiling and calibration time eager stages; with compile= the plan says so."""
+    from conveyor._options import Options
+
+    x, y = _batch()
+    loss = nn.functional.mse_loss
+    kept: dict[str, Any] = {"microbatch_counts": [2], "schedules": ["1f1b"]}
+    eager = plan(_model(), x, y, loss, 2, options=Options(loss, 2), **kept)
+    assert "eager stages" in eager.basis and "compile=" not in eager.basis
+    assert eager.profile is not None
+    compiled = Options(loss, 2, compile=True)
+    again = plan(_model(), x, y, loss, 2, options=compiled, profiles={2: eager.profile}, **kept)
+    assert "eager stages" in again.basis
+    assert "compile= is not applied while planning" in again.basis
+
+
+def _calibrated_with_compile(rank: int) -> tuple[bool, list[Any]]:
+    """calibrate_family for options with compile=True: what it built, what it reports."""
+    import conveyor
+    import conveyor.planning.calibration as calibration
+    from conveyor._options import Options
+
+    built: list[Any] = []
+    real = calibration.build
+
+    def build(model: Any, schedule: Any, options: Any, *args: Any) -> Any:
+        built.append(options.compile)
+        return real(model, schedule, options, *args)
+
+    calibration.build = build  # type: ignore[assignment]
+    conveyor.init(pp=2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    loss = nn.functional.mse_loss
+    prof = profile(model, x, y, loss, 2, repeats=1, warmup=0)
+    cal = calibration.calibrate_family(
+        model, x, y, loss, prof, 2, (False, False), options=Options(loss, 2, compile=True)
+    )
+    assert cal is not None
+    return cal.compile_skipped, built
+
+
+@pytest.mark.multiprocess
+def test_calibration_runs_eager_stages_and_says_so() -> None:
+    """The reference never compiles, and a calibration for compile= options records it."""
+    from tests import distributed
+
+    for skipped, built in distributed.run(_calibrated_with_compile, 2, timeout=120):
+        assert skipped and built == [False], (skipped, built)
 
 
 @pytest.mark.multiprocess

@@ -1,4 +1,4 @@
-"""Measure one unit on one micro-batch: F, B, W, the whole backward, and saved bytes.
+"""Profile one unit on one micro-batch: time F, B, W and the whole backward, size its bytes.
 
 The unit's F, B and W are timed the way the runtime runs them (``LinearWeightStore``
 capture, ``backward_input``, ``WeightWork.run`` + ``flush``), and its whole backward the
