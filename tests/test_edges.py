@@ -25,10 +25,10 @@ import conveyor
 import conveyor.cli.launch
 import conveyor.context
 from conveyor.cli.command import main as cli_main
-from tests import distributed
-from tests.helpers import reset_context
-from tests.models import batch, mlp
-from tests.test_readme_snippets import readme_snippet
+from tests.docs.test_readme_snippets import readme_snippet
+from tests.support import distributed
+from tests.support.helpers import reset_context
+from tests.support.models import batch, mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 
