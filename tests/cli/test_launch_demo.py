@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 import conveyor.cli.launch
 from conveyor.cli import demo
+from conveyor.cli.command import main as cli_main
 from conveyor.observe.trace import measured_costs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,3 +269,99 @@ def test_measured_costs_are_per_stage_means() -> None:
         (1, "B", 1, 0, 3.0, 7.0), (0, "B", 0, 0, 7.0, 9.0), (0, "W", 0, 0, 9.0, 9.5),
     ]
     assert measured_costs(timings, 3) == [(2.0, 2.0, 0.5), (2.0, 4.0, 0.0), (0.0, 0.0, 0.0)]
+
+
+# --- the launcher's rendezvous edges ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_static_rendezvous_with_restarts_on_several_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.run
+
+    def started(config: Any) -> None:
+        raise AssertionError("torchrun started: the static rendezvous waits for the other node")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+    for name in ("OMP_NUM_THREADS", *conveyor.cli.launch.MALLOC_TUNABLES):
+        monkeypatch.delenv(name, raising=False)  # the launcher sets them; restored after
+    argv = ["launch", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+            "--max-restarts", "1", "--nproc-per-node", "1", "train.py"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("conveyor launch: error: --max-restarts 1 with --nnodes 2 needs the "
+                          "c10d rendezvous"), err
+    assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB" in err
+
+
+def test_launch_help_shows_two_machines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["launch", "--help"]) == 0
+    out = capsys.readouterr().out
+    example = out.index("two machines")
+    assert example < out.index("--nproc-per-node NPROC_PER_NODE")
+    command = " ".join(out[example:].split("\n\n")[0].replace("\\\n", " ").split())
+    assert ("conveyor launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:29400 --rdzv-id job1") in command
+
+
+def test_rendezvous_summary_formats_torchs_errors() -> None:
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.run import get_args_parser
+
+    config = get_args_parser().parse_args(  # torchrun's arguments, as launch parses them
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400",
+         "--rdzv-conf", "join_timeout=20", "train.py"]
+    )
+    summary = conveyor.cli.launch.rendezvous_summary(RendezvousTimeoutError(), config)
+    lines = summary.splitlines()
+    assert len(lines) <= 4 and all(len(line) <= 100 for line in lines)
+    assert " ".join(line.strip() for line in lines) == (
+        "conveyor launch: the c10d rendezvous at host0:29400 did not gather --nnodes 2 nodes "
+        "within join_timeout=20 s; start conveyor launch on every node with the same --nnodes, "
+        "--rdzv-endpoint and --rdzv-id, and check that host0:29400 is reachable from each"
+    )
+    refused = RendezvousConnectionError(
+        "The connection to the C10d store has failed. See inner exception for details."
+    )
+    lines = conveyor.cli.launch.rendezvous_summary(refused, config).splitlines()
+    assert len(lines) <= 4 and all(len(line) <= 100 for line in lines)
+    assert " ".join(line.strip() for line in lines) == (
+        "conveyor launch: the c10d rendezvous at host0:29400 failed: RendezvousConnectionError: "
+        "The connection to the C10d store has failed. See inner exception for details; start "
+        "conveyor launch on every node with the same --nnodes, --rdzv-endpoint and --rdzv-id, "
+        "and check that host0:29400 is reachable from each"
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_c10d_peer_that_never_arrives_ends_with_the_summary(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "conveyor.launch", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "edge",
+         "--rdzv-conf", "join_timeout=3", str(script)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "never runs" not in proc.stdout, proc.stderr
+    tail = " ".join(proc.stderr.split("conveyor launch: ", 1)[-1].split())
+    assert tail.startswith(
+        f"the c10d rendezvous at 127.0.0.1:{port} did not gather --nnodes 2 nodes within "
+        f"join_timeout=3 s;"
+    ), proc.stderr

@@ -5,9 +5,10 @@ The build (``mkdocs build --strict``: no broken link, no missing reference, ever
 the navigation, the API reference from the docstrings, the command line from the parsers)
 needs the ``docs`` extra, which the README's test command installs; without it that one
 test is skipped and says so. The Python blocks of the pages run in
-tests/docs/test_readme_snippets.py. The rest here is quick: the README's size and links, the
-pictures and the commands that drew them, the schedule tables against the simulator,
-a command beside every table of measurements, and every error message of the library
+tests/docs/test_readme_snippets.py, the README's own checks in tests/docs/test_readme.py.
+The rest here is quick: the links of the README and the pages, the pictures and the
+commands that drew them, the schedule tables against the simulator, a command beside
+every table of measurements, and every error message of the library
 quoted in the troubleshooting page.
 """
 
@@ -77,18 +78,6 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     for page in (site / "reference").glob("*.html"):
         # Sphinx roles in docstrings are turned into links or code (docs/hooks/sphinx_roles.py)
         assert not re.search(r":(func|class|meth|data|mod|attr):", _text(page)), page.name
-
-
-# ------------------------------------------------------------------------------- the README
-def test_readme_is_a_page_long() -> None:
-    size = len(README.read_bytes())
-    assert size <= 8 * 1024, f"README.md is {size} bytes; move detail into docs/"
-
-
-def test_readme_names_the_site_and_the_fast_lane() -> None:
-    text = _text(README)
-    assert "mkdocs serve" in text
-    assert '`OMP_NUM_THREADS=1 python -m pytest -q -m "not slow"`' in text
 
 
 @pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: str(p.relative_to(ROOT)))

@@ -86,7 +86,7 @@ conveyor.init(pp=2)
 # its 8-process world (``readme_snippet``), with a GPT of the example as ``model``.
 ELSEWHERE = "from torch.distributed.tensor.parallel import"
 SETUP[ELSEWHERE] = ""
-# The Use snippet (README and quick start); test_edges.py reads it by this start.
+# The Use snippet (README and quick start); test_readme.py reads it by this start.
 USE = "import torch, conveyor\nfrom torch import nn\n\nctx = conveyor.init() "
 # Snippets the pages run on several processes (how they start), and how many.
 PROCESSES = {USE: 2, "ctx = conveyor.init(pp=2, dp=2)": 4}

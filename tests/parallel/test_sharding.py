@@ -485,3 +485,35 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
     assert "cannot shard model.0: ColwiseParallel splits its out_features = 15 over tp = 2" in (
         errors[1]
     )
+
+
+# --- a construction error reaches every rank of a pp x tp mesh --------------------------
+
+
+def _tp_errors(rank: int) -> list[str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    ctx = conveyor.init(pp=2, tp=2, timeout=60)
+    out = []
+    for name in ("0", "2"):  # a module of stage 0 (ranks 0, 1), then of stage 1 (ranks 2, 3)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 5))
+        try:
+            conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
+                              balance=[2, 1], tp_plan={name: ColwiseParallel()}, context=ctx)
+            out.append("built")
+        except conveyor.ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_tp_plan_error_reaches_every_rank_alike() -> None:
+    results = distributed.run(_tp_errors, 4, timeout=180)
+    assert all(r == results[0] for r in results), results
+    first, second = results[0]
+    assert first.startswith("tp_plan cannot shard model.0: ColwiseParallel splits its "
+                            "out_features = 15 over tp = 2 ranks"), first
+    assert second.startswith("tp_plan cannot shard model.2: ColwiseParallel splits its "
+                             "out_features = 5 over tp = 2 ranks"), second
