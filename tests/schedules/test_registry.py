@@ -1,4 +1,6 @@
-"""Schedule names and their chunk counts: a schedule named for chunks gets them by default."""
+"""The schedule registry: every name gives its generator's schedule, unknown names and bad
+sizes are one sentence, and a schedule named for chunks gets them by default (one chunk of
+an interleaved or V schedule, or two of a one-chunk one, is refused in either spelling)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,14 @@ from conveyor.schedules import (
     get_schedule,
     gpipe,
     interleaved_1f1b,
+    one_f_one_b,
+    zb_h1,
+    zbv,
 )
 
 TWO = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev", "v-half", "v-min"}
+ZERO_BUBBLE = ("looped-bfs", "zb-h1", "zb-h2", "zb-late", "zbv", "dualpipev", "zb-auto")
+V = ("zbv", "dualpipev", "v-half", "v-min")  # two chunks per rank, in a V
 
 
 def test_default_chunks_of_every_name() -> None:
@@ -78,3 +85,61 @@ def test_a_count_the_schedule_cannot_run_is_one_sentence_in_either_spelling() ->
     with pytest.raises(ConfigError, match="chunks must be an integer >= 1, got 0"):
         get_schedule("interleaved-1f1b", 4, 8, 0)
     assert check_chunks("gpipe", None) == 1 and check_chunks("gpipe", 5) == 5
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+def test_every_name_gives_its_generators_schedule() -> None:
+    assert SCHEDULE_NAMES[:3] == ("gpipe", "1f1b", "interleaved-1f1b")
+    assert set(ZERO_BUBBLE) <= set(SCHEDULE_NAMES)
+    assert get_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
+    assert get_schedule("interleaved-1f1b", 2, 5, 3) == interleaved_1f1b(2, 5, 3)
+    assert get_schedule("gpipe", 3, 2, 2) == gpipe(3, 2, 2)
+    assert get_schedule("zb-h1", 3, 5) == zb_h1(3, 5)
+    assert get_schedule("zbv", 3, 5, 2) == zbv(3, 5)
+    assert get_schedule("looped-bfs", 3, 5, 3).actions == gpipe(3, 5, 3).actions
+
+
+def test_unknown_schedule_names_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as error:
+        get_schedule("2f2b", 4, 8)
+    message = str(error.value)
+    assert "'2f2b'" in message
+    assert all(repr(name) in message for name in SCHEDULE_NAMES)
+
+
+@pytest.mark.parametrize(
+    ("ranks_", "microbatches_", "chunks_", "word"),
+    [(0, 8, 1, "ranks"), (4, 0, 1, "microbatches"), (4, 8, 0, "chunks"), (True, 8, 1, "ranks")],
+)
+def test_sizes_below_one_are_rejected(
+    ranks_: int, microbatches_: int, chunks_: int, word: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"{word} must be an integer >= 1"):
+        get_schedule("gpipe", ranks_, microbatches_, chunks_)
+
+
+# --- chunks of the one-chunk and the V schedules --------------------------------------------
+
+
+def test_1f1b_with_chunks_points_to_interleaved() -> None:
+    with pytest.raises(ConfigError, match=r"chunks=2.*use 'interleaved-1f1b'"):
+        get_schedule("1f1b", 4, 8, chunks=2)
+
+
+@pytest.mark.parametrize("name", V)
+def test_v_schedules_are_registered_with_two_chunks_and_ask_for_them(name: str) -> None:
+    assert name in SCHEDULE_NAMES
+    assert default_chunks(name) == 2
+    assert get_schedule(name, 4, 8).chunks == 2
+    with pytest.raises(
+        ConfigError, match=rf"'{name}' runs 2 chunk\(s\) per rank, got chunks=1; pass chunks=2"
+    ):
+        get_schedule(name, 4, 8, 1)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto"])
+def test_one_chunk_zero_bubble_schedules_point_to_the_v_ones(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"got chunks=2; use 'zbv' or 'dualpipev'"):
+        get_schedule(name, 4, 8, chunks=2)

@@ -1,4 +1,4 @@
-"""Schedule generators, validation, the registry and the text table."""
+"""Schedule generators, validation and the text table (the registry: test_registry.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.errors import ConfigError, ScheduleError
+from conveyor.errors import ScheduleError
 from conveyor.schedules import (
-    SCHEDULE_NAMES,
     Action,
     Schedule,
     dependencies,
@@ -206,40 +205,6 @@ def test_weight_action_without_split_backward_is_rejected() -> None:
         validate(build(programs))
 
 
-# --- registry -----------------------------------------------------------------------------
-
-
-def test_registry_names() -> None:
-    assert SCHEDULE_NAMES[:3] == ("gpipe", "1f1b", "interleaved-1f1b")
-    assert get_schedule("1f1b", 4, 8) == one_f_one_b(4, 8)
-    assert get_schedule("interleaved-1f1b", 2, 5, 3) == interleaved_1f1b(2, 5, 3)
-    assert get_schedule("gpipe", 3, 2, 2) == gpipe(3, 2, 2)
-
-
-def test_unknown_schedule_names_the_known_ones() -> None:
-    with pytest.raises(ConfigError) as error:
-        get_schedule("2f2b", 4, 8)
-    message = str(error.value)
-    assert "'2f2b'" in message
-    assert all(repr(name) in message for name in SCHEDULE_NAMES)
-
-
-def test_1f1b_with_chunks_points_to_interleaved() -> None:
-    with pytest.raises(ConfigError, match=r"chunks=2.*use 'interleaved-1f1b'"):
-        get_schedule("1f1b", 4, 8, chunks=2)
-
-
-@pytest.mark.parametrize(
-    ("ranks_", "microbatches_", "chunks_", "word"),
-    [(0, 8, 1, "ranks"), (4, 0, 1, "microbatches"), (4, 8, 0, "chunks"), (True, 8, 1, "ranks")],
-)
-def test_sizes_below_one_are_rejected(
-    ranks_: int, microbatches_: int, chunks_: int, word: str
-) -> None:
-    with pytest.raises(ConfigError, match=rf"{word} must be an integer >= 1"):
-        get_schedule("gpipe", ranks_, microbatches_, chunks_)
-
-
 # --- text table ----------------------------------------------------------------------------
 
 
@@ -329,7 +294,6 @@ def test_save_and_load(tmp_path: Path) -> None:
     path.write_text(to_table(schedule).replace("B3,6", "B3,x"))
     with pytest.raises(ScheduleError, match=rf"{path} line 7: cannot read action 'B3,x'"):
         load_schedule(path)
-
 
 
 # --- a hand-edited table drives a real pipeline ---------------------------------------------

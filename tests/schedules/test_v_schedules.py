@@ -21,12 +21,10 @@ import conveyor
 from conveyor.cli.command import main as cli_main
 from conveyor.errors import ConfigError
 from conveyor.schedules import (
-    SCHEDULE_NAMES,
     Action,
     B,
     F,
     W,
-    default_chunks,
     get_schedule,
     v_half,
     v_min,
@@ -42,15 +40,6 @@ from tests.support.trainer_forked import run_forked
 V = ("v-half", "v-min")
 TARGET_PEAK = {"v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
 TARGET_BUBBLE = {"v-half": 0.6, "v-min": 0.8}  # of 1F1B's at F = B = W = 1
-
-
-def test_registered_with_two_chunks() -> None:
-    assert set(V) <= set(SCHEDULE_NAMES)
-    for name in V:
-        assert default_chunks(name) == 2
-        assert get_schedule(name, 4, 8).chunks == 2
-        with pytest.raises(ConfigError, match=f"schedule '{name}' runs 2 chunk"):
-            get_schedule(name, 4, 8, 1)
 
 
 @pytest.mark.parametrize("variant", ["half", "min"])

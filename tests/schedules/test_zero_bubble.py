@@ -308,28 +308,7 @@ def test_greedy_engine_with_uneven_costs_and_comm_is_a_valid_execution() -> None
         greedy_programs(placement, 5, [(1.0, 1.0, 1.0)] * 3, [2] * 3, fill="sometimes")
 
 
-# --- registry and command line ---------------------------------------------------------------
-
-
-def test_registry_has_every_new_name() -> None:
-    assert set(NEW) <= set(SCHEDULE_NAMES)
-    assert get_schedule("zb-h1", 3, 5) == zb_h1(3, 5)
-    assert get_schedule("zbv", 3, 5, 2) == zbv(3, 5)
-    assert get_schedule("looped-bfs", 3, 5, 3).actions == gpipe(3, 5, 3).actions
-
-
-@pytest.mark.parametrize("name", V_SCHEDULES)
-def test_v_schedules_ask_for_two_chunks(name: str) -> None:
-    with pytest.raises(
-        ConfigError, match=rf"'{name}' runs 2 chunk\(s\) per rank, got chunks=1; pass chunks=2"
-    ):
-        get_schedule(name, 4, 8, 1)
-
-
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto"])
-def test_one_chunk_zero_bubble_schedules_point_to_the_v_ones(name: str) -> None:
-    with pytest.raises(ConfigError, match=r"got chunks=2; use 'zbv' or 'dualpipev'"):
-        get_schedule(name, 4, 8, chunks=2)
+# --- command line ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
