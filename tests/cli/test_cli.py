@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 import types
-from argparse import SUPPRESS, ArgumentParser, _HelpAction, _SubParsersAction
+from argparse import ArgumentParser
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any
 
 import pytest
 
 import conveyor
-from conveyor.cli.command import _build_parser, main
+from conveyor.cli.command import main
 from conveyor.schedules import SCHEDULE_NAMES, default_chunks
 from tests.schedules.test_simulate import DESIGN_EXAMPLE
 
@@ -246,37 +247,62 @@ class _Parsed(Exception):
     """Carries the parser a command built, instead of parsing."""
 
 
-def _parser_of(run: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> ArgumentParser:
-    def grab(self: ArgumentParser, *args: object, **kwargs: object) -> NoReturn:
-        raise _Parsed(self)
+def _parser_of(
+    run: Callable[[], object], monkeypatch: pytest.MonkeyPatch, prog: str | None = None
+) -> ArgumentParser:
+    """The parser that ``run`` parses its arguments with (the one named ``prog``, for a
+    sub-command's: the parsers before it parse as usual)."""
+    parse = ArgumentParser.parse_known_args
 
-    monkeypatch.setattr(ArgumentParser, "parse_args", grab)
+    def grab(self: ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        if prog is None or self.prog == prog:
+            raise _Parsed(self)
+        return parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(ArgumentParser, "parse_known_args", grab)
     with pytest.raises(_Parsed) as parsed:
         run()
+    monkeypatch.undo()
     parser = parsed.value.args[0]
     assert isinstance(parser, ArgumentParser)
     return parser
 
 
-def _simulate_parser() -> ArgumentParser:
-    commands = next(
-        a for a in _build_parser()._actions if isinstance(a, _SubParsersAction)
-    )
-    parser = commands.choices["simulate"]
-    assert isinstance(parser, ArgumentParser)
-    return parser
-
-
-def _example(name: str) -> Callable[[], object]:
+def _example(name: str, argv: list[str]) -> Callable[[], object]:
     def run() -> object:
         sys.path.insert(0, str(ROOT / "examples"))
         try:
             module = importlib.import_module(name)
         finally:
             sys.path.remove(str(ROOT / "examples"))
-        return module.main([])
+        return module.main(argv)
 
     return run
+
+
+def _entries(text: str) -> dict[str, str]:
+    """The options and positionals a ``--help`` text lists: each one's names as printed
+    (``-n N, --steps N``) -> its help, in one line."""
+    entries: dict[str, str] = {}
+    names = ""
+    sections = re.split(r"\n(?=\S[^\n]*:\n)", text)
+    for section in sections:
+        if not section.startswith(("options:", "positional arguments:")):
+            continue
+        for line in section.splitlines()[1:]:
+            if re.match(r"  \S", line):  # a new entry: its names, then maybe its help
+                names, _, first = line.strip().partition("  ")
+                entries[names] = first.strip()
+            elif line.strip() and names:
+                entries[names] = (entries[names] + " " + line.strip()).strip()
+    return entries
+
+
+def _dest(names: str) -> str:
+    """argparse's dest of an option: its first long name (else its first), as a name."""
+    flags = [word.split()[0] for word in names.split(", ")]
+    long = [f for f in flags if f.startswith("--")]
+    return (long or flags)[0].lstrip("-").replace("-", "_")
 
 
 @pytest.mark.parametrize(
@@ -284,21 +310,27 @@ def _example(name: str) -> Callable[[], object]:
     ["simulate", "demo", "plan", "trace", "examples/gpt.py", "examples/resnet.py"],
 )
 def test_every_option_has_help_with_its_default(
-    command: str, monkeypatch: pytest.MonkeyPatch
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if command == "simulate":
-        parser = _simulate_parser()
-    elif command.startswith("examples/"):
-        parser = _parser_of(_example(Path(command).stem), monkeypatch)
+    """What ``--help`` prints: every option has help, and one with a default says it."""
+    if command.startswith("examples/"):
+        with pytest.raises(SystemExit) as done:
+            _example(Path(command).stem, ["--help"])()
+        assert done.value.code == 0
+        parser = _parser_of(_example(Path(command).stem, []), monkeypatch)
     else:
-        parser = _parser_of(lambda: main([command, "x.py", "--png", "x.png"]), monkeypatch)
-    text = parser.format_help()
+        assert main([command, "--help"]) == 0
+        argv = [command, "x.py", "--png", "x.png"]
+        if command == "simulate":
+            argv = SIMULATE
+        parser = _parser_of(lambda: main(argv), monkeypatch, f"conveyor {command}")
+    text = capsys.readouterr().out
     assert "``" not in text and ":func:" not in text and ":mod:" not in text
-    for action in parser._actions:
-        if action.help == SUPPRESS or isinstance(action, _HelpAction):
+    entries = _entries(text)
+    assert len(entries) > 1, text
+    for names, shown in entries.items():
+        if names.startswith(("-h, --help", "--help")):
             continue
-        name = action.option_strings[-1] if action.option_strings else action.dest
-        assert action.help, f"{command}: {name} has no help"
-        shown = parser._get_formatter()._expand_help(action)  # as --help prints it
-        if action.option_strings and action.default not in (None, False):
-            assert "default" in shown, f"{command}: {name} does not show its default"
+        assert shown, f"{command}: {names} has no help"
+        if names.startswith("-") and parser.get_default(_dest(names)) not in (None, False):
+            assert "default" in shown, f"{command}: {names} does not show its default"

@@ -337,15 +337,27 @@ def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str, d
 
 def test_tensor_parallel_needs_static_shapes() -> None:
     """Refused where the plan is checked, before any process waits on another, unless
-    shapes are static."""
-    from conveyor._options import Options
+    shapes are static: a context of a pp=1 x tp=2 world (no process group behind it) gets
+    the error at construction."""
+    ctx = conveyor.Context(
+        rank=0, world_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
+        device=torch.device("cpu"), backend="gloo", distributed=True, timeout=5.0, tp_size=2,
+    )  # fmt: skip
 
-    ctx: Any = type("Ctx", (), {"distributed": True, "tp_size": 2, "dp_size": 1})()
+    def build(tp_plan: dict[str, Any], option: Any) -> conveyor.Pipeline:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        return conveyor.Pipeline(
+            model, loss_fn=F.mse_loss, microbatches=2, tp_plan=tp_plan, compile=option,
+            context=ctx,
+        )  # fmt: skip
+
     for option in (True, {"dynamic": True}):
-        options = Options(None, 2, tp_plan={"*.fc1": object()}, compile=option)
         with pytest.raises(ConfigError, match="compile with tp_plan needs static shapes"):
-            options.check_context(ctx)
-    Options(None, 2, tp_plan={}, compile={"dynamic": False}).check_context(ctx)
+            build({"*.fc1": object()}, option)
+    # Static shapes pass the check; building then needs the process groups this has not.
+    with pytest.raises(Exception) as got:
+        build({}, {"dynamic": False})
+    assert "static shapes" not in str(got.value), got.value
 
 
 @pytest.mark.slow

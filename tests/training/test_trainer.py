@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import conveyor
-import conveyor.context as context
+from conveyor.context import current
 from conveyor.training import (
     Callback,
     CSVLogger,
@@ -73,7 +74,8 @@ def trainer(
     **kwargs: Any,
 ) -> Trainer:  # fmt: skip
     """A pipeline of ``pp`` stages, AdamW and a step-wise LambdaLR, in a fresh trainer."""
-    ctx = context._current or conveyor.init(pp=pp)  # a process group's: its init(dp=...)
+    # Under processes, the context their init(dp=...) made; in one process, pp stages.
+    ctx = current() if dist.is_initialized() else conveyor.init(pp=pp)
     pipe = conveyor.Pipeline(
         model(dropout=dropout), loss_fn=nn.functional.cross_entropy, microbatches=2,
         balance=[6 // ctx.pp_size] * ctx.pp_size, context=ctx,
