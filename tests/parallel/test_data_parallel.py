@@ -137,7 +137,9 @@ def pipelined(ctx: conveyor.Context, config: Config) -> tuple[Trace, float, floa
     trace = train(
         list(pipe.named_parameters()), pipe.train_step, pipe.clip_grad_norm_, data, config
     )
-    # buckets started as their stage finished (not at the end), per step and bucket
+    # buckets started as their stage finished (not at the end), per step and bucket. The
+    # one private read left: no public accessor says this yet (it belongs in pipeline.py
+    # and runtime/data_parallel.py, which are being rewritten).
     dp = pipe._parts.data_parallel if pipe._parts is not None else None
     early = dp.launched_early / len(dp._buckets) if dp is not None else 0.0
     return trace, float(pipe.eval_step(*data[-1])), early
