@@ -237,8 +237,14 @@ def _reshard_on_four(rank: int, path: str, dp_path: str) -> dict[str, Any]:
     for what in ("8 stages", "pp x dp"):
         if what == "8 stages":
             ctx = conveyor.init(pp=4)
-            pipe = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=4,
-                                     schedule="interleaved-1f1b", chunks=2, context=ctx)
+            pipe = conveyor.Pipeline(
+                TinyGPT(),
+                loss_fn=lm_loss,
+                microbatches=4,
+                schedule="interleaved-1f1b",
+                chunks=2,
+                context=ctx,
+            )
         else:
             ctx = conveyor.init(pp=2, dp=2)
             pipe = conveyor.Pipeline(TinyGPT(), loss_fn=lm_loss, microbatches=2, context=ctx)
@@ -261,11 +267,13 @@ def test_pp2_checkpoint_loads_into_8_stages_and_pp_x_dp_on_4_processes(
     dp_path = str(tmp_path / "dp")
     results = distributed.run(_reshard_on_four, 4, path, dp_path)
     want_state, want_opt, want_final = _reference()
-    assert [r["8 stages"]["held"] for r in results] == [
-        (r, 0, (r, r + 4)) for r in range(4)
+    assert [r["8 stages"]["held"] for r in results] == [(r, 0, (r, r + 4)) for r in range(4)]
+    assert [r["pp x dp"]["held"] for r in results] == [
+        (0, 0, (0,)),
+        (1, 0, (1,)),
+        (0, 1, (0,)),
+        (1, 1, (1,)),
     ]
-    assert [r["pp x dp"]["held"] for r in results] == [(0, 0, (0,)), (1, 0, (1,)),
-                                                        (0, 1, (0,)), (1, 1, (1,))]
     for what in ("8 stages", "pp x dp"):
         names: set[str] = set()
         for rank, r in enumerate(results):
@@ -423,8 +431,14 @@ def test_checkpoint_is_one_attribute_away_and_fails_once(tmp_path: Path) -> None
         "import torch\n"
         "conveyor.load(torch.nn.Linear(2, 2), 'nowhere')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120, env={"PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 1
     assert done.stderr.count("CheckpointError: ") == 1, done.stderr
     assert "During handling" not in done.stderr and "direct cause" not in done.stderr

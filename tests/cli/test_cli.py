@@ -81,13 +81,31 @@ def test_simulate_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
             "use --schedule interleaved-1f1b for several chunks per rank",
         ),
         (
-            ["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8", "--chunks",
-             "1"],
+            [
+                "simulate",
+                "--schedule",
+                "zbv",
+                "--ranks",
+                "4",
+                "--microbatches",
+                "8",
+                "--chunks",
+                "1",
+            ],
             "--schedule zbv runs 2 chunk(s) per rank, got --chunks 1; pass --chunks 2",
         ),
         (
-            ["simulate", "--schedule", "interleaved-1f1b", "--ranks", "4", "--microbatches",
-             "8", "--chunks", "1"],
+            [
+                "simulate",
+                "--schedule",
+                "interleaved-1f1b",
+                "--ranks",
+                "4",
+                "--microbatches",
+                "8",
+                "--chunks",
+                "1",
+            ],
             "--schedule interleaved-1f1b interleaves several chunks per rank; pass --chunks 2 "
             "(or more), or use --schedule 1f1b for one",
         ),
@@ -177,8 +195,7 @@ def test_trace_of_a_missing_or_foreign_file(
     missing = str(tmp_path / "none.json")
     assert main(["trace", missing, "--png", png]) == 2
     assert _one_error_line(capsys) == (
-        f"conveyor trace: error: no file {missing}; pass a trace written by "
-        "pipe.save_trace(path)"
+        f"conveyor trace: error: no file {missing}; pass a trace written by pipe.save_trace(path)"
     )
     for text in ("not json", '{"traceEvents": [{"cat": "F", "tid": 0}]}', "[1, 2]"):
         foreign = tmp_path / "foreign.json"
@@ -195,13 +212,19 @@ def test_trace_of_a_missing_or_foreign_file(
     [
         (None, "no file {path}; pass a Python file that defines build()"),
         ("def build(:\n", "{path} line 1: invalid syntax; it must be Python that defines build()"),
-        ("raise ValueError('no data here')\n",
-         "running {path} raised ValueError: no data here; run 'python {path}' to see where"),
-        ("x = 1\n", "{path} has no build(); define build() returning (model, inputs, targets, "
-         "loss_fn)"),
+        (
+            "raise ValueError('no data here')\n",
+            "running {path} raised ValueError: no data here; run 'python {path}' to see where",
+        ),
+        (
+            "x = 1\n",
+            "{path} has no build(); define build() returning (model, inputs, targets, loss_fn)",
+        ),
         ("def build():\n    return 1\n", "{path}: build() returned int; define build()"),
-        ("def build():\n    return {}['model']\n",
-         "{path}: build() raised KeyError: 'model'; call it in Python to see where"),
+        (
+            "def build():\n    return {}['model']\n",
+            "{path}: build() raised KeyError: 'model'; call it in Python to see where",
+        ),
     ],
 )
 def test_plan_with_a_bad_file(
@@ -211,9 +234,7 @@ def test_plan_with_a_bad_file(
     if source is not None:
         path.write_text(source)
     assert main(["plan", str(path)]) == 2  # bad input, as in every conveyor command
-    assert _one_error_line(capsys).startswith(
-        "conveyor plan: error: " + message.format(path=path)
-    )
+    assert _one_error_line(capsys).startswith("conveyor plan: error: " + message.format(path=path))
 
 
 def test_plan_names_its_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,8 +258,15 @@ def test_launch_help_says_what_conveyor_adds_before_torchruns_options(
     assert main(["launch", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: conveyor launch [OPTIONS] (SCRIPT | -m MODULE) [ARGS ...]")
-    added = [out.index(word) for word in
-             ("OMP_NUM_THREADS=1", "MALLOC_MMAP_THRESHOLD_", "c10d rendezvous", "--max-restarts")]
+    added = [
+        out.index(word)
+        for word in (
+            "OMP_NUM_THREADS=1",
+            "MALLOC_MMAP_THRESHOLD_",
+            "c10d rendezvous",
+            "--max-restarts",
+        )
+    ]
     assert max(added) < out.index("--nproc-per-node NPROC_PER_NODE")
     assert "torchrun restarts after any" in out
 

@@ -49,7 +49,11 @@ def _env(**extra: str) -> dict[str, str]:
 def _launch(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", str(script), *args],
-        cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -174,9 +178,25 @@ def test_launch_main_in_process(
 @pytest.mark.timeout(60)
 def test_demo_trains_two_stages_end_to_end() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", "demo", "--nproc", "2", "--epochs", "3",
-         "--lr", "3e-3", "--max-restarts", "1"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=45,
+        [
+            sys.executable,
+            "-m",
+            "conveyor.cli",
+            "demo",
+            "--nproc",
+            "2",
+            "--epochs",
+            "3",
+            "--lr",
+            "3e-3",
+            "--max-restarts",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=45,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     accuracy = re.search(r"held-out accuracy: ([\d.]+)% \((\d+)/450\)", proc.stdout)
@@ -265,8 +285,12 @@ def test_demo_in_one_process(
 
 def test_measured_costs_are_per_stage_means() -> None:
     timings = [
-        (0, "F", 0, 0, 0.0, 1.0), (0, "F", 0, 1, 1.0, 4.0), (1, "F", 1, 0, 1.0, 3.0),
-        (1, "B", 1, 0, 3.0, 7.0), (0, "B", 0, 0, 7.0, 9.0), (0, "W", 0, 0, 9.0, 9.5),
+        (0, "F", 0, 0, 0.0, 1.0),
+        (0, "F", 0, 1, 1.0, 4.0),
+        (1, "F", 1, 0, 1.0, 3.0),
+        (1, "B", 1, 0, 3.0, 7.0),
+        (0, "B", 0, 0, 7.0, 9.0),
+        (0, "W", 0, 0, 9.0, 9.5),
     ]
     assert measured_costs(timings, 3) == [(2.0, 2.0, 0.5), (2.0, 4.0, 0.0), (0.0, 0.0, 0.0)]
 
@@ -291,13 +315,26 @@ def test_static_rendezvous_with_restarts_on_several_nodes_is_refused(
     monkeypatch.setattr(torch.distributed.run, "run", started)
     for name in ("OMP_NUM_THREADS", *conveyor.cli.launch.MALLOC_TUNABLES):
         monkeypatch.delenv(name, raising=False)  # the launcher sets them; restored after
-    argv = ["launch", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
-            "--max-restarts", "1", "--nproc-per-node", "1", "train.py"]
+    argv = [
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "train.py",
+    ]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith("conveyor launch: error: --max-restarts 1 with --nnodes 2 needs the "
-                          "c10d rendezvous"), err
+    assert err.startswith(
+        "conveyor launch: error: --max-restarts 1 with --nnodes 2 needs the c10d rendezvous"
+    ), err
     assert "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB" in err
 
 
@@ -307,8 +344,10 @@ def test_launch_help_shows_two_machines(capsys: pytest.CaptureFixture[str]) -> N
     example = out.index("two machines")
     assert example < out.index("--nproc-per-node NPROC_PER_NODE")
     command = " ".join(out[example:].split("\n\n")[0].replace("\\\n", " ").split())
-    assert ("conveyor launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
-            "HOST:29400 --rdzv-id job1") in command
+    assert (
+        "conveyor launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
+        "HOST:29400 --rdzv-id job1"
+    ) in command
 
 
 def test_rendezvous_summary_formats_torchs_errors() -> None:
@@ -319,8 +358,17 @@ def test_rendezvous_summary_formats_torchs_errors() -> None:
     from torch.distributed.run import get_args_parser
 
     config = get_args_parser().parse_args(  # torchrun's arguments, as launch parses them
-        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "host0:29400",
-         "--rdzv-conf", "join_timeout=20", "train.py"]
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "host0:29400",
+            "--rdzv-conf",
+            "join_timeout=20",
+            "train.py",
+        ]
     )
     summary = conveyor.cli.launch.rendezvous_summary(RendezvousTimeoutError(), config)
     lines = summary.splitlines()
@@ -353,10 +401,29 @@ def test_a_c10d_peer_that_never_arrives_ends_with_the_summary(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "conveyor.launch", "--nnodes", "2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "edge",
-         "--rdzv-conf", "join_timeout=3", str(script)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launch",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "edge",
+            "--rdzv-conf",
+            "join_timeout=3",
+            str(script),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "never runs" not in proc.stdout, proc.stderr

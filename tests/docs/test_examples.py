@@ -12,22 +12,36 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-GPT_TINY = ["--steps", "30", "--chars", "20000", "--width", "32", "--depth", "2",
-            "--context", "16", "--sample", "20"]
+GPT_TINY = [
+    "--steps",
+    "30",
+    "--chars",
+    "20000",
+    "--width",
+    "32",
+    "--depth",
+    "2",
+    "--context",
+    "16",
+    "--sample",
+    "20",
+]
 RESNET_TINY = ["--steps", "2", "--base", "8", "--blocks", "1,1,1,1", "--batch-size", "16"]
 
 
 def run(args: list[str], timeout: float = 120) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
 def losses(out: str) -> list[float]:
-    return [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
-            if line.startswith("step")]
+    return [
+        float(line.split("loss")[1].split()[0])
+        for line in out.splitlines()
+        if line.startswith("step")
+    ]
 
 
 @pytest.mark.multiprocess
@@ -48,9 +62,26 @@ def test_gpt_learns_in_one_process() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
-    out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "4",
-               "examples/gpt.py", *GPT_TINY, "--depth", "8", "--schedule", "interleaved-1f1b",
-               "--chunks", "2", "--steps", "10"], timeout=240)
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launch",
+            "--nproc-per-node",
+            "4",
+            "examples/gpt.py",
+            *GPT_TINY,
+            "--depth",
+            "8",
+            "--schedule",
+            "interleaved-1f1b",
+            "--chunks",
+            "2",
+            "--steps",
+            "10",
+        ],
+        timeout=240,
+    )
     assert "8 stages on 4 ranks (interleaved-1f1b)" in out
     assert len(losses(out)) >= 2 and "sample:" in out
 
@@ -59,8 +90,17 @@ def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
 @pytest.mark.slow
 def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    tiny = [sys.executable, "examples/hf_llama.py", *GPT_TINY, "--checkpoint", str(tmp_path),
-            "--save-every", "10", "--schedule", "zb-h1"]
+    tiny = [
+        sys.executable,
+        "examples/hf_llama.py",
+        *GPT_TINY,
+        "--checkpoint",
+        str(tmp_path),
+        "--save-every",
+        "10",
+        "--schedule",
+        "zb-h1",
+    ]
     out = run(tiny)
     seen = losses(out)
     assert len(seen) >= 5 and seen[-1] < seen[0] - 0.5, out  # it learns
@@ -73,8 +113,17 @@ def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_resnet_on_random_data_under_launch() -> None:
-    out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2",
-               "examples/resnet.py", *RESNET_TINY])
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "conveyor.launch",
+            "--nproc-per-node",
+            "2",
+            "examples/resnet.py",
+            *RESNET_TINY,
+        ]
+    )
     assert "2 stages on 2 ranks" in out and "random data" in out
     assert "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz" in out
     assert "held-out accuracy" in out
@@ -137,8 +186,21 @@ def test_big_model_ranks_hold_their_own_stages_and_load_weights(tmp_path: Path) 
     assert len(losses(out)) >= 2 and "peak resident memory" in out
 
 
-LIGHTNING_TINY = ["examples/lightning_gpt.py", "--steps", "30", "--layers", "2", "--width",
-                  "32", "--length", "16", "--batch-size", "8", "--microbatches", "2"]
+LIGHTNING_TINY = [
+    "examples/lightning_gpt.py",
+    "--steps",
+    "30",
+    "--layers",
+    "2",
+    "--width",
+    "32",
+    "--length",
+    "16",
+    "--batch-size",
+    "8",
+    "--microbatches",
+    "2",
+]
 
 
 @pytest.mark.multiprocess
@@ -149,8 +211,11 @@ def test_lightning_gpt_learns_and_its_checkpoint_loads(launcher: str, tmp_path: 
     torchrun's (conveyor launch); then the unsplit module loads the last checkpoint."""
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
-    start = ([sys.executable] if launcher == "lightning"
-             else [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2"])
+    start = (
+        [sys.executable]
+        if launcher == "lightning"
+        else [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2"]
+    )
     devices = ["--devices", "2"] if launcher == "lightning" else []
     out = run([*start, *LIGHTNING_TINY, *devices, "--output", str(tmp_path)], timeout=180)
     assert "GPT2LMHeadModel in 2 stages" in out and "stage 1 on rank 1: lm_head" in out

@@ -267,11 +267,20 @@ class LogsFirst(LitMLP):
         (Outside, {}, r"^PipelineStrategy trains self.model only, .*\['head.weight', "),
         (NoNetwork, {}, r"found in self.model; put the network there .*\(module_attr="),
         (Metric, {}, r"^output.argmax: under PipelineStrategy the network's output exists"),
-        (LogsFirst, {}, r"^PipelineStrategy ran training_step on a first batch to find the "
-                        r"network's inputs and it raised .*; pass sample=\(inputs, targets\)"),
+        (
+            LogsFirst,
+            {},
+            r"^PipelineStrategy ran training_step on a first batch to find the "
+            r"network's inputs and it raised .*; pass sample=\(inputs, targets\)",
+        ),
     ],
-    ids=["manual-optimization", "parameters-outside", "no-network", "output-used",
-         "first-batch-run-fails"],
+    ids=[
+        "manual-optimization",
+        "parameters-outside",
+        "no-network",
+        "output-used",
+        "first-batch-run-fails",
+    ],
 )
 def test_what_it_cannot_split_is_one_sentence(module: Any, strategy: Any, message: str) -> None:
     with pytest.raises(conveyor.ConfigError, match=message):

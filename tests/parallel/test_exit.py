@@ -95,7 +95,11 @@ def test_a_zero_bubble_run_exits_cleanly_every_time(tmp_path: Path) -> None:
     for _ in range(2):
         done = subprocess.run(
             [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", str(script)],
-            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
         )
         out = done.stdout + done.stderr
         assert done.returncode == 0, out

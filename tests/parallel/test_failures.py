@@ -203,8 +203,7 @@ def test_watchdog_stays_quiet_while_works_finish() -> None:
 def _between_steps(rank: int, what: str, folder: str) -> str:
     """Rank 1 leaves after the first step (or skips a collective); rank 0 goes on."""
     ctx = conveyor.init(pp=2, timeout=3.0)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
-                             context=ctx)
+    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2, context=ctx)
     x, y = batch(8)
     pipe.train_step(x, y)
     if rank == 1:

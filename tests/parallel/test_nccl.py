@@ -147,9 +147,7 @@ def test_every_schedule_and_model_is_deadlock_free_under_nccl_rules(layout: str)
             assert all(r == runs[0] for r in runs), (key, runs)
             refused.append(key)
             continue
-        traces = {
-            rank: [Record.from_dict(r) for r in run] for rank, run in enumerate(runs)
-        }
+        traces = {rank: [Record.from_dict(r) for r in run] for rank, run in enumerate(runs)}
         assert all(len(t) > 0 for t in traces.values()), key
         try:
             check(traces)

@@ -47,8 +47,11 @@ def nested() -> nn.Sequential:
     the output of the Linear before it (a view, on the 3-D inputs this model gets)."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 16), nn.Sequential(Block(16), Block(16)),
-        nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Sequential(Block(16), Block(16)),
+        nn.Linear(8, 16),
+        nn.Sequential(Block(16), Block(16)),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),
+        nn.Sequential(Block(16), Block(16)),
         nn.Linear(16, 4),
     )
 
@@ -75,8 +78,13 @@ def mlp_plan() -> dict[str, Any]:
 def build(kind: str) -> nn.Module:
     """The test models: "mlp", "nested", "gpt" (2 stages), "embedding col" / "embedding
     row" (an embedding whose sharded dimension, columns or rows, is 16 and the other 11)."""
-    makers = {"mlp": mlp, "nested": nested, "gpt": lambda: gpt_model(2),
-              "embedding col": lambda: embedder(11, 16), "embedding row": lambda: embedder(16, 11)}
+    makers = {
+        "mlp": mlp,
+        "nested": nested,
+        "gpt": lambda: gpt_model(2),
+        "embedding col": lambda: embedder(11, 16),
+        "embedding row": lambda: embedder(16, 11),
+    }
     return makers[kind]()
 
 
@@ -154,12 +162,19 @@ def _eight(rank: int, path: str) -> dict[str, Any]:
     # 8 processes on 2 cores: a rank may wait on 7 busy others longer than a minute.
     ctx = conveyor.init(pp=2, dp=2, tp=2, timeout=120)
     out: dict[str, Any] = {}
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                             fsdp=True, tp_plan=mlp_plan(), context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(),
+        loss_fn=nn.functional.mse_loss,
+        microbatches=4,
+        fsdp=True,
+        tp_plan=mlp_plan(),
+        context=ctx,
+    )
     out["mlp"] = train(pipe, "mlp", ctx)
     model = gpt_model(2)
-    pipe = conveyor.Pipeline(model, loss_fn=loss_of("gpt"), microbatches=2, fsdp=True,
-                             tp_plan=gpt.tp_plan(), context=ctx)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=loss_of("gpt"), microbatches=2, fsdp=True, tp_plan=gpt.tp_plan(), context=ctx
+    )
     out["gpt"] = train(pipe, "gpt", ctx)
     # Clipping sees every shard once: the norm of the whole model's gradient.
     x, y = data("gpt", 0)
@@ -182,8 +197,12 @@ def _eight(rank: int, path: str) -> dict[str, Any]:
 def _count_collectives(pipe: conveyor.Pipeline, x: Any, y: Any) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) one training step issues on this rank."""
     counts = [0, 0]
-    names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-             "reduce_scatter_tensor")
+    names = (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+    )
     saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
     def counting(name: str) -> Any:
@@ -225,21 +244,42 @@ def _four(rank: int, path: str) -> dict[str, Any]:
         conveyor.init(pp=2, dp=2, tp=3)
     ctx = conveyor.init(pp=2, dp=2, timeout=60)
     for sched, chunks in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
-        pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                                 schedule=sched, chunks=chunks, fsdp=True, context=ctx)
+        pipe = conveyor.Pipeline(
+            mlp(),
+            loss_fn=nn.functional.mse_loss,
+            microbatches=4,
+            schedule=sched,
+            chunks=chunks,
+            fsdp=True,
+            context=ctx,
+        )
         out[f"fsdp {sched}"] = train(pipe, "mlp", ctx)
         x, y = data("mlp", 0)
-        out[f"collectives {sched}"] = (_count_collectives(pipe, x[ctx.dp_rank :: 2],
-                                                          y[ctx.dp_rank :: 2]), chunks)
-    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2, fsdp=True,
-                             schedule="zb-h1", context=ctx)
+        out[f"collectives {sched}"] = (
+            _count_collectives(pipe, x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]),
+            chunks,
+        )
+    pipe = conveyor.Pipeline(
+        gpt_model(2),
+        loss_fn=loss_of("gpt"),
+        microbatches=2,
+        fsdp=True,
+        schedule="zb-h1",
+        context=ctx,
+    )
     out["fsdp gpt"] = train(pipe, "gpt", ctx)
     x, y = data("mlp", 0)
     x, y = x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]
-    sharded = _state_bytes(conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss,
-                                             microbatches=4, fsdp=True, context=ctx), x, y)
-    replicated = _state_bytes(conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss,
-                                                microbatches=4, context=ctx), x, y)
+    sharded = _state_bytes(
+        conveyor.Pipeline(
+            mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, fsdp=True, context=ctx
+        ),
+        x,
+        y,
+    )
+    replicated = _state_bytes(
+        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, context=ctx), x, y
+    )
     out["memory"] = sharded / replicated
     # The 3-D checkpoint, loaded at pp=2 x dp=2 without fsdp.
     pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2, context=ctx)
@@ -250,11 +290,18 @@ def _four(rank: int, path: str) -> dict[str, Any]:
 
     ctx = conveyor.init(pp=2, tp=2, timeout=60)
     for sched in ("1f1b", "zb-h1"):
-        pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                                 schedule=sched, tp_plan=mlp_plan(), context=ctx)
+        pipe = conveyor.Pipeline(
+            mlp(),
+            loss_fn=nn.functional.mse_loss,
+            microbatches=4,
+            schedule=sched,
+            tp_plan=mlp_plan(),
+            context=ctx,
+        )
         out[f"tp {sched}"] = train(pipe, "mlp", ctx)
-    pipe = conveyor.Pipeline(gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2,
-                             tp_plan=gpt.tp_plan(), context=ctx)
+    pipe = conveyor.Pipeline(
+        gpt_model(2), loss_fn=loss_of("gpt"), microbatches=2, tp_plan=gpt.tp_plan(), context=ctx
+    )
     out["tp gpt"] = train(pipe, "gpt", ctx)
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -263,8 +310,9 @@ def _four(rank: int, path: str) -> dict[str, Any]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 4))
         try:
-            conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
-                              tp_plan=plan, context=ctx)
+            conveyor.Pipeline(
+                model, loss_fn=nn.functional.mse_loss, microbatches=2, tp_plan=plan, context=ctx
+            )
         except conveyor.ConfigError as e:
             errors.append(str(e))
     out["errors"] = errors
@@ -299,8 +347,13 @@ def _reshard(ctx: conveyor.Context, out: dict[str, Any]) -> None:
     """fsdp="reshard" on a layer list, nested blocks and a graph split: training, its
     units and one step's collectives."""
     for kind, microbatches in (("mlp", 4), ("nested", 4), ("gpt", 2)):
-        pipe = conveyor.Pipeline(build(kind), loss_fn=loss_of(kind), microbatches=microbatches,
-                                 fsdp="reshard", context=ctx)
+        pipe = conveyor.Pipeline(
+            build(kind),
+            loss_fn=loss_of(kind),
+            microbatches=microbatches,
+            fsdp="reshard",
+            context=ctx,
+        )
         out[f"reshard {kind}"] = train(pipe, kind, ctx)
         out[f"units {kind}"] = _units(pipe)
         x, y = data(kind, 0)
@@ -308,12 +361,19 @@ def _reshard(ctx: conveyor.Context, out: dict[str, Any]) -> None:
             pipe, x[ctx.dp_rank :: 2], y[ctx.dp_rank :: 2]
         )
     with pytest.raises(conveyor.ConfigError, match=r"fsdp='reshard' .* 'zb-h1' splits"):
-        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                          schedule="zb-h1", fsdp="reshard", context=ctx)
+        conveyor.Pipeline(
+            mlp(),
+            loss_fn=nn.functional.mse_loss,
+            microbatches=4,
+            schedule="zb-h1",
+            fsdp="reshard",
+            context=ctx,
+        )
 
 
-def _adam_step(pipe: conveyor.Pipeline, opt: torch.optim.Optimizer, ctx: conveyor.Context,
-               step: int) -> float:
+def _adam_step(
+    pipe: conveyor.Pipeline, opt: torch.optim.Optimizer, ctx: conveyor.Context, step: int
+) -> float:
     """One AdamW step of the MLP on this replica's shard of global batch ``step``."""
     x, y = data("mlp", step)
     mine = slice(ctx.dp_rank, None, ctx.dp_size)
@@ -339,8 +399,9 @@ def adam_reference() -> tuple[float, dict[str, torch.Tensor]]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(2):
         x, y = data("mlp", step)
-        loss = nn.functional.mse_loss(model(torch.cat([x[0::2], x[1::2]])),
-                                      torch.cat([y[0::2], y[1::2]]))
+        loss = nn.functional.mse_loss(
+            model(torch.cat([x[0::2], x[1::2]])), torch.cat([y[0::2], y[1::2]])
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -359,14 +420,24 @@ def _embeddings(ctx: conveyor.Context, out: dict[str, Any]) -> None:
         return RowwiseParallel(input_layouts=Replicate())
 
     for kind in ("col", "row"):
-        pipe = conveyor.Pipeline(build(f"embedding {kind}"), loss_fn=nn.functional.mse_loss,
-                                 microbatches=4, tp_plan={"0": style(kind)}, context=ctx)
+        pipe = conveyor.Pipeline(
+            build(f"embedding {kind}"),
+            loss_fn=nn.functional.mse_loss,
+            microbatches=4,
+            tp_plan={"0": style(kind)},
+            context=ctx,
+        )
         out[f"embedding {kind}"] = train(pipe, f"embedding {kind}", ctx)
     errors = []
     for kind, other in (("col", "row"), ("row", "col")):  # the style that splits the 11
         try:
-            conveyor.Pipeline(build(f"embedding {kind}"), loss_fn=nn.functional.mse_loss,
-                              microbatches=4, tp_plan={"0": style(other)}, context=ctx)
+            conveyor.Pipeline(
+                build(f"embedding {kind}"),
+                loss_fn=nn.functional.mse_loss,
+                microbatches=4,
+                tp_plan={"0": style(other)},
+                context=ctx,
+            )
         except conveyor.ConfigError as e:
             errors.append(str(e))
     out["embedding errors"] = errors
@@ -378,17 +449,20 @@ def _four_more(rank: int, path: str) -> dict[str, Any]:
     _reshard(ctx, out)
     # One AdamW step at pp=2 x dp=2 with fsdp, saved; then resumed into fresh pipelines
     # sharded by fsdp (here) and by tp (below): the moments must come back as DTensors.
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, fsdp=True,
-                             context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, fsdp=True, context=ctx
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     _adam_step(pipe, opt, ctx, 0)
     conveyor.save(pipe, path, opt, step=1)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, fsdp=True,
-                             context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, fsdp=True, context=ctx
+    )
     out["resumed fsdp"] = _resumed(pipe, ctx, path)
     ctx = conveyor.init(pp=2, tp=2, timeout=60)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                             tp_plan=mlp_plan(), context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, tp_plan=mlp_plan(), context=ctx
+    )
     out["resumed tp"] = _resumed(pipe, ctx, path)
     _embeddings(ctx, out)
     return out
@@ -402,8 +476,12 @@ def test_reshard_units_resumed_sharded_optimizers_and_embedding_tp(tmp_path: Pat
     does not divide."""
     four = distributed.run(_four_more, 4, str(tmp_path / "ckpt"), timeout=300)
     for kind, microbatches in (("mlp", 4), ("nested", 4), ("gpt", 2)):
-        check([r[f"reshard {kind}"] for r in four], reference(kind, 2),
-              f"pp2 x dp2 fsdp='reshard' {kind}", kind)
+        check(
+            [r[f"reshard {kind}"] for r in four],
+            reference(kind, 2),
+            f"pp2 x dp2 fsdp='reshard' {kind}",
+            kind,
+        )
         for rank, r in enumerate(four):
             units = UNITS[kind][rank % 2]  # the pipeline rank's
             assert r[f"units {kind}"] == [units], (kind, rank, r[f"units {kind}"])
@@ -424,8 +502,12 @@ def test_reshard_units_resumed_sharded_optimizers_and_embedding_tp(tmp_path: Pat
                 err = float((value - params[name]).norm() / params[name].norm())
                 assert err < 1e-5, f"resumed into {layout}: {name} {err:.1e}"
     for kind in ("col", "row"):
-        check([r[f"embedding {kind}"] for r in four], reference(f"embedding {kind}", 1),
-              f"pp2 x tp2 embedding {kind}", f"embedding {kind}")
+        check(
+            [r[f"embedding {kind}"] for r in four],
+            reference(f"embedding {kind}", 1),
+            f"pp2 x tp2 embedding {kind}",
+            f"embedding {kind}",
+        )
     for r in four[:2]:  # the ranks holding stage 0, the embedding
         errors = r["embedding errors"]
         assert len(errors) == 2, errors
@@ -469,8 +551,12 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
             assert torch.equal(value, saved[name]), name
     for r in four:
         assert r["loaded step"] == r["pp4 step"] == 7
-        for table, ref in ((r["loaded"], saved), (r["pp4"], saved),
-                           (r["loaded moments"], moments), (r["pp4 moments"], moments)):
+        for table, ref in (
+            (r["loaded"], saved),
+            (r["pp4"], saved),
+            (r["loaded moments"], moments),
+            (r["pp4 moments"], moments),
+        ):
             for name, value in table.items():
                 if name in ref:
                     assert torch.equal(value, ref[name]), name
@@ -482,8 +568,9 @@ def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
     assert all(r["readme"] == pytest.approx(want, rel=1e-5) for r in eight)
     errors = four[0]["errors"]
     assert "tp_plan pattern '*.nothing' matches no module" in errors[0]
-    assert "cannot shard model.0: ColwiseParallel splits its out_features = 15 over tp = 2" in (
-        errors[1]
+    assert (
+        "cannot shard model.0: ColwiseParallel splits its out_features = 15 over tp = 2"
+        in (errors[1])
     )
 
 
@@ -499,8 +586,14 @@ def _tp_errors(rank: int) -> list[str]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 15), nn.Tanh(), nn.Linear(15, 5))
         try:
-            conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=2,
-                              balance=[2, 1], tp_plan={name: ColwiseParallel()}, context=ctx)
+            conveyor.Pipeline(
+                model,
+                loss_fn=nn.functional.mse_loss,
+                microbatches=2,
+                balance=[2, 1],
+                tp_plan={name: ColwiseParallel()},
+                context=ctx,
+            )
             out.append("built")
         except conveyor.ConfigError as e:
             out.append(str(e))
@@ -513,7 +606,11 @@ def test_a_tp_plan_error_reaches_every_rank_alike() -> None:
     results = distributed.run(_tp_errors, 4, timeout=180)
     assert all(r == results[0] for r in results), results
     first, second = results[0]
-    assert first.startswith("tp_plan cannot shard model.0: ColwiseParallel splits its "
-                            "out_features = 15 over tp = 2 ranks"), first
-    assert second.startswith("tp_plan cannot shard model.2: ColwiseParallel splits its "
-                             "out_features = 5 over tp = 2 ranks"), second
+    assert first.startswith(
+        "tp_plan cannot shard model.0: ColwiseParallel splits its "
+        "out_features = 15 over tp = 2 ranks"
+    ), first
+    assert second.startswith(
+        "tp_plan cannot shard model.2: ColwiseParallel splits its "
+        "out_features = 5 over tp = 2 ranks"
+    ), second

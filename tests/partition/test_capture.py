@@ -22,8 +22,6 @@ from tests.support.real_models import InvertedResidual, has_batch_norm, shared
 pytest.importorskip("transformers")
 
 
-
-
 def _block_stages(pipe: conveyor.Pipeline, prefix: str) -> dict[str, set[int]]:
     """Block name (``prefix`` + index) -> the stages holding its parameters."""
     out: dict[str, set[int]] = {}
@@ -64,8 +62,12 @@ def _check_annotated(model: nn.Module, batches: Any) -> None:
         assert float(loss) == pytest.approx(want_loss.item(), rel=1e-6)
         assert_close_to_largest(grads_of(model.named_parameters()), want, "annotated llama")
     blocks = _block_stages(pipe, "model.layers.")
-    assert blocks == {"model.layers.0": {0}, "model.layers.1": {0},
-                      "model.layers.2": {1}, "model.layers.3": {1}}
+    assert blocks == {
+        "model.layers.0": {0},
+        "model.layers.1": {0},
+        "model.layers.2": {1},
+        "model.layers.3": {1},
+    }
     text = str(pipe)
     assert "stage 0 on rank 0: model.embed_tokens, model.layers.0-1" in text
     assert re.search(r"stage 1 on rank 1: lm_head, model\.layers\.2-3, model\.norm", text)
@@ -73,10 +75,13 @@ def _check_annotated(model: nn.Module, batches: Any) -> None:
 
 # ---------------------------------------------------------------------------- cuts
 @pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize(("name", "prefixes"), [
-    ("gpt2", ["transformer.h."]),
-    ("resnet", ["layer1.", "layer2.", "layer3.", "layer4."]),
-])
+@pytest.mark.parametrize(
+    ("name", "prefixes"),
+    [
+        ("gpt2", ["transformer.h."]),
+        ("resnet", ["layer1.", "layer2.", "layer3.", "layer4."]),
+    ],
+)
 def test_automatic_split_cuts_only_between_blocks(name: str, prefixes: list[str], pp: int) -> None:
     model, batches, loss_fn = shared(name)
     sample = batches()[0]
@@ -116,9 +121,10 @@ def test_print_shows_modules_parameters_and_what_crosses() -> None:
     assert re.search(r"sends: .*\(transformer\.h\.1\) float32\[2, 8, 32\]", str(again))
     info = pipe.describe()
     assert [s.rank for s in info.stages] == [0, 1]
-    assert sum(s.parameters for s in info.stages) == sum(
-        p.numel() for p in model.parameters()
-    ) + model.lm_head.weight.numel()  # the tied weight is held by both stages
+    assert (
+        sum(s.parameters for s in info.stages)
+        == sum(p.numel() for p in model.parameters()) + model.lm_head.weight.numel()
+    )  # the tied weight is held by both stages
 
 
 def test_fx_split_shapes_come_from_the_first_step() -> None:
@@ -194,8 +200,13 @@ def test_in_place_operations_at_every_cut(name: str, schedule: str) -> None:
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
         pipe = conveyor.Pipeline(
-            model, loss_fn=F.cross_entropy, microbatches=2, schedule=schedule,
-            balance=[k, count - k], context=ctx, sample=(x, y),
+            model,
+            loss_fn=F.cross_entropy,
+            microbatches=2,
+            schedule=schedule,
+            balance=[k, count - k],
+            context=ctx,
+            sample=(x, y),
         )
         pipe.train_step(x, y)
         got = grads_of(model.named_parameters())
@@ -217,8 +228,9 @@ def test_the_first_batch_is_the_sample() -> None:
     pipe.train_step(batches()[0][0], None)
     assert len(pipe.stages) == 2  # one process runs both ranks' stages
     # with sample=, the split exists at once
-    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=ctx,
-                             sample=(batches()[0][0], None))
+    pipe = conveyor.Pipeline(
+        model, loss_fn=None, microbatches=2, context=ctx, sample=(batches()[0][0], None)
+    )
     assert len(pipe.stages) == 2
 
 
@@ -227,18 +239,25 @@ def test_input_structure_and_fixed_sizes_are_checked() -> None:
     pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2))
     inputs = batches()[0][0]
     pipe.train_step(inputs, None)
-    with pytest.raises(conveyor.ConfigError, match=r"captured with inputs keywords input_ids, "
-                       r"labels but this step passes keywords input_ids;"):
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"captured with inputs keywords input_ids, "
+        r"labels but this step passes keywords input_ids;",
+    ):
         pipe.train_step({"input_ids": inputs["input_ids"]}, None)
     # the same keys in another order are fine
     pipe.train_step({"labels": inputs["labels"], "input_ids": inputs["input_ids"]}, None)
-    pipe = conveyor.Pipeline(FixedSize(), loss_fn=F.cross_entropy, microbatches=2,
-                             context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(
+        FixedSize(), loss_fn=F.cross_entropy, microbatches=2, context=conveyor.init(pp=2)
+    )
     x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 10, (4,))
     pipe.train_step(x, y)
     pipe.train_step(x[:3], y[:3])  # the batch stays free
-    with pytest.raises(conveyor.ConfigError, match=r"break a condition the captured model "
-                       r"relies on \(Guard failed: .*== 48 \* x\.size\(\)\[0\]\)"):
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"break a condition the captured model "
+        r"relies on \(Guard failed: .*== 48 \* x\.size\(\)\[0\]\)",
+    ):
         pipe.train_step(torch.randn(4, 3, 5, 5), y)
 
 
@@ -260,8 +279,17 @@ def test_dropout_follows_train_and_eval() -> None:
     import transformers as T
 
     torch.manual_seed(0)
-    config = T.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
-                          resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, use_cache=False)
+    config = T.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        attn_pdrop=0.5,
+        use_cache=False,
+    )
     model = T.GPT2LMHeadModel(config)
     ids = torch.randint(0, 50, (4, 8))
     pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2))
@@ -284,15 +312,23 @@ def test_a_model_captured_in_eval_mode_keeps_its_attention_dropout_for_training(
 
     torch.manual_seed(0)
     config = T.LlamaConfig(
-        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=50, max_position_embeddings=16, use_cache=False,
-        attention_dropout=0.5, attn_implementation="sdpa",
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=50,
+        max_position_embeddings=16,
+        use_cache=False,
+        attention_dropout=0.5,
+        attn_implementation="sdpa",
     )
     model = T.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 50, (4, 8))
     batch = {"input_ids": ids, "labels": ids}
-    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2),
-                             sample=(batch, None))
+    pipe = conveyor.Pipeline(
+        model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2), sample=(batch, None)
+    )
     want = model(**batch).loss.item()
     assert float(pipe.eval_step(batch, None)) == pytest.approx(want, rel=1e-6)
     model.train()
@@ -317,8 +353,7 @@ def test_loss_fn_none_errors() -> None:
     inputs = batches()[0][0]
     with pytest.raises(conveyor.ConfigError, match=r"targets are not used; pass the labels"):
         pipe.train_step(inputs, inputs["labels"])
-    unlabelled = conveyor.Pipeline(model, loss_fn=None, microbatches=2,
-                                   context=conveyor.init(pp=2))
+    unlabelled = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2))
     with pytest.raises(conveyor.PipelineError, match=r"has no loss; pass what the model needs"):
         unlabelled.train_step({"input_ids": inputs["input_ids"]}, None)
 
@@ -330,8 +365,9 @@ def test_recompute_and_checkpoints_on_a_captured_model(tmp_path: Any) -> None:
     model(**inputs).loss.backward()
     want = grads_of(model.named_parameters())
     ctx = conveyor.init(pp=2)
-    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3, schedule="zb-h1",
-                             recompute=True, context=ctx)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=None, microbatches=3, schedule="zb-h1", recompute=True, context=ctx
+    )
     model.zero_grad(set_to_none=True)
     pipe.train_step(inputs, None)
     assert_close_to_largest(grads_of(model.named_parameters()), want, "recompute")

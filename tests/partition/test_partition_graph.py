@@ -56,8 +56,6 @@ def call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-
-
 def loss_of(output: Any) -> torch.Tensor:
     leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
     return sum((t.float().square().mean() for t in leaves), torch.zeros(()))

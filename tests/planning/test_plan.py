@@ -72,8 +72,14 @@ def _uniform_profile(microbatches: int) -> Profile:
     GPipe, which sends each direction in one burst, beats the interleaving schedules but
     holds all micro-batches at once."""
     unit = LayerProfile(
-        "unit", forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
-        backward_weight=0.5e-3, backward=1.5e-3, activations=1 << 20, parameters=1 << 10,
+        "unit",
+        forward=1e-3,
+        forward_plain=1e-3,
+        backward_input=1e-3,
+        backward_weight=0.5e-3,
+        backward=1.5e-3,
+        activations=1 << 20,
+        parameters=1 << 10,
         output=1 << 10,
     )
     return Profile((unit,) * 4, microbatches, 2, latency=3e-3, bandwidth=1e12)
@@ -129,11 +135,20 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_memory_model_counts_one_shard_of_the_parameters() -> None:
     x, y = _batch()
-    whole = plan(_model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[2],
-                 schedules=["1f1b"])
-    sharded = plan(_model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[2],
-                   schedules=["1f1b"], profiles={2: whole.profile} if whole.profile else None,
-                   param_shards=4)
+    whole = plan(
+        _model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[2], schedules=["1f1b"]
+    )
+    sharded = plan(
+        _model(),
+        x,
+        y,
+        nn.functional.mse_loss,
+        2,
+        microbatch_counts=[2],
+        schedules=["1f1b"],
+        profiles={2: whole.profile} if whole.profile else None,
+        param_shards=4,
+    )
     assert whole.profile is not None and sharded.profile is not None
     params = [sum(u.parameters for u in p.profile.layers) for p in (whole, sharded)]
     assert params[1] == pytest.approx(params[0] / 4, rel=0.01)
@@ -202,12 +217,20 @@ def test_the_planner_measures_an_outlier_again() -> None:
     import dataclasses
 
     # One count's profile disturbed 100x (what a stall during profiling looked like).
-    profiles[4] = dataclasses.replace(slow, layers=tuple(
-        dataclasses.replace(u, forward=u.forward * 100, forward_plain=u.forward_plain * 100,
-                            backward=u.backward * 100, backward_input=u.backward_input * 100,
-                            backward_weight=u.backward_weight * 100)
-        for u in slow.layers
-    ))
+    profiles[4] = dataclasses.replace(
+        slow,
+        layers=tuple(
+            dataclasses.replace(
+                u,
+                forward=u.forward * 100,
+                forward_plain=u.forward_plain * 100,
+                backward=u.backward * 100,
+                backward_input=u.backward_input * 100,
+                backward_weight=u.backward_weight * 100,
+            )
+            for u in slow.layers
+        ),
+    )
     chosen = plan(model, x, y, loss_fn, 2, profiles=profiles)
     at4 = [c.predicted_step for c in chosen.alternatives if c.microbatches == 4]
     others = [c.predicted_step for c in chosen.alternatives if c.microbatches == 2]
@@ -221,10 +244,13 @@ def test_the_planner_chooses_the_same_among_near_ties() -> None:
 
     def jitter(factor: float) -> dict[int, Any]:
         return {
-            m: dataclasses.replace(p, layers=tuple(
-                dataclasses.replace(u, forward=u.forward * factor ** (i % 3 - 1))
-                for i, u in enumerate(p.layers)
-            ))
+            m: dataclasses.replace(
+                p,
+                layers=tuple(
+                    dataclasses.replace(u, forward=u.forward * factor ** (i % 3 - 1))
+                    for i, u in enumerate(p.layers)
+                ),
+            )
             for m, p in base.items()
         }
 
@@ -354,6 +380,7 @@ def test_pipeline_auto_recomputes_where_nothing_else_fits() -> None:
         return nn.Sequential(*[nn.Linear(32, 32) for _ in range(15)], nn.Linear(32, 1))
 
     x, y = torch.randn(64, 32), torch.randn(64, 1)
+
     def planned(limit: float | None) -> Any:
         try:
             return plan(model(), x, y, nn.functional.mse_loss, 2, microbatch_counts=[8],

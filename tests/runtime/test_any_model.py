@@ -110,8 +110,14 @@ CONFIGS = [
     # every other split-backward / V schedule on the skip and the tied-weight models
     (kind, sched, chunks, m, [(8, 5), (9, 2)])
     for kind in ("skip", "gpt")
-    for sched, chunks, m in (("zbv", 2, 4), ("dualpipev", 2, 7), ("zb-h2", 1, 4),
-                             ("zb-late", 1, 4), ("zb-auto", 1, 4), ("looped-bfs", 2, 3))
+    for sched, chunks, m in (
+        ("zbv", 2, 4),
+        ("dualpipev", 2, 7),
+        ("zb-h2", 1, 4),
+        ("zb-late", 1, 4),
+        ("zb-auto", 1, 4),
+        ("looped-bfs", 2, 3),
+    )
 ]
 
 
@@ -122,6 +128,8 @@ def _runs(kind: str, pp: int, chunks: int) -> bool:
     """The execution sequence has 5 steps with parameters: at 8 stages some rank would
     train nothing, which Pipeline refuses at construction (tests/runtime/test_pipeline_api.py)."""
     return not (kind == "sequence" and pp * chunks > 5)
+
+
 ACCUMULATE = [(4, 5), (5, 3)]  # two steps without zero_grad, the sequence length changing
 
 

@@ -107,8 +107,9 @@ def test_world_size_not_matching_stages() -> None:
 
 
 def test_inputs_and_targets_of_different_batch_sizes() -> None:
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
-                             context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=2, context=conveyor.init(pp=2)
+    )
     x, _ = batch(8)
     _, y = batch(6)
     with pytest.raises(conveyor.ConfigError, match=r"inputs hold 8 samples but targets hold 6"):
@@ -198,7 +199,6 @@ def _raised(pipe: conveyor.Pipeline, x: Any, y: Any) -> conveyor.PipelineError:
     return info.value
 
 
-
 # --- an error inside a stage's work names the stage, its modules, micro-batch, work ----
 
 
@@ -220,8 +220,11 @@ def test_a_failing_loss_fn_is_named_with_the_last_stage() -> None:
         raise KeyError("labels")
 
     error = _raised(_one_process(mlp(), loss_fn=loss_fn), *batch(4))
-    assert re.match(r"the forward \(with the loss\) of stage 1 \(modules \d+-12\) on "
-                    r"micro-batch 0 raised KeyError: 'labels';", str(error)), str(error)
+    assert re.match(
+        r"the forward \(with the loss\) of stage 1 \(modules \d+-12\) on "
+        r"micro-batch 0 raised KeyError: 'labels';",
+        str(error),
+    ), str(error)
 
 
 def test_conveyors_own_errors_are_not_wrapped_again() -> None:
@@ -263,8 +266,11 @@ def test_a_list_batch_says_tensor_tuple_or_dict() -> None:
     pipe = _one_process(_digits_model(), loss_fn=nn.functional.cross_entropy, balance=[2, 2])
     x, y = _digits(8)
     for args, what in (([[x], y]), "inputs"), (([x, [y]]), "targets"):
-        with pytest.raises(conveyor.ConfigError, match=rf"^{what} is a list; pass a tensor, a "
-                           rf"tuple or a dict of tensors .* e\.g\. tuple\({what}\)$"):
+        with pytest.raises(
+            conveyor.ConfigError,
+            match=rf"^{what} is a list; pass a tensor, a "
+            rf"tuple or a dict of tensors .* e\.g\. tuple\({what}\)$",
+        ):
             pipe.train_step(*args)
     with pytest.raises(conveyor.ConfigError, match=r"^inputs is a list"):
         pipe.predict([x])
@@ -276,8 +282,11 @@ def test_a_list_batch_says_tensor_tuple_or_dict() -> None:
 
 @pytest.mark.parametrize("timeout", [-5, 0, math.nan, math.inf, "30", True])
 def test_a_bad_timeout_is_refused(timeout: Any) -> None:
-    with pytest.raises(conveyor.ConfigError, match=r"^timeout must be a finite number of "
-                       r"seconds > 0, got timeout=.*; pass e\.g\. conveyor\.init\(timeout=300\)$"):
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"^timeout must be a finite number of "
+        r"seconds > 0, got timeout=.*; pass e\.g\. conveyor\.init\(timeout=300\)$",
+    ):
         conveyor.init(timeout=timeout)
 
 
@@ -305,8 +314,9 @@ def _launched(rank: int) -> dict[str, str]:
         os.environ.pop("CONVEYOR_TIMEOUT", None)
     ctx = conveyor.init(timeout=3)
     try:
-        conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
-                          balance=[4, 4, 5], context=ctx)
+        conveyor.Pipeline(
+            mlp(), loss_fn=nn.functional.mse_loss, microbatches=2, balance=[4, 4, 5], context=ctx
+        )
     except conveyor.ConfigError as e:
         out["balance"] = str(e)
     # A batch only the rank holding stage 0 passes (the others pass None) is bad: the
@@ -317,8 +327,13 @@ def _launched(rank: int) -> dict[str, str]:
         pipe.predict(bad)
     except conveyor.ConveyorError as e:
         out["sample"] = f"{type(e).__name__}: {e}"
-    pipe = conveyor.Pipeline(_digits_model(), loss_fn=nn.functional.cross_entropy,
-                             microbatches=2, balance=[2, 2], context=ctx)
+    pipe = conveyor.Pipeline(
+        _digits_model(),
+        loss_fn=nn.functional.cross_entropy,
+        microbatches=2,
+        balance=[2, 2],
+        context=ctx,
+    )
     pipe.train_step(*_digits(4))
     try:
         pipe.train_step(*_digits(4, side=7))
@@ -343,8 +358,12 @@ def test_launch_edges_on_two_processes() -> None:
             "chunk(s) = 2 stages; launch 3 processes for 3 pipeline ranks (conveyor launch "
             "--nproc-per-node 3 script.py), or give balance 2 entries"
         ), rank
-    assert results[0]["sample"] == results[1]["sample"] == (
-        "ConfigError: inputs tensors must share their first (batch) dimension, got sizes [3, 4]"
+    assert (
+        results[0]["sample"]
+        == results[1]["sample"]
+        == (
+            "ConfigError: inputs tensors must share their first (batch) dimension, got sizes [3, 4]"
+        )
     ), results
     # The failing rank names its work; the other one stops on its time-out, naming it.
     assert results[0]["step"].startswith(

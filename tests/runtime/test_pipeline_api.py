@@ -60,8 +60,7 @@ def test_eval_predict_and_state_dict(world: int) -> None:
 
 
 def test_load_state_dict_takes_this_ranks_part() -> None:
-    pipe = conveyor.Pipeline(mlp(seed=0), loss_fn=mse, microbatches=2,
-                             context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(mlp(seed=0), loss_fn=mse, microbatches=2, context=conveyor.init(pp=2))
     other = mlp(seed=5)
     pipe.load_state_dict(other.state_dict())
     for name, p in pipe.named_parameters():
@@ -84,8 +83,9 @@ def test_tuple_and_dict_inputs_are_unpacked_like_a_model_call() -> None:
     want.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    pipe = conveyor.Pipeline(model, loss_fn=mse, microbatches=3, balance=[2, 2],
-                             context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(
+        model, loss_fn=mse, microbatches=3, balance=[2, 2], context=conveyor.init(pp=2)
+    )
     assert pipe.train_step((a, b), y).item() == pytest.approx(want.item(), rel=1e-6)
     for n, p in pipe.named_parameters():
         assert torch.allclose(p.grad, want_grads[n], rtol=1e-5, atol=1e-7)
@@ -108,8 +108,9 @@ def test_a_schedule_read_back_from_its_table_drives_the_pipeline() -> None:
 def _auto(rank: int) -> tuple[str, float, dict[str, torch.Tensor]]:
     ctx = conveyor.init()
     x, y = batch(12)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=3, schedule="auto",
-                             sample=(x, y), context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=mse, microbatches=3, schedule="auto", sample=(x, y), context=ctx
+    )
     assert pipe.plan is not None and pipe.schedule.name == pipe.plan.schedule
     loss = pipe.train_step(x, y).item()
     return pipe.schedule.name, loss, {n: p.grad for n, p in pipe.named_parameters()}
@@ -134,8 +135,9 @@ def test_auto_schedule_plans_and_stays_exact() -> None:
 
 def test_auto_schedule_needs_a_sample() -> None:
     with pytest.raises(conveyor.ConfigError, match=r"pass sample=\(inputs, targets\)"):
-        conveyor.Pipeline(mlp(), loss_fn=mse, microbatches=2, schedule="auto",
-                          context=conveyor.init(pp=2))
+        conveyor.Pipeline(
+            mlp(), loss_fn=mse, microbatches=2, schedule="auto", context=conveyor.init(pp=2)
+        )
 
 
 def test_chunks_default_to_the_schedules_own_count() -> None:
@@ -153,8 +155,9 @@ def test_chunks_default_to_the_schedules_own_count() -> None:
 def test_one_process_runs_as_many_ranks_as_balance_or_annotations_say() -> None:
     ctx = conveyor.init()  # no torchrun, no pp: a world of one process
     model = readme_model()
-    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.cross_entropy, microbatches=4,
-                             balance=[3, 3], context=ctx)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=nn.functional.cross_entropy, microbatches=4, balance=[3, 3], context=ctx
+    )
     assert pipe.schedule.ranks == 2 and len(pipe.stages) == 2
     x, y = torch.randn(8, 8, 8), torch.randint(0, 10, (8,))
     loss = pipe.train_step(x, y)
@@ -163,13 +166,19 @@ def test_one_process_runs_as_many_ranks_as_balance_or_annotations_say() -> None:
     annotated = readme_model()
     annotated[3].pipeline_stage = 1  # type: ignore[assignment]
     annotated[5].pipeline_stage = 2  # type: ignore[assignment]
-    pipe = conveyor.Pipeline(annotated, loss_fn=nn.functional.cross_entropy, microbatches=3,
-                             context=ctx)
+    pipe = conveyor.Pipeline(
+        annotated, loss_fn=nn.functional.cross_entropy, microbatches=3, context=ctx
+    )
     assert pipe.schedule.ranks == 3
     # init(pp=...) is a promise: a balance that does not fit it is still an error
     with pytest.raises(conveyor.ConfigError, match=r"has 2 entries but the pipeline has 4"):
-        conveyor.Pipeline(readme_model(), loss_fn=nn.functional.cross_entropy,
-                          microbatches=4, balance=[3, 3], context=conveyor.init(pp=4))
+        conveyor.Pipeline(
+            readme_model(),
+            loss_fn=nn.functional.cross_entropy,
+            microbatches=4,
+            balance=[3, 3],
+            context=conveyor.init(pp=4),
+        )
 
 
 def test_every_rank_gets_parameters() -> None:
@@ -183,15 +192,32 @@ def test_every_rank_gets_parameters() -> None:
     layers.append(nn.Linear(16, 4))
     model = nn.Sequential(*layers)
     ctx = conveyor.init(pp=4)
-    pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=4,
-                             schedule="interleaved-1f1b", chunks=2, context=ctx)
+    pipe = conveyor.Pipeline(
+        model,
+        loss_fn=nn.functional.mse_loss,
+        microbatches=4,
+        schedule="interleaved-1f1b",
+        chunks=2,
+        context=ctx,
+    )
     sched = pipe.schedule
     for rank in range(4):
         held = sched.stages_of(rank)
         assert any(p.numel() for s in held for p in pipe.stages[s].parameters()), rank
     # too few layers with parameters for the ranks: said at construction
-    few = nn.Sequential(nn.Flatten(), nn.Linear(16, 16), nn.ReLU(), nn.Tanh(), nn.ReLU(),
-                        nn.Linear(16, 4), nn.Tanh(), nn.ReLU())
-    with pytest.raises(conveyor.ConfigError, match=r"leaves pipeline rank \d .* without "
-                       r"parameters.*fewer ranks"):
+    few = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Tanh(),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+        nn.Tanh(),
+        nn.ReLU(),
+    )
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"leaves pipeline rank \d .* without "
+        r"parameters.*fewer ranks",
+    ):
         conveyor.Pipeline(few, loss_fn=nn.functional.mse_loss, microbatches=4, context=ctx)

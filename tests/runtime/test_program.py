@@ -122,8 +122,18 @@ def _trace(schedule: Schedule, rank: int) -> list[Record]:
             if kind == "recv":
                 posted[message.producer] = len(out)
             out.append(
-                Record(rank, len(out), kind, "batch_isend_irecv", peer, "world", (), 1, "f",
-                       batch=batch)
+                Record(
+                    rank,
+                    len(out),
+                    kind,
+                    "batch_isend_irecv",
+                    peer,
+                    "world",
+                    (),
+                    1,
+                    "f",
+                    batch=batch,
+                )
             )
     return out
 

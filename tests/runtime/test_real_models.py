@@ -64,7 +64,11 @@ def pipelined(
 ) -> Result:
     model, batches, loss_fn = shared(name)
     pipe = conveyor.Pipeline(
-        model, loss_fn=loss_fn, microbatches=MICROBATCHES, schedule=schedule, chunks=chunks,
+        model,
+        loss_fn=loss_fn,
+        microbatches=MICROBATCHES,
+        schedule=schedule,
+        chunks=chunks,
         context=ctx,
     )
     out: Result = []

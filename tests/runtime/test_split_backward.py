@@ -53,8 +53,7 @@ class Embed(nn.Module):
 CASES = {
     "mlp": (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), (4, 8)),
     "layernorm": (lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()), (4, 8)),
-    "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()),
-             (2, 3, 6, 6)),
+    "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), (2, 3, 6, 6)),
     "shared": (Shared, (4, 8)),
     "attention": (MultiheadBlock, (2, 5, 8)),
     "embedding": (Embed, (3, 5)),

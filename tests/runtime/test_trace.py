@@ -21,8 +21,9 @@ from tests.support.models import batch, mlp
 
 def _traced(rank: int, path: str, schedule: str, pp: int) -> None:
     ctx = conveyor.init(pp=pp)
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                             schedule=schedule, context=ctx)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, schedule=schedule, context=ctx
+    )
     x, y = batch(8)
     for _ in range(2):
         pipe.train_step(x, y)
@@ -55,9 +56,7 @@ def test_two_process_trace_has_every_action_in_order(tmp_path: Path, schedule: s
     assert any(e.get("cat") == "wait" for e in events)  # rank 0 waits for gradients
 
 
-def test_one_process_trace_and_its_picture(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_one_process_trace_and_its_picture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, png = tmp_path / "trace.json", tmp_path / "trace.png"
     _traced(0, str(path), "zb-h1", 4)
     trace = _check(path, "zb-h1", 4)
@@ -81,8 +80,9 @@ def test_one_process_trace_and_its_picture(
 
 
 def test_the_trace_keeps_the_last_training_step() -> None:
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=2,
-                             context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=2, context=conveyor.init(pp=2)
+    )
     x, y = batch(8)
     pipe.train_step(x, y)
     kinds = sorted({t[1] for t in pipe.last_step_timings()})

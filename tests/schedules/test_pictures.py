@@ -44,8 +44,11 @@ def test_simulated_v_schedule_picture(
     assert axes.get_title(loc="left").startswith("zbv: 2 ranks x 2 chunk(s), 4 micro-batches")
     legend = [t.get_text() for t in axes.get_legend().get_texts()]
     assert legend == [
-        "F: forward", "B: backward, input gradient", "W: weight gradient",
-        "chunk 0 of each rank", "chunk 1 of each rank",
+        "F: forward",
+        "B: backward, input gradient",
+        "W: weight gradient",
+        "chunk 0 of each rank",
+        "chunk 1 of each rank",
     ]
     # Every box is wide enough here: each of the 2 x 2 x 4 x 3 actions shows its micro-batch.
     labels = sorted(t.get_text() for t in axes.texts)
@@ -63,16 +66,24 @@ def test_only_labels_that_fit(tmp_path: Path) -> None:
     assert [t.get_text() for t in axes.texts] == ["0"]
     assert axes.get_xlabel() == "time (ms)"
     assert [t.get_text() for t in axes.get_legend().get_texts()] == [
-        "F: forward", "W: weight gradient"
+        "F: forward",
+        "W: weight gradient",
     ]
 
 
 def test_waits_are_grey_and_named_in_the_legend(tmp_path: Path) -> None:
-    events = [(0, "F", 0, 0, 0.0, 1.0), (1, "wait", 1, 0, 0.0, 1.0), (1, "F", 1, 0, 1.0, 2.0),
-              (1, "B", 1, 0, 2.0, 3.0), (0, "B", 0, 0, 3.0, 4.0)]
+    events = [
+        (0, "F", 0, 0, 0.0, 1.0),
+        (1, "wait", 1, 0, 0.0, 1.0),
+        (1, "F", 1, 0, 1.0, 2.0),
+        (1, "B", 1, 0, 2.0, 3.0),
+        (0, "B", 0, 0, 3.0, 4.0),
+    ]
     (axes,) = draw_timeline(events, tmp_path / "t.png").axes
     assert [t.get_text() for t in axes.get_legend().get_texts()] == [
-        "F: forward", "B: backward", "waiting for a transfer"
+        "F: forward",
+        "B: backward",
+        "waiting for a transfer",
     ]
     assert len(axes.texts) == 4  # the wait is not labelled
 
@@ -95,6 +106,7 @@ def test_text_timeline_of_v_schedules_keeps_microbatch_numbers(
         row = "".join(line.split("|")[1] for line in rows if line.startswith(f"rank  {rank} "))
         labels = re.findall(r"[FBW]\d+[ab]", row)
         # Every action of the rank shows kind, micro-batch and chunk: 2 chunks x F, B, W.
-        assert sorted(labels) == sorted(f"{k}{mb}{c}" for k in "FBW" for mb in range(m)
-                                        for c in "ab")
+        assert sorted(labels) == sorted(
+            f"{k}{mb}{c}" for k in "FBW" for mb in range(m) for c in "ab"
+        )
     assert lines[1].startswith("time 0 to ")

@@ -332,14 +332,22 @@ def test_a_hand_edited_table_runs_in_a_pipeline_with_the_unsplit_gradients() -> 
     model = mlp()
     want_loss = nn.functional.mse_loss(model(x), y)
     want_loss.backward()
-    pipe = conveyor.Pipeline(mlp(), loss_fn=nn.functional.mse_loss, microbatches=4,
-                             schedule=schedule, context=conveyor.init(pp=2))
+    pipe = conveyor.Pipeline(
+        mlp(),
+        loss_fn=nn.functional.mse_loss,
+        microbatches=4,
+        schedule=schedule,
+        context=conveyor.init(pp=2),
+    )
     assert pipe.schedule == schedule
     loss = pipe.train_step(x, y)
     assert isinstance(loss, torch.Tensor)
     assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
-    assert_close(grads_of(pipe.named_parameters()), grads_of(model.named_parameters()),
-                 "hand-edited zb-h1 grads")
+    assert_close(
+        grads_of(pipe.named_parameters()),
+        grads_of(model.named_parameters()),
+        "hand-edited zb-h1 grads",
+    )
     # Each rank's actions ran in the edited order.
     timings = pipe.last_step_timings()
     ran = [tuple(Action(t[1], t[2], t[3]) for t in timings if t[0] == rank) for rank in range(2)]

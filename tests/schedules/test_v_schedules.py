@@ -350,9 +350,3 @@ def test_exact_on_two_processes() -> None:
 def test_exact_on_four_processes_with_fsdp_and_tensor_parallelism() -> None:
     layouts = ((4, 1, 1, False), (2, 2, 1, True), (2, 1, 2, False))
     _check_exact(run_forked(_exact, 4, layouts, timeout=300))
-
-
-
-
-
-

@@ -75,7 +75,11 @@ def main(schedule: str, layout: str, destroy: bool) -> tuple[object, object]:
     if tp > 1:  # each stage's two layers: columns, then rows
         options["tp_plan"] = {"[02]": ColwiseParallel(), "[13]": RowwiseParallel()}
     pipe = conveyor.Pipeline(
-        model, loss_fn=nn.functional.mse_loss, microbatches=4, schedule=schedule, context=ctx,
+        model,
+        loss_fn=nn.functional.mse_loss,
+        microbatches=4,
+        schedule=schedule,
+        context=ctx,
         **options,  # type: ignore[arg-type]
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)

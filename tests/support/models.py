@@ -28,5 +28,11 @@ def batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def readme_model() -> nn.Sequential:
     """The README's model: 8x8 inputs flattened, two hidden layers of 512, 10 classes."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 512), nn.ReLU(),
-                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(64, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )

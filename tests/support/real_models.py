@@ -43,9 +43,17 @@ def gpt2(layers: int = 4) -> Built:
 
     torch.manual_seed(0)
     config = T.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=layers,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return _causal(T.GPT2LMHeadModel(config))
 
@@ -55,9 +63,17 @@ def llama(layers: int = 4) -> Built:
 
     torch.manual_seed(0)
     config = T.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        num_hidden_layers=layers,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     return _causal(T.LlamaForCausalLM(config))
 
@@ -67,9 +83,16 @@ def bert() -> Built:
 
     torch.manual_seed(0)
     config = T.BertConfig(
-        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0,
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        pad_token_id=0,
     )
     model = T.BertForSequenceClassification(config)
 
@@ -89,12 +112,11 @@ def bert() -> Built:
 def _seq2seq(model: nn.Module) -> Built:
     def batches() -> list[Batch]:
         steps = []
-        for (ids, labels) in zip(
+        for ids, labels in zip(
             _tokens(3, [(6, 8), (5, 6)]), _tokens(4, [(6, 5), (5, 4)]), strict=True
         ):
             steps.append(
-                ({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels},
-                 None)
+                ({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}, None)
             )
         return steps
 
@@ -106,9 +128,18 @@ def t5() -> Built:
 
     torch.manual_seed(0)
     config = T.T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16,
-        vocab_size=VOCAB, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-        pad_token_id=0, eos_token_id=1,
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_ff=64,
+        num_heads=2,
+        d_kv=16,
+        vocab_size=VOCAB,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     return _seq2seq(T.T5ForConditionalGeneration(config))
 
@@ -118,11 +149,24 @@ def bart() -> Built:
 
     torch.manual_seed(0)
     config = T.BartConfig(
-        encoder_layers=2, decoder_layers=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=VOCAB,
-        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=2,
-        decoder_start_token_id=2, forced_eos_token_id=None,
+        encoder_layers=2,
+        decoder_layers=2,
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
     )
     return _seq2seq(T.BartForConditionalGeneration(config))
 

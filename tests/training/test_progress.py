@@ -43,7 +43,9 @@ def test_a_bar_only_on_a_terminal(
     _run(progress, 20)
     out, err = capsys.readouterr()
     assert [line.split()[1] for line in out.splitlines() if line.startswith("step")] == [
-        "1", "10", "20"
+        "1",
+        "10",
+        "20",
     ]
     assert "20/20" in err  # the bar
     other = Progress(_pipe(distributed=True, rank=1), total=5)  # type: ignore[arg-type]

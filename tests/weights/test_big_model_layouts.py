@@ -77,9 +77,7 @@ def _layout(rank: int, layout: dict[str, Any], weights: str | None) -> dict[str,
     )
     # This rank's memory: its parameters' local elements (shards), against the elements of
     # its stages; the rest of the model stays meta.
-    local = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() for p in pipe.parameters()
-    )
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pipe.parameters())
     stages = sum(p.numel() for p in pipe.parameters())
     held = {id(p) for p in pipe.parameters()}
     real_elsewhere = [n for n, p in model.named_parameters() if not p.is_meta and id(p) not in held]
