@@ -25,7 +25,7 @@ posts its (t, k) group; the operations on its streams ahead of that group all be
 earlier groups, which have completed. So every (t, k) group reaches the head of its
 streams, where all its counterparts are too, and completes. Collectives (data parallel,
 FSDP, tensor parallel, tied weights) are posted at the same point of the same program by
-every member of their group, so they extend the same order. ``tests/test_nccl.py``
+every member of their group, so they extend the same order. ``tests/parallel/test_nccl.py``
 replays what each rank really posts under these rules for every schedule and layout.
 """
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import conveyor
-from tests.support import distributed
+from tests.support import distributed, nccl_record
 from tests.support.helpers import (
     assert_close,
     grads_of,
@@ -122,9 +122,12 @@ def _shard(batch: Batch, sizes: list[int], replica: int) -> Batch:
     return batch[0][start:end], batch[1][start:end]
 
 
-def pipelined(ctx: conveyor.Context, config: Config) -> tuple[Trace, float, float]:
+def pipelined(
+    ctx: conveyor.Context, config: Config
+) -> tuple[Trace, float, tuple[int, int]]:
     """This rank's trace of ``config`` on its replica's shards; its eval loss on the last
-    batch; how many gradient buckets were started before the end of the step."""
+    batch; of the gradients' all-reduces it posted, how many started before the end of
+    their step, and how many there were."""
     kind, sched, chunks, m, shards = config[:5]
     model, loss_fn = build(kind, ctx.pp_size * chunks)
     pipe = conveyor.Pipeline(
@@ -134,15 +137,15 @@ def pipelined(ctx: conveyor.Context, config: Config) -> tuple[Trace, float, floa
         _shard(b, sizes, ctx.dp_rank)
         for b, sizes in zip(batches(kind, [sum(s) for s in shards]), shards, strict=True)
     ]
-    trace = train(
-        list(pipe.named_parameters()), pipe.train_step, pipe.clip_grad_norm_, data, config
-    )
-    # buckets started as their stage finished (not at the end), per step and bucket. The
-    # one private read left: no public accessor says this yet (it belongs in pipeline.py
-    # and runtime/data_parallel.py, which are being rewritten).
-    dp = pipe._parts.data_parallel if pipe._parts is not None else None
-    early = dp.launched_early / len(dp._buckets) if dp is not None else 0.0
-    return trace, float(pipe.eval_step(*data[-1])), early
+    with nccl_record.recording(functional=False) as posted:
+        trace = train(
+            list(pipe.named_parameters()), pipe.train_step, pipe.clip_grad_norm_, data, config
+        )
+    # The gradients' all-reduces, and how many were started by the engine's hook as a
+    # stage's last backward ran (the rest at the step's end).
+    sums = [r for r in posted if r.kind == "collective" and "data_parallel.py" in r.where]
+    early = sum(any(" in after_action" in f for f in r.stack) for r in sums)
+    return trace, float(pipe.eval_step(*data[-1])), (early, len(sums))
 
 
 def check(name: str, config: Config, pp: int, traces: list[tuple[Trace, float]]) -> None:
@@ -195,7 +198,8 @@ def test_pp2_x_dp2_equals_the_unsplit_model_on_the_global_batch(tmp_path: Path) 
     for name, config in DP_CONFIGS.items():
         check(name, config, 2, [(r[name][0], r[name][1]) for r in results])
         # every bucket of every step started as its stage finished, not at the end
-        assert [r[name][2] for r in results] == [3] * 4, name
+        early, launched = zip(*(r[name][2] for r in results), strict=True)
+        assert early == launched and min(launched) >= 3, name
     assert all(0 <= r["bubble"] < 1 for r in results)
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["tid"] for e in events if e.get("ph") == "X"} == {0, 1}

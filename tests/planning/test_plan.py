@@ -242,7 +242,7 @@ def _calibrated_with_compile(rank: int) -> tuple[bool, list[Any]]:
 @pytest.mark.multiprocess
 def test_calibration_runs_eager_stages_and_says_so() -> None:
     """The reference never compiles, and a calibration for compile= options records it."""
-    from tests import distributed
+    from tests.support import distributed
 
     for skipped, built in distributed.run(_calibrated_with_compile, 2, timeout=120):
         assert skipped and built == [False], (skipped, built)
