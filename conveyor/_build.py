@@ -10,7 +10,7 @@ hands the first stage's to every rank.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from conveyor._options import Options
 from conveyor.context import Context
-from conveyor.errors import ConfigError, PipelineError
+from conveyor.errors import ConfigError
 from conveyor.losses import model_token_loss
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
@@ -28,14 +28,13 @@ from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import CompileStats, compile_stages
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
 from conveyor.runtime.engine import Engine
-from conveyor.runtime.microbatch import MicroBatches
-from conveyor.runtime.sharding import Sharded, apply_tp
+from conveyor.runtime.sharding import Sharded, ShardedSync, apply_tp
 from conveyor.runtime.shared import SharedParameters
-from conveyor.runtime.step_grads import GradientSync, StepGradients
-from conveyor.runtime.step_loss import Combined, LossKind, combine, global_rows, loss_scale
-from conveyor.runtime.step_state import Mode, StepRecord
+from conveyor.runtime.step import Stepper
+from conveyor.runtime.step_grads import StepGradients
+from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import guarded
-from conveyor.schedules import Action, Schedule
+from conveyor.schedules import Schedule
 from conveyor.weights import Pending, has_meta
 from conveyor.weights.allocate import allocate_sharded
 
@@ -48,116 +47,25 @@ class RankParts:
         stages: global stage index -> module, for the stages this process holds.
         description: the whole split, as ``print(pipe)`` shows it.
         shared: weights tied across stages, with the groups that sum their gradients.
-        data_parallel: gradient sums over replicas (None without replicas, or with
-            FSDP, which reduces itself).
-        engine: runs steps of the schedule over ``stages``.
-        options: the pipeline's checked options.
-        ctx: the process's context.
-        grads: keeps gradients of earlier steps apart during a step.
-        counter: counts a micro-batch's ``labels`` for a model's own token loss
-            (``loss_fn=None``; see :func:`conveyor.losses.model_token_loss`).
-        compiled: compiled stages' graphs and compile time (None: eager stages).
-        losses: whether the last step's loss was a pair (None before the first).
+        stepper: runs this process's steps (:class:`~conveyor.runtime.step.Stepper`).
     """
 
     stages: dict[int, nn.Module]
     description: SplitInfo
     shared: SharedParameters
-    data_parallel: DataParallel | None
-    engine: Engine
-    options: Options
-    ctx: Context
-    grads: StepGradients
-    counter: microbatch.Counter | None = None
-    compiled: CompileStats | None = None
-    losses: LossKind = field(default_factory=LossKind)
+    stepper: Stepper
 
     @property
-    def syncs(self) -> tuple[GradientSync, ...]:
-        """The reductions of a step's gradients over ranks, in the order they run: the
-        data-parallel sum, then the tied weights' sum (both linear in the gradient)."""
-        dp = (self.data_parallel,) if self.data_parallel is not None else ()
-        return (*dp, self.shared)
+    def compiled(self) -> CompileStats | None:
+        """Compiled stages' graphs and compile time (None: eager stages)."""
+        return self.stepper.engine.compute.compiled
 
     def compile_note(self) -> str:
         """Lines for ``print(pipe)``: per stage held here, what compiling it cost."""
-        if self.compiled is None:
+        compiled = self.compiled
+        if compiled is None:
             return ""
-        return "".join(f"\n  stage {s} {self.compiled.describe(s)}" for s in sorted(self.stages))
-
-    def needs(self, mode: Mode) -> microbatch.Needs:
-        """What this process reads of a batch: inputs where it holds the first stage,
-        targets where it holds the last and a ``loss_fn`` reads them."""
-        last = self.engine.schedule.stages - 1
-        reads_targets = mode != "predict" and self.options.loss_fn is not None
-        return microbatch.Needs(0 in self.stages, reads_targets and last in self.stages)
-
-    def divide(self, mode: Mode, inputs: Any, targets: Any, cut: Any = None) -> MicroBatches:
-        """The step's :class:`~conveyor.runtime.microbatch.MicroBatches`: ``inputs`` /
-        ``targets`` divided, or the micro-batches ``cut`` by the user."""
-        m, needs = self.options.microbatches, self.needs(mode)
-        counter = self.counter if mode != "predict" else None
-        if cut is not None:
-            return microbatch.prepare_cut(cut, m, needs, self.ctx.device, counter)
-        return microbatch.prepare(inputs, targets, m, needs, self.ctx.device, counter)
-
-    def step(
-        self, mode: Mode, batch: MicroBatches, count: float | None = None
-    ) -> tuple[StepRecord, Combined]:
-        """One step over ``batch``: the loss of the whole (global) batch on every rank, and
-        with ``mode="train"`` that loss's gradient added to each local ``.grad``.
-
-        The arithmetic is :mod:`conveyor.runtime.step_loss`'s; the reductions over ranks
-        (:attr:`syncs`) act on this step's gradients alone. ``count``: divide by this
-        instead of the summed count. Collective in a distributed world.
-        """
-        if mode != "train":
-            record = self.engine.run(mode, batch)
-            return record, self._combine(record, count)
-        ctx, scale = self.ctx, None
-        if ctx.distributed and ctx.dp_size > 1:
-            # Every replica divides by the global batch's rows: the replicas then sum.
-            holds_last = self.engine.schedule.stages - 1 in self.stages
-            if holds_last and batch.rows is None:
-                raise microbatch.missing("targets" if self.options.loss_fn else "inputs")
-            rows = global_rows(batch.rows if holds_last else None, ctx)
-            scale = loss_scale(rows, ctx.dp_size if self.options.fsdp else 1)
-        syncs = self.syncs
-        # Earlier gradients are put aside (a copy's memory) only where the step must act
-        # on its own: reductions over ranks, or a division by a count after the backward
-        # (a pair loss's, or ``count``).
-        had = self.grads.any()
-        rescaled = count is not None or self.losses.pair is not False
-        isolate = self.data_parallel is not None or bool(self.shared) or (had and rescaled)
-        if isolate:
-            self.grads.put_aside()
-        try:
-            for sync in syncs:
-                sync.begin()
-            record = self.engine.run(mode, batch, scale)
-            for sync in syncs:
-                sync.finish()
-            combined = self._combine(record, count)
-            if had and not isolate and combined.gradient_factor != 1.0:
-                raise PipelineError(
-                    "loss_fn returned pairs (total, count) in this step but scalars in "
-                    "earlier ones whose gradients are still in .grad; zero the gradients "
-                    "before switching, or return the same kind in every step"
-                )
-            self.losses.pair = combined.pair
-            self.grads.scale(combined.gradient_factor)
-        except BaseException:
-            for sync in syncs:
-                sync.abort()
-            if isolate:
-                self.grads.give_back()
-            raise
-        if isolate:
-            self.grads.add_back()
-        return record, combined
-
-    def _combine(self, record: StepRecord, count: float | None) -> Combined:
-        return combine(record.loss, self.ctx, self.engine.schedule.placement[-1], count)
+        return "".join(f"\n  stage {s} {compiled.describe(s)}" for s in sorted(self.stages))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters by their names in the model, a tied one once."""
@@ -281,14 +189,6 @@ def build(
         pending.give(ctx.device, allocate)
     if sharding:
         shared.rebind(stages)
-    # Without FSDP, replicas average their gradients while the pipeline drains.
-    dp = DataParallel(schedule, stages, ctx) if replicas and not options.fsdp else None
-    syncs: tuple[GradientSync, ...] = (dp, shared) if dp is not None else (shared,)
-
-    def after_action(action: Action) -> None:
-        for sync in syncs:
-            sync.after_action(action)
-
     engine = Engine(
         schedule,
         stages,
@@ -297,19 +197,29 @@ def build(
         recompute=options.recompute_stages(schedule.stages),
         autocast=options.autocast,
         track_memory=options.track_memory,
-        sharded=sharded,
-        on_action=after_action,
+        compiled=compiled,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
     )
-    if compiled is not None:
-        engine.compute.use_compiled(compiled)
+    # Without FSDP, replicas average their gradients while the pipeline drains.
+    reductions: list[StepSync] = []
+    if replicas and not options.fsdp:
+        reductions.append(DataParallel(schedule, stages, ctx))
+    if shared:
+        reductions.append(shared)
+    gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
     params = (p for stage in stages.values() for p in stage.parameters())
     token_loss = model_token_loss(model) if options.loss_fn is None else None
-    counter = token_loss.count if token_loss is not None else None
-    return RankParts(
-        stages, description, shared, dp, engine, options, ctx, StepGradients(params), counter,
-        compiled,
+    stepper = Stepper(
+        engine,
+        ctx,
+        reads_targets=options.loss_fn is not None,
+        counter=token_loss.count if token_loss is not None else None,
+        reductions=reductions,
+        gathers=gathers,
+        grads=StepGradients(params),
+        fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
+    return RankParts(stages, description, shared, stepper)
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

@@ -272,3 +272,26 @@ def check_step(loss_fn: LossFn | None, inputs: Any, targets: Any) -> None:
                 f"inputs hold {n} samples but targets hold {t}; pass targets for the same "
                 f"samples as the inputs (their first dimensions must match)"
             )
+
+
+def check_step_arguments(
+    mode: str, loss_fn: LossFn | None, inputs: Any, targets: Any, cut: Any
+) -> Any:
+    """Check a step's arguments; returns the inputs a capture samples (with micro-batches
+    ``cut`` by the user: the first one's).
+
+    Raises:
+        ConfigError: both a batch and ``cut`` micro-batches, or a bad batch
+            (:func:`check_step`).
+    """
+    if cut is not None:
+        if inputs is not None or targets is not None:
+            raise ConfigError(
+                "pass either the batch (inputs, targets) or microbatches=[(inputs, "
+                "targets), ...] cut by you, not both"
+            )
+        if isinstance(cut, (list, tuple)) and cut and isinstance(cut[0], tuple):
+            return cut[0][0]  # the first micro-batch: a capture's sample
+    elif mode != "predict":
+        check_step(loss_fn, inputs, targets)
+    return inputs

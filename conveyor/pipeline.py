@@ -17,11 +17,16 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, held_stages, shared_sample
-from conveyor._options import Options, pipeline_ranks, pipeline_schedule, schedule_chunks
-from conveyor._pipeline_text import not_split, pipeline_repr, step_inputs, step_memory
+from conveyor._options import (
+    Options,
+    check_step_arguments,
+    pipeline_ranks,
+    pipeline_schedule,
+    schedule_chunks,
+)
 from conveyor.context import Context, current
-from conveyor.observe.measure import pipeline_bubble, write_trace
-from conveyor.partition.capture import NeedsSample
+from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
+from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
 from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
@@ -29,7 +34,7 @@ from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.microbatch import MicroBatches
+from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
@@ -73,7 +78,9 @@ class Pipeline:
             tensor-parallel ranks (DTensor).
         sample: ``(inputs, targets)`` to capture a model ``torch.fx`` cannot trace at
             construction (else on the first batch), and for ``schedule="auto"``.
-        memory_limit: bytes of activations per rank the planner must stay within.
+        memory_limit: for ``schedule="auto"``: the most bytes a pipeline rank may need
+            for its stages' parameters, their gradients and the activations the schedule
+            holds at once (optimizer state not counted; docs/guide/planner.md).
         recompute: True (every stage) or global stage indices whose forward is re-run at B
             (under F's RNG state, so dropout repeats its masks) instead of keeping its
             activations.
@@ -134,21 +141,28 @@ class Pipeline:
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         options.check_schedule(self.schedule)
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
-        self.loss_fn = loss_fn
-        self.microbatches = microbatches
         self._model = model
         self._parts: RankParts | None = None
-        self._last_train: StepRecord | None = None
-        self._last_record: StepRecord | None = None  # of any mode: the shapes sent
+        self._last_train: StepRecord | None = None  # what traces and measurements show
         first = None if sample is None else microbatch.first(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
             self._parts = build(model, self.schedule, options, ctx, first)
 
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """The loss function the pipeline was built with (None: the model's own loss)."""
+        return self.options.loss_fn
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step."""
+        return self.schedule.microbatches
+
     def _split(self, what: str) -> RankParts:
         """This rank's parts; before a split made on the first batch, an error that says so."""
         if self._parts is None:
-            raise not_split(what, self._model)
+            raise not_split_yet(what, self._model)
         return self._parts
 
     # ------------------------------------------------------------------ the split
@@ -156,13 +170,18 @@ class Pipeline:
         """The split (a :class:`~conveyor.partition.describe.SplitInfo`, which ``print(pipe)``
         shows): per stage its rank, modules, parameter count, tied weights, values sent."""
         parts = self._split("pipe.describe()")
-        shapes = self._last_record.sent_shapes if self._last_record is not None else {}
-        return parts.description.with_shapes(shapes)
+        return parts.description.with_shapes(parts.stepper.engine.compute.sent_shapes)
 
     def __repr__(self) -> str:
-        split = "" if self._parts is None else str(self.describe())
-        distributed = self.context.distributed
-        return pipeline_repr(self.schedule, self.microbatches, distributed, self._parts, split)
+        sched = self.schedule
+        where = "" if self.context.distributed else ", in one process"
+        head = (
+            f"Pipeline({sched.name}, {sched.ranks} ranks x {sched.chunks} chunks = "
+            f"{sched.stages} stages, {sched.microbatches} micro-batches{where})"
+        )
+        if self._parts is None:
+            return head + "\nnot split yet: the model is captured on the first batch"
+        return head + "\n" + str(self.describe()) + self._parts.compile_note()
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -186,20 +205,19 @@ class Pipeline:
         return self._split("pipe.tied_copies()").shared.links()
 
     # ------------------------------------------------------------------ steps
-    def _begin(
-        self, mode: Mode, inputs: Any, targets: Any, cut: Any = None
-    ) -> tuple[RankParts, MicroBatches]:
-        """Checks of a step's arguments, the split on the first batch if needed, and the
-        step's micro-batches."""
-        sample = step_inputs(mode, self.loss_fn, inputs, targets, cut)
+    def _step(
+        self, mode: Mode, inputs: Any, targets: Any, cut: Any = None, count: float | None = None
+    ) -> Step:
+        """A step of ``mode``, after checking its arguments and, on the first batch of a
+        model captured on it, splitting the model."""
+        sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-        return self._parts, self._parts.divide(mode, inputs, targets, cut)
-
-    def _record(self, record: StepRecord) -> None:
-        self._last_record = record  # traces and measurements show the last training step:
-        self._last_train = record if record.mode == "train" else self._last_train
+        step = self._parts.stepper.run(mode, inputs, targets, cut, count)
+        if mode == "train":
+            self._last_train = step.record
+        return step
 
     def train_step(
         self,
@@ -238,9 +256,8 @@ class Pipeline:
                 sentence.
             PipelineError: a stage failed, or another rank died or stalled (named).
         """
-        parts, batch = self._begin("train", inputs, targets, microbatches)
-        record, combined = parts.step("train", batch, count)
-        self._record(record)
+        combined = self._step("train", inputs, targets, microbatches, count).combined
+        assert combined is not None
         return combined.loss
 
     @torch.no_grad()
@@ -257,9 +274,8 @@ class Pipeline:
 
         Returns:
             The loss on every rank (the global batch's), combined as :meth:`train_step` does."""
-        parts, batch = self._begin("eval", inputs, targets, microbatches)
-        record, combined = parts.step("eval", batch)
-        self._record(record)
+        combined = self._step("eval", inputs, targets, microbatches).combined
+        assert combined is not None
         return combined.loss
 
     @torch.no_grad()
@@ -271,10 +287,8 @@ class Pipeline:
 
         Returns:
             The whole batch's output on the rank holding the last stage, None elsewhere."""
-        parts, batch = self._begin("predict", inputs, None)
-        record = parts.engine.run("predict", batch)
-        self._record(record)
-        return microbatch.merge(record.outputs) if record.outputs else None
+        outputs = self._step("predict", inputs, None).record.outputs
+        return microbatch.merge(outputs) if outputs else None
 
     # ------------------------------------------------------------------ measurement
     def last_step_timings(self) -> list[Timing]:
@@ -302,7 +316,7 @@ class Pipeline:
             ConfigError: without ``track_memory=True``, or before any training step.
         """
         self._split("pipe.last_step_memory()")
-        return step_memory(self.options.track_memory, self._last_train)
+        return memory_report(self.options.track_memory, self._last_train)
 
     def measured_bubble(self) -> float:
         """The bubble of the last training step over all pipeline ranks (of this replica):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.helpers import reset_context
+from tests.support.helpers import reset_context
 
 torch.set_num_threads(1)
 

@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="BYTES",
-        help="most bytes per rank for parameters, gradients and activations (default: no limit)",
+        help="most bytes per rank for parameters, their gradients and the activations "
+        "the schedule holds (not optimizer state; default: no limit)",
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.ranks < 1:
@@ -107,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"schedule={chosen.schedule} chunks={chosen.chunks} microbatches={chosen.microbatches} "
         f"balance={chosen.balance} predicted step {chosen.predicted_step * 1e3:.2f} ms, "
-        f"peak memory per rank (MB) {peaks}\n"
+        f"peak memory per rank (MB) {peaks}\n{chosen.basis}\n"
     )
     print(chosen.table())
     return 0

@@ -16,8 +16,9 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.pipeline import Pipeline
+from conveyor.runtime.microbatch import Needs
 from conveyor.training.data import index_batches
-from conveyor.training.roles import Needs, needs, shard
+from conveyor.training.roles import needs, shard
 
 
 class ReplicaLoader:

@@ -80,7 +80,7 @@ def _keywords(function: Callable[..., Any]) -> list[str]:
     return [n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds]
 
 
-class _Captured(BaseException):
+class _SampleFound(BaseException):
     """Raised inside a dry run of a step once the network's inputs and targets are known
     (a BaseException: a user's ``except Exception`` does not swallow it)."""
 
@@ -186,7 +186,7 @@ class PipelineStrategy(ParallelStrategy):
         self.pipe: Pipeline | None = None
         self._loss: Scaled | None = None
         self._style = "fn"  # "fn": the user's loss_fn; "token" / "own": the network's own
-        self._mode: str | None = None  # train, eval, predict; capture-<mode> in a dry run
+        self._mode: str | None = None  # train, eval, predict; sample-<mode>: finding the sample
         self._pending: PipelineOutput | None = None
         self._ran = False
         self._fresh: list[tuple[nn.Parameter, torch.Tensor | None]] = []
@@ -366,10 +366,10 @@ class PipelineStrategy(ParallelStrategy):
             TrainerFn.PREDICTING: trainer.predict_loop,
         }[fn]  # type: ignore[index]
         step, mode = {
-            TrainerFn.FITTING: ("training_step", "capture-train"),
-            TrainerFn.VALIDATING: ("validation_step", "capture-eval"),
-            TrainerFn.TESTING: ("test_step", "capture-eval"),
-            TrainerFn.PREDICTING: ("predict_step", "capture-predict"),
+            TrainerFn.FITTING: ("training_step", "sample-train"),
+            TrainerFn.VALIDATING: ("validation_step", "sample-eval"),
+            TrainerFn.TESTING: ("test_step", "sample-eval"),
+            TrainerFn.PREDICTING: ("predict_step", "sample-predict"),
         }[fn]  # type: ignore[index]
         states = _collect_rng_states()
         try:
@@ -387,8 +387,8 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with self._in(mode):
                 getattr(module, step)(batch, 0)
-        except _Captured as captured:
-            return captured.inputs, captured.targets
+        except _SampleFound as found:
+            return found.inputs, found.targets
         except ConfigError:
             raise
         except Exception as exc:
@@ -464,8 +464,8 @@ class PipelineStrategy(ParallelStrategy):
                 f"inside training_step, validation_step, test_step or predict_step"
             )
         inputs = step_inputs(args, kwargs)
-        if mode == "capture-predict":
-            raise _Captured(inputs, None)
+        if mode == "sample-predict":
+            raise _SampleFound(inputs, None)
         if mode == "predict":
             return self._predict(inputs)
         if self._pending is not None or self._ran:
@@ -508,8 +508,8 @@ class PipelineStrategy(ParallelStrategy):
             inputs = dict(inputs)
             targets = inputs.pop("labels") if self._style == "token" else torch.zeros(rows(inputs))
         mode = self._mode or ""
-        if mode.startswith("capture"):
-            raise _Captured(inputs, targets)
+        if mode.startswith("sample-"):
+            raise _SampleFound(inputs, targets)
         pipe, loss = self.pipe, self._loss
         assert pipe is not None and loss is not None and self.lightning_module is not None
         trainer = self.lightning_module.trainer

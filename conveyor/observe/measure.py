@@ -13,12 +13,28 @@ import torch
 import torch.distributed as dist
 
 from conveyor.context import Context
+from conveyor.errors import ConfigError
 from conveyor.observe.trace import chrome_trace, measured_bubble, measured_costs
+from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.step_state import StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule
 from conveyor.schedules.simulation import bubble
 from conveyor.simulate import simulate
+
+
+def memory_report(tracked: bool, record: StepRecord | None) -> MemoryReport:
+    """The last training step's memory report (``pipe.last_step_memory()``).
+
+    Raises:
+        ConfigError: without ``track_memory=True``, or before any training step.
+    """
+    if not tracked:
+        raise ConfigError("memory is measured only with Pipeline(..., track_memory=True)")
+    if record is None or record.memory is None:
+        raise ConfigError("no training step has run yet; call train_step first")
+    return record.memory
 
 
 def pipeline_bubble(timings: list[Timing], ctx: Context, ranks: int) -> float:

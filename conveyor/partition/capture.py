@@ -29,6 +29,16 @@ class NeedsSample(ConfigError):
     """fx cannot trace the model; export needs a sample batch to capture it."""
 
 
+def not_split_yet(what: str, model: Any) -> ConfigError:
+    """The error of a call that needs a split made on the first batch, before it."""
+    return ConfigError(
+        f"{what} needs the split, which is made on the first batch: "
+        f"{type(model).__name__} is captured with torch.export on a sample; run "
+        f"a train_step first, or pass sample=(inputs, targets) to Pipeline to split "
+        f"it at construction"
+    )
+
+
 def capture(model: nn.Module, sample: Any = None) -> Captured:
     """The model's graph: fx when it traces, else export on ``sample``.
 

@@ -1,7 +1,7 @@
 """Choosing how to run a model (``conveyor.profile``, ``conveyor.plan``).
 
 - :mod:`~conveyor.planning.profile_data`: what a profile is, and its per-stage sums;
-- :mod:`~conveyor.planning.measure`: timing and sizing one unit on one micro-batch;
+- :mod:`~conveyor.planning.unit_profile`: timing and sizing one unit on one micro-batch;
 - :mod:`~conveyor.planning.link`: latency and bandwidth between ranks;
 - :mod:`~conveyor.planning.profiler`: the model cut into units, each measured;
 - :mod:`~conveyor.planning.meta`: a meta-device model's units made real one at a time;

@@ -9,6 +9,14 @@ action time, and fits the per-transfer latency that makes the simulated referenc
 equal the measured one. Every candidate is then predicted from those few numbers, not
 measured.
 
+The reference pipelines get the planned pipeline's ``recompute`` and ``autocast`` (and a
+meta model's ``weights`` / ``init_seed``), so they time its step, but always with eager
+stages: ``compile=`` is not applied (compiling four references would cost more than the
+steps they time), and a calibration says so (:attr:`Calibration.compile_skipped`; the
+plan's :attr:`~conveyor.planning.planner.Plan.basis`). ``fsdp`` and ``tp_plan`` never reach
+it: calibration runs only where the world is the pipeline ranks alone, with no replicas or
+tensor-parallel ranks to shard over.
+
 A model on the meta device is calibrated on a meta copy of it
 (:func:`conveyor.planning.meta.meta_copy`): each rank makes real only its own stages of the
 reference, as the pipeline would, and drops them after the run.
@@ -33,9 +41,9 @@ from conveyor.context import current
 from conveyor.errors import ConfigError
 from conveyor.observe.trace import measured_costs
 from conveyor.planning.cost_model import balanced, predict_step, recomputed_shares
-from conveyor.planning.measure import LossFn
 from conveyor.planning.meta import as_module, is_meta, meta_copy
 from conveyor.planning.profile_data import Profile
+from conveyor.planning.unit_profile import LossFn
 from conveyor.runtime import microbatch
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
@@ -84,6 +92,9 @@ class Calibration:
         overhead: Seconds per step left over (negative when even zero latency simulates a
             longer step).
         measured: The run's median step, seconds.
+        compile_skipped: The pipeline asks for compiled stages (``compile=``) but the
+            reference ran eager ones, as every reference does: its scale factors are eager
+            speeds.
     """
 
     schedule: str
@@ -95,6 +106,7 @@ class Calibration:
     latency: float
     overhead: float
     measured: float
+    compile_skipped: bool = False
 
     def apply(self, prof: Profile) -> Profile:
         """``prof`` with this family's scaled times and fitted latency.
@@ -132,9 +144,11 @@ def calibrate_family(
         prof: The profile at the micro-batch count to calibrate.
         ranks: Pipeline ranks (the world size).
         kind: The family, as :func:`family` gives it.
-        memory_limit: Bytes per rank for the reference's balance, or None.
-        options: The pipeline's options, so the reference runs its step (FSDP, tensor
-            parallelism, recompute, autocast), or None for a plain step.
+        memory_limit: Bytes per rank, as the planner's ``memory_limit`` (parameters,
+            gradients, activations held), for the reference's balance; or None.
+        options: The pipeline's options, so the reference runs its step (recompute,
+            autocast; eager stages even with ``compile=``, see the module docstring), or
+            None for a plain step.
 
     Returns:
         The calibration, or None when the reference cannot run here (too few
@@ -173,6 +187,7 @@ def calibrate_family(
         latency=latency,
         overhead=step - predict_step(ref, scaled, bal, recompute),
         measured=step,
+        compile_skipped=options is not None and options.compile_keywords() is not None,
     )
 
 
@@ -195,7 +210,7 @@ def _run_reference(
     params = list(module.parameters())
     keep = [p.grad for p in params]
     m = schedule.microbatches
-    options = Options(loss_fn, m, schedule.chunks, list(balance))
+    options = Options(loss_fn, m, schedule.chunks, list(balance))  # eager: compile=False
     if template is not None:
         # Calibration runs only where the world is the pipeline ranks alone: no replicas
         # or tensor-parallel ranks for fsdp / tp_plan to shard over.
@@ -204,7 +219,6 @@ def _run_reference(
             weights=template.weights if meta else None, init_seed=template.init_seed,
         )  # fmt: skip
     parts = build(module, schedule, options, ctx, microbatch.first(inputs, m))
-    batch = parts.divide("train", inputs, targets)
     steps: list[float] = []
     timings: list[Timing] = []
     for i in range(CALIBRATION_WARMUP + CALIBRATION_STEPS):
@@ -212,7 +226,7 @@ def _run_reference(
             p.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        record, _ = parts.step("train", batch)  # the step users run, reductions included
+        record = parts.stepper.run("train", inputs, targets).record  # the step users run
         dist.barrier()
         if i >= CALIBRATION_WARMUP:
             steps.append(time.perf_counter() - t0)

@@ -4,8 +4,15 @@ A schedule's units are balanced by measured time, exact min-max under the memory
 (:func:`~conveyor.partition.cuts.balance_within`), then refined by simulation: moving
 one unit across a stage boundary is kept while the simulated step gets shorter. The step
 time is the simulated makespan with the profiled per-stage (F, B, W) and transfer time,
-plus a fixed per-action overhead; the memory per rank is parameters + gradients + the
-activations the schedule holds at its peak.
+plus a fixed per-action overhead.
+
+The memory per rank (:func:`peak_memory`, what a memory limit is compared with) is the
+bytes of the rank's stages' parameters, as many again for their gradients (one piece of
+each when ``param_shards`` cuts them: FSDP, tensor parallelism), plus the most activation
+bytes the schedule holds at once: per micro-batch in flight, what autograd saves for each
+stage's backward (measured by :class:`~conveyor.runtime.memory.ActivationMeter`). Not
+counted: optimizer state, buffers, the batch itself, tensors in transit between ranks,
+temporaries inside one action and the allocator's cache.
 
 With ``recompute`` (the planner's way out when no schedule fits) a stage keeps only its
 input from F until B and re-runs its forward at B: B costs F more, and B holds the stage's
@@ -43,7 +50,7 @@ class Candidate:
         microbatches: Micro-batches per step.
         balance: Units per stage.
         predicted_step: Seconds per training step.
-        peak_memory: Bytes per rank.
+        peak_memory: Bytes per rank, as the module docstring counts them.
         fits: Whether every rank is within the memory limit.
         recompute: Whether every stage recomputes its forward at B.
     """
@@ -165,7 +172,7 @@ def balanced(
     Args:
         schedule: What runs.
         prof: The per-unit times and bytes.
-        limit: Bytes per rank, or None for no limit.
+        limit: Bytes per rank (the module docstring's count), or None for no limit.
         recompute: Whether every stage recomputes its forward at B.
 
     Returns:
@@ -250,7 +257,7 @@ def evaluate(
     Args:
         schedule: What runs.
         prof: The per-unit times and bytes (calibrated, if calibration ran).
-        limit: Bytes per rank, or None for no limit.
+        limit: Bytes per rank (the module docstring's count), or None for no limit.
         overhead: Seconds added to the predicted step (a calibration's leftover).
         recompute: Whether every stage recomputes its forward at B.
 

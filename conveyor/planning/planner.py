@@ -30,11 +30,17 @@ from conveyor._options import Options, pipeline_ranks
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance as min_max_balance
-from conveyor.planning.calibration import REFERENCES, Calibration, calibrate_family, family
+from conveyor.planning.calibration import (
+    CALIBRATION_STEPS,
+    REFERENCES,
+    Calibration,
+    calibrate_family,
+    family,
+)
 from conveyor.planning.cost_model import Candidate, evaluate
-from conveyor.planning.measure import LossFn
 from conveyor.planning.profile_data import Profile
 from conveyor.planning.profiler import profile, units
+from conveyor.planning.unit_profile import LossFn
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
@@ -62,15 +68,19 @@ class Plan:
         microbatches: Micro-batches per step.
         balance: Units per stage.
         predicted_step: Seconds per training step.
-        peak_memory: Bytes per rank.
+        peak_memory: Bytes per rank: parameters, gradients and the activations held at the
+            schedule's peak (:mod:`~conveyor.planning.cost_model`).
         alternatives: Every candidate, fastest fitting first, then those that do not fit.
         built: The schedule object to pass to ``Pipeline(schedule=...)`` (for ``zb-auto``
             it is fitted to the measured costs, so pass it rather than the name).
-        memory_limit: The limit planned for, bytes per rank.
+        memory_limit: The limit planned for, bytes per rank as ``peak_memory`` counts them.
         profile: The (calibrated) measurements the choice was made on.
         calibration: Of the chosen schedule's family, if calibration ran.
         recompute: Whether the plan recomputes every stage's forward at B (chosen only
             when nothing fits without): pass it as ``Pipeline(recompute=...)``.
+        basis: One sentence on what the times were measured on: each unit alone, and
+            whether real steps calibrated them; always eager stages, and it says so when
+            the options asked for ``compile=``, which planning does not apply.
     """
 
     schedule: str
@@ -85,6 +95,7 @@ class Plan:
     profile: Profile | None = None
     calibration: Calibration | None = None
     recompute: bool = False
+    basis: str = ""
 
     def table(self) -> str:
         """The ranked alternatives as a markdown table.
@@ -141,8 +152,10 @@ def plan(
         targets: Its targets.
         loss_fn: ``loss_fn(output, targets)``.
         ranks: Pipeline ranks.
-        memory_limit: Bytes per rank for parameters + gradients + activations (optimizer
-            state not included), or None for no limit.
+        memory_limit: The most bytes any pipeline rank may need for its stages'
+            parameters, their gradients and the activations the schedule holds at once
+            (optimizer state, buffers and transfers not counted: exactly what
+            :mod:`~conveyor.planning.cost_model` counts), or None for no limit.
         microbatch_counts: Micro-batch counts to try (default p, 2p, 4p, 8p, capped by
             the batch size).
         schedules: Schedule names to try (default all).
@@ -153,9 +166,11 @@ def plan(
         param_shards: Into how many pieces each rank's parameters and gradients are cut
             (FSDP over D replicas times tensor parallelism T); the memory model counts one
             piece.
-        options: A pipeline's options (``fsdp``, ``tp_plan``, ``recompute``,
-            ``autocast``...): calibration then times the very step that pipeline runs. A
-            meta model's units get the values its ``weights`` / ``init_seed`` give.
+        options: A pipeline's options: calibration's reference pipelines get its
+            ``recompute`` and ``autocast`` but run eager stages even when it has
+            ``compile=`` (:mod:`~conveyor.planning.calibration`; ``Plan.basis`` says so).
+            ``fsdp`` and ``tp_plan`` reach the plan only through ``param_shards``. A meta
+            model's units get the values its ``weights`` / ``init_seed`` give.
         device: Where a model on the meta device is profiled, one unit at a time (see
             :func:`~conveyor.planning.profiler.profile`).
 
@@ -174,7 +189,7 @@ def plan(
         if microbatch_counts is None
         else sorted(set(microbatch_counts))
     )
-    names = [n for n in (schedules or SCHEDULE_NAMES)]
+    names = list(schedules or SCHEDULE_NAMES)
     cache = dict(profiles or {})
     real = calibrate and _distributed() and dist.get_world_size() == ranks
     recomputes = options is not None and options.recompute is True  # every stage, asked for
@@ -208,25 +223,25 @@ def plan(
             for kind in REFERENCES
         }
         for name in names:
-            for chunks in _chunk_options(name):
-                if ranks * chunks > n_units:
-                    continue
-                try:
-                    if name == "zb-auto":
-                        cal = cals[True, False]
-                        fitted = cal.apply(prof) if cal else prof
-                        built = _auto_schedule(ranks, m, fitted, memory_limit)
-                        if built is None:
-                            continue
-                    else:
-                        built = get_schedule(name, ranks, m, chunks)
-                except ConfigError:
-                    continue  # e.g. too few micro-batches for this schedule
-                cal = cals[family(built)]
-                fitted = cal.apply(prof) if cal else prof
-                overhead = cal.overhead if cal else 0.0
-                cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
-                rows.append((cand, built, fitted, cal))
+            chunks = default_chunks(name)  # the schedule's own: 2 for interleaved and V ones
+            if ranks * chunks > n_units:
+                continue
+            try:
+                if name == "zb-auto":
+                    cal = cals[True, False]
+                    fitted = cal.apply(prof) if cal else prof
+                    built = _auto_schedule(ranks, m, fitted, memory_limit)
+                    if built is None:
+                        continue
+                else:
+                    built = get_schedule(name, ranks, m, chunks)
+            except ConfigError:
+                continue  # e.g. too few micro-batches for this schedule
+            cal = cals[family(built)]
+            fitted = cal.apply(prof) if cal else prof
+            overhead = cal.overhead if cal else 0.0
+            cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
+            rows.append((cand, built, fitted, cal))
     if rows and not recomputes and memory_limit is not None and not any(r[0].fits for r in rows):
         rows += _with_recompute(rows, memory_limit)
     if not rows:
@@ -257,7 +272,27 @@ def plan(
         profile=best_prof,
         calibration=best_cal,
         recompute=best.recompute,
+        basis=_basis(best_cal, real, options),
     )
+
+
+def _basis(cal: Calibration | None, real: bool, options: Options | None) -> str:
+    """:attr:`Plan.basis`: what the chosen candidate's times rest on."""
+    if cal is None:
+        why = (
+            "its family's reference could not run"
+            if real
+            else "calibration runs only in a distributed world of exactly the pipeline ranks"
+        )
+        text = f"times: each unit profiled alone with eager stages, not calibrated ({why})"
+    else:
+        text = (
+            f"times: each unit profiled alone, calibrated by {CALIBRATION_STEPS} real steps "
+            f"of {cal.schedule} with eager stages"
+        )
+    if options is not None and options.compile_keywords() is not None:
+        text += "; compile= is not applied while planning: compiled stages may run faster"
+    return text
 
 
 def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
@@ -304,11 +339,6 @@ def plan_pipeline(
         options=options,
         device=ctx.device,
     )
-
-
-def _chunk_options(name: str) -> tuple[int, ...]:
-    """The chunk counts tried: the schedule's own (2 for the interleaved and V ones)."""
-    return (default_chunks(name),)
 
 
 def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Schedule | None:

@@ -176,8 +176,8 @@ class Profile:
             ConfigError: ``balance`` does not cover the profiled units.
         """
         parts = _parts(self.layers, balance)
-        sizes = [part[-1].output for part in parts[:-1]]
-        return self.latency + max(sizes, default=0) / self.bandwidth
+        boundaries = [part[-1].output for part in parts[:-1]]  # bytes sent per boundary
+        return self.latency + max(boundaries, default=0) / self.bandwidth
 
     def parameter_bytes(self, balance: Sequence[int]) -> list[int]:
         """Parameter bytes per stage.

@@ -5,7 +5,7 @@ The model is cut into its smallest units with the same splitter the pipeline use
 sequence, a leaf-module call or parameter-reading operation of a traced graph), so a
 balance over these units is exactly a ``balance=`` the pipeline accepts. Each unit runs on
 one real micro-batch chained from the previous unit's output
-(:func:`conveyor.planning.measure.measure_unit`); in a distributed world every rank
+(:func:`conveyor.planning.unit_profile.measure_unit`); in a distributed world every rank
 profiles at once and all take the mean.
 
 A model on the meta device (:func:`conveyor.empty_weights`) is never made real: each unit
@@ -29,9 +29,9 @@ from conveyor.partition.annotations import stage_marks, stage_of
 from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import layers_of, split_sequential
 from conveyor.planning.link import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, measure_link_speed
-from conveyor.planning.measure import Clock, LossFn, measure_unit
 from conveyor.planning.meta import RealUnits, is_meta, profiling_device, release
 from conveyor.planning.profile_data import LayerProfile, Profile, mean_layers
+from conveyor.planning.unit_profile import Clock, LossFn, measure_unit
 from conveyor.runtime import microbatch
 from conveyor.weights import Weights
 

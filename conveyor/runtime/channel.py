@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import PipelineError
 from conveyor.runtime.program import Message, Tick, consumer_stage
 from conveyor.runtime.timing import Timing
-from conveyor.runtime.transport import Op, Transport, Work, collective
+from conveyor.runtime.transport import Op, Transport, Work
 from conveyor.runtime.wire import (
     HEADER_BYTES,
     TensorMeta,
@@ -69,6 +68,11 @@ class Mailbox:
         pipeline rank sees it (the first stage's), read to the host: the step's one sync
         before its work."""
         return [int(v) for v in header.tolist()]
+
+    def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The loss sums of the last stage (:func:`~conveyor.runtime.step_loss.pack`) for
+        every pipeline rank: a call that returns them once they are here."""
+        return lambda: sums
 
     def deliver(self, producer: Action, value: Any) -> None:
         """``producer``'s result (F output or B input gradients), for its consumer."""
@@ -134,29 +138,49 @@ class Remote(Mailbox):
         self._incoming = {}
 
     def agree(self, header: torch.Tensor, has_inputs: bool) -> list[int]:
+        """The first stage's holder sends its header to every other pipeline rank (not
+        waited for: it starts its work at once), which waits for it."""
         holder = self.schedule.placement[0]
         if self.rank == holder and not has_inputs:
             raise PipelineError(
                 f"rank {self.rank} holds the first stage but got inputs=None; pass the batch "
                 f"on this rank"
             )
-        buf = header
-        name = self.transport.name
-        others = [name(r) for r in range(self.schedule.ranks) if r != self.rank]
         if self.rank == holder:
-            doing = "sending the batch's shapes to " + ", ".join(others)
-            suspect = " or ".join(others)
-        else:
-            doing = f"receiving the batch's shapes from {name(holder)} (stage 0)"
-            suspect = f"{name(holder)} or another pipeline rank"
-        source = self.ctx.global_rank(holder)
-        collective(
-            lambda: dist.broadcast(buf, source, group=self.ctx.pp_group, async_op=True),
-            self.ctx.timeout,
-            f"{name(self.rank)}: starting a step ({doing})",
-            suspect,
-        )
+            what = "sending the batch's shapes (the step's start)"
+            others = [r for r in range(self.schedule.ranks) if r != holder]
+            self.transport.post([Op(True, header, r, what) for r in others])
+            return [int(v) for v in header.tolist()]
+        buf = torch.empty_like(header)
+        (work,) = self.transport.post([Op(False, buf, holder)])
+        what = "waiting for the batch's shapes (the step's start)"
+        self.transport.wait(work, holder, what)
         return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
+
+    def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The last stage's holder sends ``sums`` to every other pipeline rank, which
+        receive into a buffer of their own; the returned call waits for the transfer."""
+        holder = self.schedule.placement[-1]
+        if self.rank == holder:
+            what = "sending the step's loss"
+            others = [r for r in range(self.schedule.ranks) if r != holder]
+            self.transport.post([Op(True, sums, r, what) for r in others])
+
+            def sent() -> torch.Tensor:
+                # Waited within the step: a send left pending past the last step would be
+                # lost when the process exits.
+                self.transport.flush()
+                return sums
+
+            return sent
+        buf = torch.empty_like(sums)
+        (work,) = self.transport.post([Op(False, buf, holder)])
+
+        def received() -> torch.Tensor:
+            self.transport.wait(work, holder, "waiting for the step's loss (the last stage)")
+            return buf
+
+        return received
 
     def deliver(self, producer: Action, value: Any) -> None:
         consumer = consumer_stage(producer, self.schedule.stages)

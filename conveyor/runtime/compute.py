@@ -83,7 +83,9 @@ class StageCompute:
         compiled: CompileStats | None = None,
     ) -> None:
         self.stages = stages
-        self.compiled = compiled  # compiled stages: their compile time and graphs
+        # Compiled stages: their compile time and graphs (their linear layers are routed
+        # as compiled code needs).
+        self.compiled = compiled
         self.last_stage = last_stage
         self.split_backward = split_backward
         self.loss_fn = loss_fn
@@ -107,12 +109,6 @@ class StageCompute:
     def begin(self, step: StepState) -> None:
         """Start a step: what it needs and builds is ``step``'s."""
         self.step = step
-
-    def use_compiled(self, stats: CompileStats) -> None:
-        """The stages were compiled (:func:`~conveyor.runtime.compiled.compile_stages`):
-        route their linear layers as compiled code needs and count compile time."""
-        self.compiled = stats
-        self._store.opaque = True
 
     def gathered(self, stage: int) -> None:
         """FSDP gathered ``stage``: its gathered tensors are what autograd sees this step,
@@ -270,7 +266,10 @@ class StageCompute:
         if self.split_backward:
             store = self._store
             got, work = backward_input(
-                outs, grads, in_leaves, self.params[s],
+                outs,
+                grads,
+                in_leaves,
+                self.params[s],
                 lambda keep: store.collecting((s, m) if keep else None),
             )
             self.step.pending_w[(s, m)] = work

@@ -28,8 +28,9 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.experts.grads import is_expert_parameter, reduction_group
+from conveyor.runtime.program import RankProgram
 from conveyor.runtime.sharding import local_shard as _local
-from conveyor.runtime.step_grads import GradientSync
+from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import collective, wait_bounded
 from conveyor.schedules import Action, F, Schedule
 
@@ -51,7 +52,7 @@ class _Bucket:
     launched: bool = False
 
 
-class DataParallel(GradientSync):
+class DataParallel(StepSync):
     """Sums one pipeline rank's gradients of each step over the data-parallel replicas.
 
     Works on the step's own gradients: the caller puts earlier ones aside before
@@ -91,7 +92,7 @@ class DataParallel(GradientSync):
         self.launched_early = 0  # buckets started by after_action (the rest by wait)
 
     # ----------------------------------------------------------------- one step
-    def begin(self) -> None:
+    def begin(self, program: RankProgram) -> None:
         """Start a training step."""
         self._active = True
         self._done = set()

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from conveyor.runtime.opaque_linear import (
     Entry,
-    OpaqueCapture,
+    OpaqueDeferring,
     deferrable,
     is_opaque,
     keeping_buffers,
@@ -78,7 +78,7 @@ def is_deferred(node: Node) -> bool:
     return getattr(node, "_forward_cls", None) is _DeferredLinear or is_opaque(node)
 
 
-class _Capture(TorchFunctionMode):
+class _Deferring(TorchFunctionMode):
     def __init__(self, params: set[int], slot: list[Entry]) -> None:
         super().__init__()
         self.params, self.slot = params, slot
@@ -100,7 +100,7 @@ class LinearWeightStore:
 
     def __init__(self, params: list[torch.Tensor], opaque: bool = False) -> None:
         """``opaque``: the stages are compiled; linear calls go through
-        :class:`~conveyor.runtime.opaque_linear.OpaqueCapture` and their (X, dY) reach
+        :class:`~conveyor.runtime.opaque_linear.OpaqueDeferring` and their (X, dY) reach
         the slot that :meth:`collecting` opens during B and W."""
         self._params = {id(p) for p in params}
         self._slots: dict[tuple[int, int], list[Entry]] = {}
@@ -114,7 +114,7 @@ class LinearWeightStore:
     def capture(self, key: tuple[int, int]) -> Iterator[None]:
         """Within this block, linear calls on the stage's parameters are deferred."""
         slot = self._slots.setdefault(key, [])
-        with OpaqueCapture() if self.opaque else _Capture(self._params, slot):
+        with OpaqueDeferring() if self.opaque else _Deferring(self._params, slot):
             yield
 
     def collecting(self, key: tuple[int, int] | None) -> contextlib.AbstractContextManager[Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
 from conveyor.runtime.channel import Mailbox, Remote
+from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.microbatch import MicroBatches
@@ -31,13 +32,23 @@ from conveyor.runtime.program import (
     rank_program,
     single_process_program,
 )
-from conveyor.runtime.sharding import Sharded
-from conveyor.runtime.step_loss import loss_scale
+from conveyor.runtime.step_loss import pack
 from conveyor.runtime.step_state import Mode, StepRecord, StepState
+from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
 
-__all__ = ["Engine", "LossFn", "model_loss"]
+__all__ = ["Engine", "Header", "LossFn", "model_loss"]
+
+
+class Header(NamedTuple):
+    """What the first stage's batch tells every pipeline rank at a step's start
+    (:meth:`Engine.header`): its input shapes' signature, rows per micro-batch, and the
+    counts of a model's own token loss (None for other losses)."""
+
+    signature: int
+    sizes: tuple[int, ...]
+    counts: tuple[int, ...] | None
 
 
 class Engine:
@@ -53,24 +64,20 @@ class Engine:
         recompute: frozenset[int] = frozenset(),
         autocast: torch.dtype | None = None,
         track_memory: bool = False,
-        sharded: Sharded | None = None,
-        on_action: Callable[[Action], None] | None = None,
+        compiled: CompileStats | None = None,
         modules: Mapping[int, str] | None = None,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
         ``torch.autocast`` (None: as the model is); ``track_memory``: measure the activation
-        memory of every training step; ``sharded``: FSDP on these stages, gathered before
-        each stage's first action of a step and reduced after its last; ``on_action``:
-        called after each action (data parallelism starts reducing a stage's gradients
-        after its last B / W); ``modules``: per stage, its modules as ``print(pipe)``
-        names them (an error raised in a stage's work names them)."""
+        memory of every training step; ``compiled``: the stages were compiled
+        (:func:`~conveyor.runtime.compiled.compile_stages`); ``modules``: per stage, its
+        modules as ``print(pipe)`` names them (an error raised in a stage's work names
+        them)."""
         self.schedule = schedule
         self.modules = dict(modules or {})
         self.stages = stages
         self.ctx = ctx
-        self.sharded = sharded
-        self.on_action = on_action
         self.meter = (
             ActivationMeter(p for stage in stages.values() for p in stage.parameters())
             if track_memory
@@ -85,6 +92,7 @@ class Engine:
             recompute=recompute,
             autocast=autocast,
             meter=self.meter,
+            compiled=compiled,
         )
         self.channel: Mailbox = (
             Remote(schedule, stages, ctx, self.compute.gradient_metas)
@@ -93,6 +101,8 @@ class Engine:
         )
         self._programs: dict[bool, RankProgram] = {}
         self._stages = schedule.stages  # read every tick
+        self._state = StepState("train")  # the step in progress (or the last one)
+        self._syncs: Sequence[StepSync] = ()
 
     def program(self, train: bool) -> RankProgram:
         """This process's program for a training (``train``) or forward-only step."""
@@ -105,57 +115,77 @@ class Engine:
             self._programs[train] = program
         return program
 
-    def run(self, mode: Mode, batch: MicroBatches, scale: float | None = None) -> StepRecord:
+    def header(self, batch: MicroBatches) -> Header:
+        """What every pipeline rank learns from the first stage's batch at the step's start
+        (one message from its holder to each other rank): a number that changes when the
+        micro-batches' input shapes change, their rows (a scalar loss is weighted by them),
+        and the counts of a model's own token loss (:attr:`MicroBatches.counts`)."""
+        m = self.schedule.microbatches
+        signature = 0
+        if batch.inputs is not None:
+            shapes = [
+                (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+                for mb in batch.inputs
+                for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
+            ]
+            signature = zlib.crc32(repr(shapes).encode())
+        sizes = batch.sizes if batch.sizes is not None else (0,) * m
+        has_counts = batch.counts is not None
+        head = torch.tensor([signature, *sizes, int(has_counts)], dtype=torch.int64)
+        counts = (
+            batch.counts.to(torch.int64)
+            if batch.counts is not None
+            else torch.zeros(m, dtype=torch.int64, device=self.ctx.device)
+        )
+        message = torch.cat([head.to(self.ctx.device), counts.to(self.ctx.device)])
+        values = self.channel.agree(message, batch.inputs is not None)
+        agreed = tuple(values[1 : m + 1])
+        return Header(values[0], agreed, tuple(values[m + 2 :]) if values[m + 1] else None)
+
+    def run(
+        self,
+        mode: Mode,
+        batch: MicroBatches,
+        header: Header,
+        scale: float,
+        syncs: Sequence[StepSync] = (),
+    ) -> StepRecord:
         """Run one step.
 
         ``batch`` holds this process's micro-batches (inputs where it holds the first
-        stage, targets where it holds the last and a ``loss_fn`` reads them). ``scale``
-        multiplies every micro-batch's loss total before its backward (None: one over the
-        batch's rows; see :mod:`conveyor.runtime.step_loss`).
+        stage, targets where it holds the last and a ``loss_fn`` reads them); ``header``
+        is :meth:`header` of it; ``scale`` multiplies every micro-batch's loss total before
+        its backward (:mod:`conveyor.runtime.step_loss`); ``syncs`` run around the actions
+        (:class:`~conveyor.runtime.step_sync.StepSync`). Outside ``predict`` the record's
+        ``sums`` are the last stage's loss sums, on every pipeline rank.
         """
         train = mode == "train"
         program = self.program(train)
-        signature, sizes, counts = self._signature(batch)
-        if scale is None:
-            scale = loss_scale(sum(sizes))
         compute, channel = self.compute, self.channel
-        t0 = time.perf_counter()  # after the signature broadcast: ranks start together
-        state = StepState(mode, batch.targets, sizes, counts, scale, program.adjacent, t0)
+        t0 = time.perf_counter()  # after the header: ranks start together
+        state = StepState(mode, batch.targets, header.sizes, header.counts, scale,
+                          program.adjacent, t0)  # fmt: skip
+        self._state, self._syncs = state, syncs
         compute.begin(state)
-        channel.begin((signature, mode), t0)
+        channel.begin((header.signature, mode), t0)
         meter = self.meter if train else None
         cuda = self.ctx.device.type == "cuda"
         if meter is not None:
             meter.reset()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        sharded = self.sharded
-        if sharded is not None:
-            sharded.begin(sorted(program.first, key=program.first.__getitem__))
-        ticks = program.ticks
-        with (
-            torch.set_grad_enabled(train),
-            meter.hooks() if meter is not None else contextlib.nullcontext(),
-        ):
-            i = 0
-            while i < len(ticks):
-                action = ticks[i].action
-                if action is not None and sharded is not None and program.first[action.stage] == i:
-                    sharded.ready(action.stage)
-                    compute.gathered(action.stage)
-                if action is not None and action.kind == W:
-                    # Consecutive W of one stage run as one: a GEMM per weight, not per W.
-                    j = i + 1
-                    while j < len(ticks) and _is_weight_of(ticks[j].action, action.stage):
-                        j += 1
-                    self._weight_grads(ticks[i:j])
-                else:
-                    j = i + 1
-                    self._tick(ticks[i], batch.inputs)
-                if action is not None and sharded is not None and program.final[action.stage] < j:
-                    sharded.finish(action.stage, train)
-                i = j
-        channel.end()
+        for sync in syncs:
+            sync.begin(program)
+        try:
+            self._walk(program, train, batch.inputs)
+            channel.end()
+            shared = channel.share(pack(state.loss, self.ctx.device)) if mode != "predict" else None
+            for sync in syncs:
+                sync.finish()
+        except BaseException:
+            for sync in syncs:
+                sync.abort()
+            raise
         memory = None
         if meter is not None:
             forward, backward = state.forward_bytes, state.backward_bytes
@@ -168,7 +198,29 @@ class Engine:
             raise PipelineError(
                 f"rank {self.ctx.pp_rank}: activations never consumed by a backward: {names}"
             )
-        return state.record(channel.waits, memory, compute.sent_shapes)
+        return state.record(shared() if shared is not None else None, channel.waits, memory)
+
+    def _walk(self, program: RankProgram, train: bool, inputs: list[Any] | None) -> None:
+        """Every tick of ``program``, in order."""
+        ticks = program.ticks
+        meter = self.meter if train else None
+        with (
+            torch.set_grad_enabled(train),
+            meter.hooks() if meter is not None else contextlib.nullcontext(),
+        ):
+            i = 0
+            while i < len(ticks):
+                action = ticks[i].action
+                if action is not None and action.kind == W:
+                    # Consecutive W of one stage run as one: a GEMM per weight, not per W.
+                    j = i + 1
+                    while j < len(ticks) and _is_weight_of(ticks[j].action, action.stage):
+                        j += 1
+                    self._weight_grads(ticks[i:j])
+                else:
+                    j = i + 1
+                    self._tick(ticks[i], inputs)
+                i = j
 
     def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
@@ -187,18 +239,20 @@ class Engine:
             if action.kind == F and action.stage == 0:
                 assert inputs is not None
                 value = inputs[action.microbatch]
+            for sync in self._syncs:
+                sync.before_action(action)
             out = self._compute(tick.rank, action, value)
             if out is not None:
                 channel.deliver(action, out)
         if not early:
             channel.post(tick)
-        if action is not None and self.on_action is not None:
-            self.on_action(action)
+        if action is not None:
+            for sync in self._syncs:
+                sync.after_action(action)
 
     def _compute(self, rank: int, action: Action, value: Any) -> Any:
         """F or B of ``action``, timed (and its memory measured with ``track_memory``)."""
-        compute = self.compute
-        state = compute.step
+        compute, state = self.compute, self._state
         meter = self.meter if state.train else None
         key = (action.stage, action.microbatch)
         start = time.perf_counter()  # after any wait for the inputs
@@ -227,6 +281,8 @@ class Engine:
         for tick in ticks:
             self.channel.post(tick)
         fused = [t.action for t in ticks if t.action is not None]
+        for sync in self._syncs:
+            sync.before_action(fused[0])
         start = time.perf_counter()
         microbatches = [a.microbatch for a in fused]
         try:
@@ -236,20 +292,21 @@ class Engine:
         except Exception as exc:
             raise self._failed(fused[0], microbatches, exc) from exc
         share = (time.perf_counter() - start) / len(fused)
+        state = self._state
         for k, a in enumerate(fused):
-            begin = start - self.compute.step.t0 + k * share
-            self.compute.step.timings.append(
+            begin = start - state.t0 + k * share
+            state.timings.append(
                 Timing(ticks[0].rank, W, a.stage, a.microbatch, begin, begin + share)
             )
-            if self.on_action is not None:
-                self.on_action(a)
+            for sync in self._syncs:
+                sync.after_action(a)
 
     def _failed(self, action: Action, microbatches: list[int], error: Exception) -> PipelineError:
         """The error a stage's F, B or W raised, in one sentence naming the rank, the work,
         the stage with its modules and the micro-batch(es); raised ``from`` the original."""
         s = action.stage
         if action.kind == F:
-            last = s == self.schedule.stages - 1 and self.compute.step.mode != "predict"
+            last = s == self.schedule.stages - 1 and self._state.mode != "predict"
             work = "forward (with the loss)" if last else "forward"
         elif action.kind == W:
             work = "weight-gradient backward (W)"
@@ -266,35 +323,6 @@ class Engine:
             f"{where}the {work} of stage {s}{named} on {batches} raised {one_line(error)}; "
             f"its traceback, above this one, shows the failing line"
         )
-
-    def _signature(
-        self, batch: MicroBatches
-    ) -> tuple[int, tuple[int, ...], tuple[int, ...] | None]:
-        """What every pipeline rank learns from the first stage's batch at step start, in
-        one broadcast: a number that changes when micro-batch input shapes change, the
-        micro-batches' rows (a scalar loss is weighted by them), and the counts of a
-        model's own token loss (:attr:`MicroBatches.counts`)."""
-        m = self.schedule.microbatches
-        signature = 0
-        if batch.inputs is not None:
-            shapes = [
-                (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
-                for mb in batch.inputs
-                for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
-            ]
-            signature = zlib.crc32(repr(shapes).encode())
-        sizes = batch.sizes if batch.sizes is not None else (0,) * m
-        has_counts = batch.counts is not None
-        head = torch.tensor([signature, *sizes, int(has_counts)], dtype=torch.int64)
-        counts = (
-            batch.counts.to(torch.int64)
-            if batch.counts is not None
-            else torch.zeros(m, dtype=torch.int64, device=self.ctx.device)
-        )
-        header = torch.cat([head.to(self.ctx.device), counts.to(self.ctx.device)])
-        values = self.channel.agree(header, batch.inputs is not None)
-        agreed = tuple(values[1 : m + 1])
-        return values[0], agreed, tuple(values[m + 2 :]) if values[m + 1] else None
 
 
 def _is_weight_of(action: Action | None, stage: int) -> bool:

@@ -116,11 +116,28 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 @dataclass(frozen=True)
 class Needs:
-    """What a process passes to a step: the inputs (it holds the first stage), the targets
-    (it holds the last stage and a ``loss_fn`` reads them)."""
+    """What a process passes to a step: the inputs, the targets, or neither (see
+    :func:`needs`)."""
 
     inputs: bool
     targets: bool
+
+    @property
+    def anything(self) -> bool:
+        """Whether this process reads batches at all."""
+        return self.inputs or self.targets
+
+
+def needs(first: bool, last: bool, mode: str, reads_targets: bool) -> Needs:
+    """What a process reads of each batch, the one rule: the inputs where it holds the
+    first stage; the targets where it holds the last stage and a ``loss_fn`` reads them
+    (``reads_targets``; with ``loss_fn=None`` the model computes its loss from its
+    inputs). ``mode`` is a step's (``train``, ``eval``, ``predict``: no targets), or
+    ``metrics``: an evaluation whose metrics the last stage computes from the output, the
+    inputs and the targets."""
+    if mode == "metrics":
+        return Needs(first or last, last)
+    return Needs(first, last and reads_targets and mode != "predict")
 
 
 @dataclass(frozen=True)

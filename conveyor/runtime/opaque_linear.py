@@ -2,7 +2,7 @@
 
 A compiled region's backward is one autograd node: B (input gradients) would run it
 whole, weight GEMMs included, and W would have nothing left to do. Under a split backward
-with ``Pipeline(compile=...)``, :class:`OpaqueCapture` therefore routes ``F.linear`` on
+with ``Pipeline(compile=...)``, :class:`OpaqueDeferring` therefore routes ``F.linear`` on
 parameters through the custom op ``conveyor::linear``, which ``torch.compile`` treats as
 one opaque call. Its backward is the op ``conveyor::linear_dx``: it returns only
 ``dX = dY W`` (to the weight and bias it returns no gradient) and hands ``(W, b, X, dY)``
@@ -157,7 +157,7 @@ def route_linear(
     return func(*args, **kwargs)
 
 
-class OpaqueCapture(TorchFunctionMode):
+class OpaqueDeferring(TorchFunctionMode):
     """Routes ``F.linear`` (and ATen's linear) on parameters (:func:`deferrable`) whose
     input needs a gradient through ``conveyor::linear`` (see the module doc); traced by
     ``torch.compile``."""

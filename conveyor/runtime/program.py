@@ -25,7 +25,7 @@ posts its (t, k) group; the operations on its streams ahead of that group all be
 earlier groups, which have completed. So every (t, k) group reaches the head of its
 streams, where all its counterparts are too, and completes. Collectives (data parallel,
 FSDP, tensor parallel, tied weights) are posted at the same point of the same program by
-every member of their group, so they extend the same order. ``tests/test_nccl.py``
+every member of their group, so they extend the same order. ``tests/parallel/test_nccl.py``
 replays what each rank really posts under these rules for every schedule and layout.
 """
 
@@ -68,13 +68,26 @@ class RankProgram:
     ``first`` / ``final``: per stage held here, the index in ``ticks`` of its first and of
     its last action (FSDP gathers before the first and reduces after the last).
     ``adjacent``: (stage, micro-batch) whose B directly follows its F (recomputing its
-    forward would free nothing).
+    forward would free nothing). ``train``: a training step's program (else forward only).
     """
 
     ticks: tuple[Tick, ...]
     first: dict[int, int]
     final: dict[int, int]
     adjacent: frozenset[tuple[int, int]]
+    train: bool = True
+
+    def first_action(self, stage: int) -> Action:
+        """``stage``'s first action in this program."""
+        action = self.ticks[self.first[stage]].action
+        assert action is not None
+        return action
+
+    def final_action(self, stage: int) -> Action:
+        """``stage``'s last action in this program."""
+        action = self.ticks[self.final[stage]].action
+        assert action is not None
+        return action
 
     @property
     def actions(self) -> list[Action]:
@@ -142,7 +155,7 @@ def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgr
         # Receives in peer order: the group's layout is the same on every run.
         recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
         timeline.append(Tick(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
-    return _finish(timeline)
+    return _finish(timeline, train)
 
 
 def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
@@ -153,10 +166,10 @@ def single_process_program(schedule: Schedule, train: bool = True) -> RankProgra
         for i, (rank, action) in enumerate(execution_order(schedule))
         if train or action.kind == F
     ]
-    return _finish(timeline)
+    return _finish(timeline, train)
 
 
-def _finish(timeline: Iterable[Tick]) -> RankProgram:
+def _finish(timeline: Iterable[Tick], train: bool) -> RankProgram:
     in_order = tuple(timeline)
     first: dict[int, int] = {}
     final: dict[int, int] = {}
@@ -176,4 +189,4 @@ def _finish(timeline: Iterable[Tick]) -> RankProgram:
         ):
             adjacent.add((a.stage, a.microbatch))
         previous = a
-    return RankProgram(in_order, first, final, frozenset(adjacent))
+    return RankProgram(in_order, first, final, frozenset(adjacent), train)

@@ -18,7 +18,7 @@ split the backward need the gathered weights from B to W, so it takes the others
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ from torch import nn
 from conveyor._groups import on_release
 from conveyor.errors import ConfigError
 from conveyor.partition.methods import called_modules
+from conveyor.runtime.program import RankProgram
+from conveyor.runtime.step_sync import StepSync
+from conveyor.schedules import Action
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -221,9 +224,7 @@ class Sharded:
     """FSDP2 over the ``dp`` mesh dimension for this rank's stages, gathered and reduced
     by the schedule (see the module doc)."""
 
-    def __init__(
-        self, stages: dict[int, nn.Module], mesh: Any, per_action: bool = False
-    ) -> None:
+    def __init__(self, stages: dict[int, nn.Module], mesh: Any, per_action: bool = False) -> None:
         from torch.distributed.fsdp import fully_shard
 
         self.stages = stages
@@ -255,7 +256,7 @@ class Sharded:
         if handle is not None:
             handle.wait()
 
-    def finish(self, stage: int, train: bool) -> None:
+    def release(self, stage: int, train: bool) -> None:
         """After ``stage``'s last action of the step: reduce-scatter its gradients over
         the replicas (training) and free the gathered parameters."""
         from torch.distributed.fsdp import fully_shard
@@ -275,3 +276,33 @@ class Sharded:
         for sub in module.modules():
             if sub is not module and hasattr(sub, "reshard"):
                 sub.reshard()
+
+
+class ShardedSync(StepSync):
+    """The schedule driving :class:`Sharded`: each stage gathered before its first action
+    of a step (all started at the step's start, in first-use order) and reduced after
+    its last; ``gathered(stage)`` is told when a stage's gathered tensors are in place."""
+
+    def __init__(self, sharded: Sharded, gathered: Callable[[int], None]) -> None:
+        self.sharded = sharded
+        self.gathered = gathered
+        self._train = False
+        self._first: dict[Action, int] = {}
+        self._final: dict[Action, int] = {}
+
+    def begin(self, program: RankProgram) -> None:
+        self._train = program.train
+        self._first = {program.first_action(s): s for s in program.first}
+        self._final = {program.final_action(s): s for s in program.final}
+        self.sharded.begin(sorted(program.first, key=program.first.__getitem__))
+
+    def before_action(self, action: Action) -> None:
+        stage = self._first.get(action)
+        if stage is not None:
+            self.sharded.ready(stage)
+            self.gathered(stage)
+
+    def after_action(self, action: Action) -> None:
+        stage = self._final.get(action)
+        if stage is not None:
+            self.sharded.release(stage, self._train)

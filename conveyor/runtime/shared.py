@@ -14,11 +14,11 @@ from torch import nn
 from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.runtime.sharding import local_shard
-from conveyor.runtime.step_grads import GradientSync
+from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import collective
 
 
-class SharedParameters(GradientSync):
+class SharedParameters(StepSync):
     """Sums, over the ranks holding a copy, each step's gradient of a shared parameter.
 
     ``shared`` lists each tied parameter as its name in each stage using it, and those

@@ -1,5 +1,4 @@
-"""One step's gradients apart from those accumulated before it, and the interface of
-the reductions that act on them.
+"""One step's gradients apart from those accumulated before it.
 
 ``.grad`` accumulates across steps, like ``backward()``. Reductions over ranks (tied
 weights' sum, the data-parallel sum) and the step's final scaling (a pair loss's division
@@ -16,26 +15,6 @@ import torch
 from torch import nn
 
 from conveyor.runtime.sharding import local_shard
-from conveyor.schedules import Action
-
-
-class GradientSync:
-    """A reduction of a step's gradients over ranks, plugged into the step: the step calls
-    :meth:`begin`, then :meth:`after_action` after every action of the schedule,
-    :meth:`finish` at the end (every rank at the same point: NCCL's order), or
-    :meth:`abort` when the step failed. The defaults do nothing."""
-
-    def begin(self) -> None:
-        """A training step starts."""
-
-    def after_action(self, action: Action) -> None:
-        """``action`` ran (a reduction may start as soon as a stage's gradients are final)."""
-
-    def finish(self) -> None:
-        """The step's actions are done: complete the reduction."""
-
-    def abort(self) -> None:
-        """The step failed: drop what is in flight."""
 
 
 class StepGradients:

@@ -11,18 +11,18 @@ The arithmetic, in two halves that together make the division exact:
 - Before each backward, a micro-batch's ``total`` is multiplied by :func:`loss_scale`:
   ``1 / rows``, the rows of the whole (global) batch, known from the batch at step start
   (times the replicas under FSDP, whose reduction averages where the others sum).
-- After the step, the loss's own collective (:func:`combine`) carries the summed totals,
-  counts and rows to every rank; the step's gradients are then multiplied by
+- After the step, the rank holding the last stage sends the summed totals, counts and
+  rows (:func:`pack`) to every pipeline rank, and replicas add theirs up
+  (:func:`sum_over_replicas`); the step's gradients are then multiplied by
   ``rows / count``. For a scalar loss count is rows, so that is exactly 1 and nothing
   runs; for a pair it turns the division by rows into the division by the count.
 
-Counts are integers summed on the device (no host sync per micro-batch); the one sync of a
-step is :func:`combine`'s, which every member posts at the same point (NCCL's order).
+Counts are integers summed on the device (no host sync per micro-batch); the one host sync
+of a step is :func:`combine`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -146,37 +146,29 @@ class StepLoss:
         self.rows += rows
 
 
-@dataclass
-class LossKind:
-    """What a pipeline learnt of its loss: whether the last step's was a pair (None
-    before the first step)."""
-
-    pair: bool | None = None
-
-
 def loss_scale(rows: int, fsdp_replicas: int = 1) -> float:
     """What each micro-batch's total is multiplied by before its backward: one over the
     global batch's ``rows``, times the replicas FSDP's averaging divides by."""
     return fsdp_replicas / rows
 
 
-def global_rows(rows: int | None, ctx: Context) -> int:
-    """The rows of the global batch, from each replica's ``rows`` (given on the ranks
-    holding the last stage, None elsewhere). Only with replicas (``dp_size > 1``; without,
-    the batch's own rows are the global ones): a collective over the world that every
-    rank posts at the start of the step.
+def global_rows(rows: int, ctx: Context) -> int:
+    """The rows of the global batch, from this replica's ``rows``: with replicas
+    (``dp_size > 1``) a sum over the data-parallel group that every rank posts at the
+    start of the step; without, ``rows`` itself.
 
     Raises:
         PipelineError: a replica with an empty shard.
     """
+    if not ctx.distributed or ctx.dp_size == 1:
+        return rows
     sizes = torch.zeros(ctx.dp_size, dtype=torch.int64, device=ctx.device)
-    if rows is not None and ctx.tp_rank == 0:  # tensor-parallel ranks hold the same rows
-        sizes[ctx.dp_rank] = rows
+    sizes[ctx.dp_rank] = rows
     collective(
-        lambda: dist.all_reduce(sizes, async_op=True),
+        lambda: dist.all_reduce(sizes, group=ctx.dp_group, async_op=True),
         ctx.timeout,
         f"rank {ctx.rank}: exchanging the replicas' batch sizes",
-        "another rank",
+        "another replica",
     )
     counts = [int(c) for c in sizes.tolist()]
     if min(counts) <= 0:
@@ -184,6 +176,31 @@ def global_rows(rows: int | None, ctx: Context) -> int:
             f"rank {ctx.rank}: replica batch sizes {counts}; every replica needs a non-empty shard"
         )
     return sum(counts)
+
+
+def pack(local: StepLoss | None, device: torch.device) -> torch.Tensor:
+    """This process's loss sums as one float64 tensor ``[total, count, rows, pair]``
+    (zeros where no last stage is held, or before its first micro-batch): what the rank
+    holding the last stage sends to the other pipeline ranks at the end of a step."""
+    buf = torch.zeros(4, dtype=torch.float64, device=device)
+    total = local.total if local is not None else None
+    if local is not None and total is not None:
+        buf[0] = total
+        buf[1] = local.count
+        buf[2] = local.rows
+        buf[3] = float(bool(local.pair))
+    return buf
+
+
+def sum_over_replicas(sums: torch.Tensor, ctx: Context) -> None:
+    """Add up the replicas' :func:`pack` ed sums in place: a collective over the
+    data-parallel group, posted by every rank after the step's actions."""
+    collective(
+        lambda: dist.all_reduce(sums, group=ctx.dp_group, async_op=True),
+        ctx.timeout,
+        f"rank {ctx.rank}: combining the replicas' losses",
+        "another replica",
+    )
 
 
 class Combined(NamedTuple):
@@ -195,47 +212,17 @@ class Combined(NamedTuple):
     pair: bool
 
 
-def combine(
-    local: StepLoss | None, ctx: Context, holder: int, count: float | None = None
-) -> Combined:
-    """The step's loss, ``sum(total) / sum(count)`` over micro-batches and replicas, on
-    every rank, and ``rows / count``, what the step's gradients (scaled by one over the
-    rows before each backward) must still be multiplied by.
-
-    ``local`` is given on the ranks holding the last stage (None elsewhere); ``holder`` is
-    that pipeline rank. ``count``, if given, divides instead of the summed count (e.g. the
-    items of every batch one optimizer step accumulates). A collective in a distributed
-    world (a broadcast in the pipeline group, or an all-reduce over the world with
-    replicas), posted by every rank at the end of the step.
+def combine(sums: torch.Tensor, count: float | None = None) -> Combined:
+    """The step's loss, ``sum(total) / sum(count)`` over micro-batches and replicas, and
+    ``rows / count``, what the step's gradients (scaled by one over the rows before each
+    backward) must still be multiplied by; ``sums`` as :func:`pack` makes them, summed
+    over the replicas. ``count``, if given, divides instead of the summed count (e.g. the
+    items of every batch one optimizer step accumulates).
 
     Raises:
         ConfigError: the count is 0 (nothing to average over), on every rank.
     """
-    buf = torch.zeros(4, dtype=torch.float64, device=ctx.device)
-    replicas = ctx.distributed and ctx.dp_size > 1
-    # Over replicas, one tensor-parallel rank of each speaks (they hold the same loss).
-    local_total = local.total if local is not None else None
-    if local is not None and local_total is not None and (not replicas or ctx.tp_rank == 0):
-        buf[0] = local_total
-        buf[1] = local.count
-        buf[2] = local.rows
-        buf[3] = float(bool(local.pair))
-    if replicas:
-        collective(
-            lambda: dist.all_reduce(buf, async_op=True),
-            ctx.timeout,
-            f"rank {ctx.rank}: combining the replicas' losses",
-            "another rank",
-        )
-    elif ctx.distributed:
-        source = ctx.global_rank(holder)
-        collective(
-            lambda: dist.broadcast(buf, source, group=ctx.pp_group, async_op=True),
-            ctx.timeout,
-            f"rank {ctx.rank}: sharing the loss from rank {source} (the last stage)",
-            f"rank {source} or another pipeline rank",
-        )
-    total, summed, rows, pair = buf.tolist()  # the step's one host sync
+    total, summed, rows, pair = sums.tolist()  # the step's one host sync
     divisor = summed if count is None else float(count)
     if divisor <= 0:
         raise ConfigError(
@@ -244,5 +231,5 @@ def combine(
             if count is None
             else f"count must be > 0, got {count!r}"
         )
-    loss = torch.tensor(total / divisor, dtype=torch.float32, device=ctx.device)
+    loss = torch.tensor(total / divisor, dtype=torch.float32, device=sums.device)
     return Combined(loss, rows / divisor, pair > 0)

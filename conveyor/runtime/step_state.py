@@ -32,23 +32,21 @@ Key = tuple[int, int]  # (stage, micro-batch)
 class StepRecord:
     """What one step did on this process.
 
-    ``loss``: the sums of this process's micro-batch loss totals, counts and rows (None
-    where no last stage is held; :func:`~conveyor.runtime.step_loss.combine` makes the
-    step's loss of them); ``outputs``: the last stage's micro-batch outputs (``predict``);
+    ``sums``: the pipeline's loss sums (:func:`~conveyor.runtime.step_loss.pack`: total,
+    count, rows, pair) as the rank holding the last stage sent them to every pipeline
+    rank (None in ``predict``); ``outputs``: the last stage's micro-batch outputs (``predict``);
     ``timings``: (rank, kind, stage, micro-batch, start, end) per action, seconds from the
     step start, start once its inputs had arrived; ``waits``: the same for each wait on
     another rank (the producer's kind, stage and micro-batch); ``memory``: activation
-    memory (``track_memory``), else None; ``sent_shapes``: per stage held here,
-    ``dtype[shape]`` of each value its first forward passed on.
+    memory (``track_memory``), else None.
     """
 
     mode: Mode
-    loss: StepLoss | None
+    sums: torch.Tensor | None
     outputs: list[Any]
     timings: list[Timing]
     waits: list[Timing]
     memory: MemoryReport | None
-    sent_shapes: dict[int, list[str]]
 
 
 @dataclass
@@ -87,8 +85,8 @@ class StepState:
         return self.mode == "train"
 
     def record(
-        self, waits: list[Timing], memory: MemoryReport | None, sent: dict[int, list[str]]
+        self, sums: torch.Tensor | None, waits: list[Timing], memory: MemoryReport | None
     ) -> StepRecord:
         """The finished step's record."""
         outputs = [self.outputs[k] for k in sorted(self.outputs)]
-        return StepRecord(self.mode, self.loss, outputs, self.timings, waits, memory, dict(sent))
+        return StepRecord(self.mode, sums, outputs, self.timings, waits, memory)

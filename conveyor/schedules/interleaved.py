@@ -100,7 +100,7 @@ def _list_scheduled_programs(ranks: int, microbatches: int, chunks: int) -> list
     the other kind when the preferred one is not ready yet. The result is a real
     execution, so it cannot deadlock. With the remainder in the first group
     (:func:`microbatch_groups`) it reaches Megatron's makespan m(F+B) + (p-1)(F+B)/v for
-    every m >= p (tests/test_simulate.py checks this for several F:B ratios).
+    every m >= p (tests/schedules/test_simulate.py checks this for several F:B ratios).
     """
     p, m, v = ranks, microbatches, chunks
     last = p * v - 1

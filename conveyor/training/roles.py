@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from conveyor.pipeline import Pipeline
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What this rank passes to a step: the inputs, the targets, or neither."""
-
-    inputs: bool
-    targets: bool
-
-    @property
-    def anything(self) -> bool:
-        """Whether this rank loads batches at all."""
-        return self.inputs or self.targets
+from conveyor.runtime import microbatch
+from conveyor.runtime.microbatch import Needs
 
 
 def needs(pipe: Pipeline, evaluating: bool) -> Needs:
-    """What this rank of ``pipe`` needs from each batch.
-
-    The rank holding stage 0 needs the inputs. The rank holding the last stage needs the
-    targets when a ``loss_fn`` computes the loss; with ``loss_fn=None`` the loss comes from
-    the model's output, and that rank needs the inputs only to count its replica's samples
-    (data parallelism). Evaluation computes metrics on the last stage, which then needs the
-    inputs and the targets. A V schedule puts the first and the last stage on one rank; one
-    process holds every stage.
+    """What this rank of ``pipe`` reads of each batch: the runtime's one rule
+    (:func:`conveyor.runtime.microbatch.needs`); evaluation computes metrics on the last
+    stage, which then reads the inputs and the targets too.
 
     Args:
         pipe: The pipeline.
@@ -38,16 +21,11 @@ def needs(pipe: Pipeline, evaluating: bool) -> Needs:
     Returns:
         This rank's needs.
     """
-    ctx = pipe.context
-    if not ctx.distributed:
-        return Needs(True, True)
-    placement = pipe.schedule.placement
-    first, last = placement[0] == ctx.pp_rank, placement[-1] == ctx.pp_rank
-    if evaluating:
-        return Needs(first or last, last)
-    if pipe.loss_fn is not None:
-        return Needs(first, last)
-    return Needs(first or (last and ctx.dp_size > 1), False)
+    ctx, placement = pipe.context, pipe.schedule.placement
+    first = not ctx.distributed or placement[0] == ctx.pp_rank
+    last = not ctx.distributed or placement[-1] == ctx.pp_rank
+    mode = "metrics" if evaluating else "train"
+    return microbatch.needs(first, last, mode, pipe.loss_fn is not None)
 
 
 def shard(indices: Sequence[int], replicas: int, replica: int) -> list[int]:

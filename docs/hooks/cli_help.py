@@ -3,7 +3,7 @@
 A page writes ``<!-- conveyor-help: simulate -->`` (or ``demo``, ``launch``, ``plan``,
 ``trace``, or nothing after the colon for ``conveyor --help`` itself) on a line of its own;
 the build replaces it with what ``conveyor simulate --help`` prints, so the reference never
-drifts from the parsers. tests/test_docs.py checks that every command has its marker.
+drifts from the parsers. tests/docs/test_docs.py checks that every command has its marker.
 """
 
 from __future__ import annotations

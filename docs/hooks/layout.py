@@ -2,7 +2,7 @@
 
 A page writes ``<!-- conveyor-layout -->`` on a line of its own; the build replaces it with
 every module of ``conveyor/``, layer by layer from the top, each with the first paragraph
-of its docstring. :data:`LAYERS` is also what ``tests/test_layers.py`` holds the imports
+of its docstring. :data:`LAYERS` is also what ``tests/architecture/test_layers.py`` holds the imports
 to (a module imports from its own layer or lower ones, and no import cycle exists), so the
 page can neither miss a module nor describe a layering the code does not have.
 """
@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("other libraries' loops", ["conveyor.integrations"]),
     ("the training loop", ["conveyor.training"]),
     ("checkpoints", ["conveyor.checkpoint"]),
-    ("the pipeline users touch", ["conveyor.pipeline", "conveyor._pipeline_text"]),
+    ("the pipeline users touch", ["conveyor.pipeline"]),
     ("the planner", ["conveyor.planning"]),
     ("what one rank runs, built from the options", ["conveyor._build", "conveyor._options"]),
     ("seeing what ran", ["conveyor.observe"]),

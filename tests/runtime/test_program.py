@@ -1,0 +1,163 @@
+"""The per-rank programs the runtime walks: every message posted once on each side at the
+same tick, in an order that a lock-step replay under NCCL's rules completes. Pure: no
+processes (tests/parallel/test_nccl.py replays what real runs post)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.errors import ConfigError
+from conveyor.runtime.program import (
+    Message,
+    producer_of,
+    rank_program,
+    single_process_program,
+    ticks,
+)
+from conveyor.schedules import SCHEDULE_NAMES, Action, F, Schedule, default_chunks, get_schedule
+from tests.support.nccl_model import Record, check
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> Schedule:
+    name = draw(st.sampled_from(SCHEDULE_NAMES))
+    p = draw(st.integers(1, 6))
+    m = draw(st.integers(1, 16))
+    chunks = default_chunks(name)
+    if name in ("interleaved-1f1b", "looped-bfs"):
+        chunks = draw(st.integers(2, 3))  # one chunk: the name is refused
+    try:
+        return get_schedule(name, p, m, chunks)
+    except ConfigError:  # e.g. dualpipev with too few micro-batches
+        return get_schedule(name, p, max(m, 2 * p), chunks)
+
+
+@given(schedules(), st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
+    schedule: Schedule, train: bool
+) -> None:
+    programs = [rank_program(schedule, r, train) for r in range(schedule.ranks)]
+    sent: Counter[tuple[int, Message]] = Counter()
+    received: Counter[tuple[int, Message]] = Counter()
+    for rank, program in enumerate(programs):
+        for step in program.ticks:
+            assert step.rank == rank
+            for message in step.sends:
+                assert message.src == rank != message.dst
+                sent[step.tick, message] += 1
+            for message in step.recvs:
+                assert message.dst == rank != message.src
+                received[step.tick, message] += 1
+    assert sent == received
+    assert all(n == 1 for n in sent.values())
+    # Every value that crosses ranks is a message; nothing else is.
+    crossing = 0
+    for action in ticks(schedule, train):
+        producer = producer_of(action, schedule.stages)
+        if producer is not None:
+            crossing += schedule.placement[producer.stage] != schedule.placement[action.stage]
+    assert len(sent) == crossing
+
+
+@given(schedules(), st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_programs_keep_the_schedule_order_and_consume_after_producing(
+    schedule: Schedule, train: bool
+) -> None:
+    at = ticks(schedule, train)
+    for rank in range(schedule.ranks):
+        program = rank_program(schedule, rank, train)
+        want = [a for a in schedule.actions[rank] if train or a.kind == F]
+        assert program.actions == want
+        tick_list = [s.tick for s in program.ticks]
+        assert tick_list == sorted(set(tick_list))  # one step per tick, increasing
+        for step in program.ticks:
+            if step.action is None:
+                continue
+            producer = producer_of(step.action, schedule.stages)
+            if producer is not None:
+                assert at[producer] < step.tick
+            # The only message sent at a tick is the output of that tick's action.
+            assert all(m.producer == step.action for m in step.sends)
+
+
+def test_one_process_program_runs_every_action_in_a_valid_order() -> None:
+    for name in SCHEDULE_NAMES:
+        schedule = get_schedule(name, 4, 8, default_chunks(name))
+        program = single_process_program(schedule)
+        seen = set()
+        for step in program.ticks:
+            assert step.action is not None and not step.sends and not step.recvs
+            producer = producer_of(step.action, schedule.stages)
+            assert producer is None or producer in seen
+            seen.add(step.action)
+        assert len(seen) == sum(len(a) for a in schedule.actions)
+        assert set(program.first) == set(range(schedule.stages)) == set(program.final)
+
+
+def _traces(schedule: Schedule) -> dict[int, list[Record]]:
+    """What each rank would post running its program: before an action, a wait for the
+    receive it consumes; after it, one batch of the tick's sends and receives."""
+    return {rank: _trace(schedule, rank) for rank in range(schedule.ranks)}
+
+
+def _trace(schedule: Schedule, rank: int) -> list[Record]:
+    out: list[Record] = []
+    posted: dict[Action, int] = {}  # producer -> seq of its receive
+    for batch, step in enumerate(rank_program(schedule, rank).ticks):
+        action = step.action
+        producer = None if action is None else producer_of(action, schedule.stages)
+        if producer is not None and producer in posted:
+            out.append(Record(rank, len(out), "wait", "wait", waits_on=(posted.pop(producer),)))
+        for kind, peer, message in [
+            *(("send", m.dst, m) for m in step.sends),
+            *(("recv", m.src, m) for m in step.recvs),
+        ]:
+            if kind == "recv":
+                posted[message.producer] = len(out)
+            out.append(
+                Record(
+                    rank,
+                    len(out),
+                    kind,
+                    "batch_isend_irecv",
+                    peer,
+                    "world",
+                    (),
+                    1,
+                    "f",
+                    batch=batch,
+                )
+            )
+    return out
+
+
+@given(schedules())
+@settings(max_examples=120, deadline=None)
+def test_programs_replay_without_deadlock_under_nccl_rules(schedule: Schedule) -> None:
+    # Every (streams, sends) combination of the NCCL model (tests/support/nccl_model.py).
+    check(_traces(schedule))
+
+
+def test_the_replay_catches_a_receive_posted_ahead_of_a_send() -> None:
+    # The same programs with each tick's receives posted one tick early, as their own
+    # group: the order the runtime used before (receive ahead) deadlocks at once.
+    schedule = get_schedule("1f1b", 2, 4)
+    traces = _traces(schedule)
+    for rank, records in traces.items():
+        recvs = [r for r in records if r.kind == "recv"]
+        sends = [r for r in records if r.kind == "send"]
+        early = [dataclasses.replace(r, batch=None) for r in recvs]
+        # receives first (each alone), then the sends (each alone)
+        traces[rank] = [
+            dataclasses.replace(r, seq=i, batch=None)
+            for i, r in enumerate([*early, *[dataclasses.replace(s, batch=None) for s in sends]])
+        ]
+    with pytest.raises(AssertionError, match="DEADLOCK"):
+        check(traces)

@@ -1,0 +1,91 @@
+"""Traces of real runs: every action in schedule order, waits, and a picture."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import nn
+
+import conveyor
+import conveyor.cli.trace as trace_command
+from conveyor.cli.trace import main
+from conveyor.observe.pictures import draw_timeline
+from conveyor.observe.trace import actions_of
+from tests.support import distributed
+from tests.support.models import batch, mlp
+
+
+def _traced(rank: int, path: str, schedule: str, pp: int) -> None:
+    ctx = conveyor.init(pp=pp)
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, schedule=schedule, context=ctx
+    )
+    x, y = batch(8)
+    for _ in range(2):
+        pipe.train_step(x, y)
+    pipe.save_trace(path)
+
+
+def _check(path: Path, schedule: str, ranks: int) -> dict[str, object]:
+    trace = json.loads(path.read_text())
+    info = trace["otherData"]
+    assert info["schedule"] == schedule and info["ranks"] == ranks
+    assert 0.0 <= info["measured_bubble"] < 1.0 and 0.0 <= info["simulated_bubble"] < 1.0
+    rows = actions_of(trace)
+    for rank, order in enumerate(info["order"]):
+        ran = [f"{kind}{stage},{mb}" for r, kind, stage, mb, _, _ in rows if r == rank]
+        assert ran == order  # every action of the rank, in the schedule's order
+    kinds = {kind for _, kind, *_ in rows}
+    assert kinds == ({"F", "B", "W"} if schedule.startswith("zb") else {"F", "B"})
+    return trace
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_two_process_trace_has_every_action_in_order(tmp_path: Path, schedule: str) -> None:
+    path = tmp_path / "trace.json"
+    distributed.run(_traced, 2, str(path), schedule, 2)
+    trace = _check(path, schedule, 2)
+    events = trace["traceEvents"]
+    assert {e["tid"] for e in events if e.get("ph") == "X"} == {0, 1}
+    assert any(e.get("cat") == "wait" for e in events)  # rank 0 waits for gradients
+
+
+def test_one_process_trace_and_its_picture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, png = tmp_path / "trace.json", tmp_path / "trace.png"
+    _traced(0, str(path), "zb-h1", 4)
+    trace = _check(path, "zb-h1", 4)
+    figures: list[Any] = []
+    monkeypatch.setattr(
+        trace_command, "draw_timeline", lambda *a, **k: figures.append(draw_timeline(*a, **k))
+    )
+    assert main([str(path), "--png", str(png)]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 300
+    (axes,) = figures[0].axes
+    assert axes.get_xlabel() == "time (ms)"
+    boxes = [e for e in trace["traceEvents"] if "dur" in e]
+    step_us = max(e["ts"] + e["dur"] for e in boxes) - min(e["ts"] for e in boxes)
+    assert axes.get_xlim()[1] == pytest.approx(step_us / 1e3)  # milliseconds, not seconds
+    assert axes.get_title(loc="left").startswith("zb-h1: 4 ranks x 1 chunk(s), 4 micro-batches")
+    legend = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert legend[:3] == ["F: forward", "B: backward, input gradient", "W: weight gradient"]
+
+
+def test_the_trace_keeps_the_last_training_step() -> None:
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=2, context=conveyor.init(pp=2)
+    )
+    x, y = batch(8)
+    pipe.train_step(x, y)
+    kinds = sorted({t[1] for t in pipe.last_step_timings()})
+    pipe.predict(x)
+    pipe.eval_step(x, y)
+    assert sorted({t[1] for t in pipe.last_step_timings()}) == kinds == ["B", "F"]

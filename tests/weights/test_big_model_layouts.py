@@ -1,0 +1,174 @@
+"""Models built on the meta device, on real processes: every layout gives each rank only
+its own stages' (or shards') values, bit for bit those of ``conveyor.materialize`` of the
+unsplit model, and one step's gradients are the unsplit model's on the whole batch (a
+token mean over padded rows of different lengths, uneven replicas).
+
+Layouts: pp=2 (1f1b), pp=4 interleaved (8 stages), pp=2 x dp=2 with FSDP (zb-h1),
+pp=2 x tp=2, and a checkpoint saved by pp=2 loaded by a meta-built pp=2 x dp=2 FSDP
+pipeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.losses import TokenCrossEntropy
+from tests.support import distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+import gpt  # noqa: E402  (examples/gpt.py: the GPT example and its tensor-parallel plan)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SEED = 7
+VOCAB, CONTEXT = 13, 8
+
+
+def empty_gpt() -> gpt.GPT:
+    with conveyor.empty_weights():
+        return gpt.GPT(vocab=VOCAB, context=CONTEXT, width=16, depth=8, heads=4)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """9 rows of token ids, padded: the targets of rows ``i`` past ``2 + i % 6`` are -100."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (9, CONTEXT), generator=g)
+    targets = torch.randint(0, VOCAB, (9, CONTEXT), generator=g)
+    for i in range(9):
+        targets[i, 2 + i % 6 :] = -100
+    return ids, targets
+
+
+def reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float]:
+    """The unsplit model's values, gradients and loss on the whole batch."""
+    model = conveyor.materialize(empty_gpt(), init_seed=SEED)
+    values = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    ids, targets = data()
+    loss = torch.nn.functional.cross_entropy(
+        model(ids).flatten(0, 1), targets.flatten(), ignore_index=-100
+    )
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return values, grads, loss.item()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
+
+
+def _layout(rank: int, layout: dict[str, Any], weights: str | None) -> dict[str, Any]:
+    ctx = conveyor.init(pp=layout["pp"], dp=layout.get("dp", 1), tp=layout.get("tp", 1))
+    model = empty_gpt()
+    pipe = conveyor.Pipeline(
+        model,
+        loss_fn=TokenCrossEntropy(),
+        microbatches=4,
+        schedule=layout["schedule"],
+        fsdp=layout.get("fsdp", False),
+        tp_plan=gpt.tp_plan() if layout.get("tp", 1) > 1 else None,
+        weights=weights,
+        init_seed=SEED,
+    )
+    # This rank's memory: its parameters' local elements (shards), against the elements of
+    # its stages; the rest of the model stays meta.
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in pipe.parameters())
+    stages = sum(p.numel() for p in pipe.parameters())
+    held = {id(p) for p in pipe.parameters()}
+    real_elsewhere = [n for n, p in model.named_parameters() if not p.is_meta and id(p) not in held]
+    values = {n: _whole(p).detach().clone() for n, p in pipe.named_parameters()}
+    ids, targets = data()
+    if ctx.dp_size > 1:  # uneven replicas: 5 rows and 4
+        rows = [slice(0, 5), slice(5, 9)][ctx.dp_rank]
+        ids, targets = ids[rows], targets[rows]
+    loss = pipe.train_step(ids, targets)
+    grads = {n: _whole(p.grad).clone() for n, p in pipe.named_parameters()}
+    return {"values": values, "grads": grads, "loss": float(loss), "local": local,
+            "stages": stages, "real_elsewhere": real_elsewhere}  # fmt: skip
+
+
+def _check(results: list[dict[str, Any]], layout: dict[str, Any]) -> None:
+    values, grads, loss = reference()
+    whole = sum(v.numel() for n, v in values.items() if n != "head.weight")
+    for r in results:
+        assert r["real_elsewhere"] == [], r["real_elsewhere"]
+        for n, v in r["values"].items():
+            assert torch.equal(v, values[n]), f"{layout}: {n} differs from materialize's"
+        assert abs(r["loss"] - loss) < 1e-5 * abs(loss)
+        # a rank holds its stages (under FSDP their shards, under TP the sharded layers'
+        # parts), not the whole model
+        assert r["stages"] < 0.75 * whole
+        if layout.get("fsdp"):
+            assert r["local"] <= r["stages"] / 2 + 16 * len(r["values"]), r  # shards, padded
+        elif layout.get("tp", 1) > 1:
+            assert r["local"] < 0.75 * r["stages"]
+        else:
+            assert r["local"] == r["stages"]
+    got = {n: g for r in results for n, g in r["grads"].items()}
+    assert set(got) | {"head.weight"} == set(values), "every parameter is held somewhere"
+    # A gradient zero in exact arithmetic (attention's key bias) is rounding noise on both
+    # sides: it is measured against the model's largest gradient.
+    floor = 1e-3 * max(float(g.norm()) for g in grads.values())
+    for n, g in got.items():
+        err = float((g - grads[n]).norm()) / max(float(grads[n].norm()), floor)
+        assert err < 1e-5, f"{layout}: gradient of {n}: {err:.1e}"
+
+
+LAYOUTS = [
+    pytest.param({"pp": 2, "schedule": "1f1b"}, id="pp2"),
+    pytest.param({"pp": 4, "schedule": "interleaved-1f1b"}, id="pp4-interleaved"),
+    pytest.param({"pp": 2, "dp": 2, "fsdp": True, "schedule": "zb-h1"}, id="pp2xdp2-fsdp"),
+    pytest.param({"pp": 2, "tp": 2, "schedule": "1f1b"}, id="pp2xtp2"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_initializes_only_its_share_exactly(layout: dict[str, Any]) -> None:
+    world = layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
+    _check(distributed.run(_layout, world, layout, None, timeout=240), layout)
+
+
+def _save(rank: int, path: str) -> None:
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(
+        conveyor.materialize(empty_gpt(), init_seed=SEED), loss_fn=TokenCrossEntropy(),
+        microbatches=2,
+    )  # fmt: skip
+    conveyor.save(pipe, path)
+
+
+def test_a_checkpoint_of_one_layout_loads_into_a_meta_pipeline_of_another(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    distributed.run(_save, 2, path)
+    layout = {"pp": 2, "dp": 2, "fsdp": True, "schedule": "1f1b"}
+    _check(distributed.run(_layout, 4, layout, path, timeout=240), layout)
+
+
+def _norms() -> torch.nn.Sequential:
+    with conveyor.empty_weights():
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+            torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3),
+        )  # fmt: skip
+
+
+def _fsdp_state(rank: int) -> dict[str, torch.Tensor]:
+    ctx = conveyor.init(pp=2, dp=2)
+    model = _norms()
+    with torch.no_grad():  # a real buffer's own value, which allocating the shards must keep
+        model[1].running_var.fill_(3.0)
+    pipe = conveyor.Pipeline(model, loss_fn=torch.nn.functional.mse_loss, microbatches=2,
+                             fsdp=True, balance=[3, 3], init_seed=SEED, context=ctx)  # fmt: skip
+    return {n: _whole(t).detach().clone() for n, t in pipe.state_dict().items()}
+
+
+def test_fsdp_allocates_shards_and_keeps_the_real_buffers() -> None:
+    want = conveyor.materialize(_norms(), init_seed=SEED).state_dict()
+    want["1.running_var"] = torch.full((8,), 3.0)
+    for got in distributed.run(_fsdp_state, 4):
+        assert got and all(torch.equal(v, want[n]) for n, v in got.items()), got.keys()
