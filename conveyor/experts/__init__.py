@@ -7,14 +7,15 @@ expert-parallel ranks, its tokens sent to their experts and back by all-to-all.
   DTensor ``Shard(0)`` under the original names, and routes the collection's forward.
 - :mod:`~conveyor.experts.dispatch` is that forward: dispatch, local experts, combine.
 - :mod:`~conveyor.experts.all_to_all` is the all-to-all, a custom op with autograd.
-- :mod:`~conveyor.experts.grads` says over which ranks each gradient is summed.
+- :mod:`conveyor.runtime.expert_grads` says over which ranks each gradient is summed
+  (data parallelism needs it, below this package).
 """
 
 from __future__ import annotations
 
 from conveyor.experts.collections import find_experts, is_experts_collection, num_experts
-from conveyor.experts.grads import is_expert_parameter, reduction_group
 from conveyor.experts.shard import apply_ep, shard_experts
+from conveyor.runtime.expert_grads import is_expert_parameter, reduction_group
 
 __all__ = [
     "apply_ep",

@@ -16,51 +16,14 @@ ordinary MLPs and stay replicated.
 from __future__ import annotations
 
 import fnmatch
-import inspect
 from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 from conveyor.errors import ConfigError
+from conveyor.partition.experts import is_experts_collection, num_experts
 
-CALL = ("hidden_states", "top_k_index", "top_k_weights")
-"""The experts interface's arguments, in order."""
-
-
-def num_experts(module: nn.Module) -> int | None:
-    """The number of experts of ``module`` if it is an expert collection, else None.
-
-    Args:
-        module: Any module.
-
-    Returns:
-        Its ``num_experts`` when it has that int attribute, its own parameters all have
-        at least 2 dimensions with the first of size ``num_experts``, and its forward
-        takes ``(hidden_states, top_k_index, top_k_weights)``; otherwise None.
-    """
-    count = getattr(module, "num_experts", None)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        return None
-    own = list(module.parameters(recurse=False))
-    if not own or any(p.dim() < 2 or p.shape[0] != count for p in own):
-        return None
-    return count if _takes_routing(module) else None
-
-
-def is_experts_collection(module: nn.Module) -> bool:
-    """Whether ``module`` is an expert collection (see :func:`num_experts`)."""
-    return num_experts(module) is not None
-
-
-def _takes_routing(module: nn.Module) -> bool:
-    """Whether the module's forward is called as ``(hidden_states, top_k_index,
-    top_k_weights)`` (transformers' decorators keep the signature with ``wraps``)."""
-    forward = getattr(type(module), "_conveyor_base_forward", type(module).forward)
-    try:
-        params = list(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return tuple(params[1:4]) == CALL
+__all__ = ["find_experts", "is_experts_collection", "num_experts"]
 
 
 def find_experts(

@@ -13,7 +13,7 @@ the step; :meth:`DataParallel.wait` finishes them at the end of the step.
 
 With expert parallelism (``conveyor.init(ep=E)``) an expert shard's gradient is summed
 over the ``dp / E`` replicas holding the same experts instead
-(:func:`conveyor.experts.reduction_group`): those parameters get buckets of their own.
+(:func:`~conveyor.runtime.expert_grads.reduction_group`): those parameters get buckets of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.context import Context
-from conveyor.experts.grads import is_expert_parameter, reduction_group
+from conveyor.runtime.expert_grads import is_expert_parameter, reduction_group
 from conveyor.runtime.program import RankProgram
 from conveyor.runtime.sharding import local_shard as _local
 from conveyor.runtime.step_sync import StepSync
