@@ -20,6 +20,7 @@ from torch import nn
 from conveyor._options import Options
 from conveyor.context import Context
 from conveyor.errors import ConfigError
+from conveyor.experts import apply_ep, check_tp_plan, chosen
 from conveyor.losses import model_token_loss
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
@@ -137,7 +138,7 @@ def build(
     # Decided on the whole model, so that every rank takes the same collectives below.
     meta = has_meta(all_stages)
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
-    sharding = options.tp_plan is not None or bool(options.fsdp)
+    sharding = options.tp_plan is not None or bool(options.fsdp) or ctx.ep_size > 1
     given = meta or options.weights is not None
     pending = (
         Pending(model, list(stages.values()), options.weights, options.init_seed)
@@ -161,9 +162,15 @@ def build(
     replicas = ctx.distributed and ctx.dp_size > 1
     if replicas and not given:
         make_replicas_equal(stages, ctx)
+    # Expert collections over the ep ranks: each rank keeps its experts' share (values
+    # given later land in that share), before tensor parallelism as in torchtitan.
+    experts = apply_ep(stages, options.ep_plan, ctx, every=all_stages)
     sharded = None
     if options.tp_plan is not None:
         assert ctx.mesh is not None
+        if ctx.ep_size > 1:
+            every = [n for n, _ in chosen(all_stages, options.ep_plan)]
+            check_tp_plan(options.tp_plan, every, [n for n, _ in model.named_modules()])
         if description.method == "export":
             raise ConfigError(
                 f"tp_plan shards modules that run as modules, but {description.model} was "
@@ -182,7 +189,10 @@ def build(
     if options.fsdp:
         assert ctx.mesh is not None
         _check_ties_for_fsdp(ties, schedule.placement)
-        sharded = Sharded(stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard")
+        sharded = Sharded(
+            stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard",
+            experts=_experts_fsdp(stages, experts, ctx),
+        )  # fmt: skip
     if pending is not None and sharding:
         owned = meta and bool(options.fsdp)  # FSDP allocates its shards' storage itself
         allocate = (lambda: allocate_sharded(stages.values(), ctx.device)) if owned else None
@@ -255,6 +265,21 @@ def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: A
             "step got inputs=None; pass the batch, or Pipeline(..., sample=(inputs, targets))"
         )
     return sample
+
+
+def _experts_fsdp(
+    stages: dict[int, nn.Module], experts: list[str], ctx: Context
+) -> tuple[list[nn.Module], Any, int]:
+    """What FSDP shards of the expert collections (torchtitan's way): the collections,
+    over the replicas holding the same experts (``mesh["edp"]``), their gradients divided
+    as the rest's (by ``dp``, which the loss scale undoes)."""
+    if not experts:
+        return [], None, 1
+    assert ctx.mesh is not None
+    modules = [
+        m for stage in stages.values() for n, m in stage.named_modules() if n in set(experts)
+    ]
+    return modules, ctx.mesh["edp"], ctx.dp_size
 
 
 def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:

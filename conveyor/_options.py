@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from conveyor.context import Context
 from conveyor.errors import ConfigError
+from conveyor.experts.collections import check_plan
 from conveyor.partition.annotations import annotated_stages
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import compile_keywords
@@ -47,6 +48,7 @@ class Options:
     compile: bool | dict[str, Any] = False
     weights: Weights = None
     init_seed: int = 0
+    ep_plan: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -71,6 +73,7 @@ class Options:
                 f"weights must be a checkpoint path (a conveyor or transformers checkpoint "
                 f"directory) or None, got {type(self.weights).__name__}"
             )
+        check_plan(self.ep_plan)
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(

@@ -98,6 +98,11 @@ class Pipeline:
             them, each rank reading only its own tensors.
         init_seed: seeds that initialization per module name, so every layout (and
             :func:`conveyor.materialize` of the unsplit model) draws the same weights.
+        ep_plan: with ``conveyor.init(ep=E)``, the expert collections to shard over the
+            expert-parallel ranks, as module-name patterns (e.g.
+            ``["model.layers.*.mlp.experts"]``); None: every experts module of the model
+            (transformers' experts interface). Each rank holds ``num_experts / E`` experts
+            of each, under the original names (docs/guide/moe.md).
 
     Raises:
         ConfigError: an option that cannot work, in one sentence that says what to do.
@@ -123,11 +128,12 @@ class Pipeline:
         compile: bool | dict[str, Any] = False,
         weights: Weights = None,
         init_seed: int = 0,
+        ep_plan: Sequence[str] | None = None,
     ) -> None:
         self.context = ctx = context if context is not None else current()
         options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
                           fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
-                          weights, init_seed)
+                          weights, init_seed, ep_plan)
         options.check_context(ctx)  # before a plan's collective profiling run
         self.plan: Plan | None = None
         if schedule == "auto":

@@ -14,11 +14,13 @@ expert-parallel ranks, its tokens sent to their experts and back by all-to-all.
 from __future__ import annotations
 
 from conveyor.experts.collections import find_experts, is_experts_collection, num_experts
-from conveyor.experts.shard import apply_ep, shard_experts
+from conveyor.experts.shard import apply_ep, check_tp_plan, chosen, shard_experts
 from conveyor.runtime.expert_grads import is_expert_parameter, reduction_group
 
 __all__ = [
     "apply_ep",
+    "check_tp_plan",
+    "chosen",
     "find_experts",
     "is_expert_parameter",
     "is_experts_collection",

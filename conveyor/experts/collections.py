@@ -23,7 +23,22 @@ from torch import nn
 from conveyor.errors import ConfigError
 from conveyor.partition.experts import is_experts_collection, num_experts
 
-__all__ = ["find_experts", "is_experts_collection", "num_experts"]
+__all__ = ["check_plan", "find_experts", "is_experts_collection", "num_experts"]
+
+
+def check_plan(ep_plan: object) -> None:
+    """Check that ``ep_plan`` is None or a list of module-name patterns.
+
+    Raises:
+        ConfigError: another value, in one sentence.
+    """
+    if ep_plan is None:
+        return
+    if not isinstance(ep_plan, (list, tuple)) or not all(isinstance(p, str) for p in ep_plan):
+        raise ConfigError(
+            f"ep_plan must be a list of module-name patterns, got {ep_plan!r}; pass e.g. "
+            f"ep_plan=['model.layers.*.mlp.experts'], or None for every experts module"
+        )
 
 
 def find_experts(
@@ -47,11 +62,7 @@ def find_experts(
     modules = [(name, m) for name, m in named if name]
     if ep_plan is None:
         return _outermost([(n, m) for n, m in modules if is_experts_collection(m)])
-    if isinstance(ep_plan, str) or not all(isinstance(p, str) for p in ep_plan):
-        raise ConfigError(
-            f"ep_plan must be a list of module-name patterns, got {ep_plan!r}; pass e.g. "
-            f"ep_plan=['model.layers.*.mlp.experts'], or None for every experts module"
-        )
+    check_plan(ep_plan)
     chosen: list[tuple[str, nn.Module]] = []
     for pattern in ep_plan:
         hits = [(n, m) for n, m in modules if fnmatch.fnmatchcase(n, pattern)]

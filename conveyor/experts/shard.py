@@ -140,18 +140,45 @@ def apply_ep(
     named = [pair for m in checked for pair in m.named_modules()]
     if ep_plan is not None:
         find_experts(named, ep_plan)  # each pattern must match an expert collection somewhere
-    for name, module in _chosen(checked, ep_plan):
+    for name, module in chosen(checked, ep_plan):
         check_divisible(name, module, ctx.ep_size)
     if ctx.ep_size == 1:
         return []
-    return shard_experts(_chosen(mods, ep_plan), ctx.mesh["ep"], ctx.timeout)
+    return shard_experts(chosen(mods, ep_plan), ctx.mesh["ep"], ctx.timeout)
 
 
-def _chosen(
+def check_tp_plan(tp_plan: Iterable[str], collections: Iterable[str], names: Iterable[str]) -> None:
+    """Tensor parallelism stays outside the expert collections sharded over ep.
+
+    Args:
+        tp_plan: the ``tp_plan``'s module-name patterns.
+        collections: the names of the expert collections ep shards.
+        names: every module name of the model.
+
+    Raises:
+        ConfigError: a pattern matching a collection or a module inside one.
+    """
+    inside = [
+        (pattern, name)
+        for pattern in tp_plan
+        for name in names
+        if fnmatch.fnmatchcase(name, pattern)
+        and any(name == c or name.startswith(c + ".") for c in collections)
+    ]
+    if inside:
+        pattern, name = inside[0]
+        raise ConfigError(
+            f"tp_plan pattern {pattern!r} matches model.{name}, an expert collection that "
+            f"ep shards by experts; tensor parallelism inside experts is not supported yet: "
+            f"keep tp_plan to attention and dense layers, or shard experts with ep alone"
+        )
+
+
+def chosen(
     modules: Iterable[nn.Module], ep_plan: Sequence[str] | None
 ) -> list[tuple[str, nn.Module]]:
     """The collections of ``modules`` that ``ep_plan`` chooses (patterns that match none of
-    them are fine here: they may match another rank's stage)."""
+    them are fine here: they may match another rank's stage), by their names in the model."""
     out: list[tuple[str, nn.Module]] = []
     for module in modules:
         named = list(module.named_modules())

@@ -34,7 +34,7 @@ from conveyor.integrations._hf_model import Stages, gather_state_dict
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
 
-INIT_KEYS = ("pp", "dp", "tp", "timeout")
+INIT_KEYS = ("pp", "dp", "tp", "ep", "timeout")
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 # Pipeline's keywords, less those the trainer sets itself: derived, so a new keyword of
 # Pipeline is a pipeline option without a second list to keep.

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConfigError
 from conveyor.partition.captured import Captured, InputLayout, module_path
+from conveyor.partition.experts import as_module_calls, recorded_as_calls
 from conveyor.partition.failure import capture_failure
 from conveyor.partition.modes import follow_module_modes
 
@@ -55,7 +56,7 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        with _quiet():
+        with _quiet(), recorded_as_calls(model) as collections:
             try:
                 program = torch.export.export(
                     model, args, kwargs, dynamic_shapes=dynamic, strict=False
@@ -77,6 +78,7 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
             module.training = training
     gm = program.module()
     graph = gm.graph
+    as_module_calls(graph, collections)  # expert collections run as modules
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         _devices_of_inputs(graph, args, kwargs)
     guards = getattr(gm, "_guards_fn", None)

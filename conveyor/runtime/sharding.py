@@ -224,11 +224,24 @@ class Sharded:
     """FSDP2 over the ``dp`` mesh dimension for this rank's stages, gathered and reduced
     by the schedule (see the module doc)."""
 
-    def __init__(self, stages: dict[int, nn.Module], mesh: Any, per_action: bool = False) -> None:
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        mesh: Any,
+        per_action: bool = False,
+        experts: tuple[list[nn.Module], Any, int] = ([], None, 1),
+    ) -> None:
+        """``experts``: expert collections sharded over ep, with the mesh FSDP shards them
+        over (the replicas holding the same experts) and the factor their gradients are
+        divided by (the rest's: ``mesh``'s size)."""
         from torch.distributed.fsdp import fully_shard
 
         self.stages = stages
         self.per_action = per_action
+        collections, edp, divide = experts
+        for module in collections:  # their own units first, as torchtitan does
+            unit: Any = fully_shard(module, mesh=edp, reshard_after_forward=per_action)
+            unit.set_gradient_divide_factor(float(divide))
         for stage in stages.values():
             if per_action:
                 for block in blocks_of(stage):

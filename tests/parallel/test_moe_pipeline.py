@@ -1,0 +1,163 @@
+"""Expert parallelism inside the pipeline: ``Pipeline`` on pp=2 x dp=2 x ep=2 (4 processes)
+exact against the unsplit model.
+
+Tiny Mixtral, Qwen2-MoE (shared experts) and OLMoE from configs (tests/parallel/
+test_experts.py), ``loss_fn=None`` with labels padded by -100, two steps of other sequence
+lengths with an SGD step between them. The reference is the unsplit model under gradient
+accumulation over the same micro-batches (each called with the whole batch's token count):
+without router losses that is the whole batch's loss, and with ``output_router_logits`` the
+router's auxiliary loss is per forward, so per micro-batch. The schedules 1f1b, zb-h1,
+interleaved-1f1b and dualpipev each run once, two of them under FSDP (experts over the
+replicas holding the same experts). Each rank's expert parameters are its share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.experts import is_expert_parameter
+from tests.parallel.test_experts import EXPERTS, tiny_moe
+from tests.support import distributed
+from tests.support.helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+PP, DP, EP = 2, 2, 2
+MICRO = 2  # micro-batches per replica
+LR = 0.1
+
+
+def model_of(kind: str, aux: bool) -> torch.nn.Module:
+    model = tiny_moe(kind)
+    model.config.use_cache = False
+    if aux:
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = 0.5
+    return model
+
+
+def batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Two steps (lengths 7 and 5), each of DP replicas x MICRO micro-batches of one row."""
+    g = torch.Generator().manual_seed(5)
+    steps = []
+    for length in (7, 5):
+        rows = []
+        for r in range(DP * MICRO):
+            ids = torch.randint(0, 37, (1, length), generator=g)
+            labels = ids.clone()
+            labels[0, length - r :] = -100  # row r: r padded positions
+            rows.append((ids, labels))
+        steps.append(rows)
+    return steps
+
+
+def count(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(int((labels[:, 1:] != -100).sum()) for _, labels in rows)
+
+
+def reference(kind: str, aux: bool) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """Per step: the unsplit model's loss and gradients, accumulated over the micro-batches."""
+    model = model_of(kind, aux)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for rows in batches():
+        n = torch.tensor(count(rows))
+        total = 0.0
+        for ids, labels in rows:
+            loss = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+            loss.backward()
+            total += float(loss.detach())
+        out.append((total, {k: p.grad.clone() for k, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict[str, Any]:
+    """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards."""
+    ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
+    out: dict[str, Any] = {}
+    for schedule, fsdp in runs:
+        model = model_of(kind, aux)
+        whole = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+        mine = [rows[ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO] for rows in batches()]
+        shards = [
+            {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
+            for m in mine
+        ]
+        # Split at construction (export on the sample), so the optimizer gets the sharded
+        # parameters.
+        pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
+                                 fsdp=fsdp, sample=(shards[0], None))  # fmt: skip
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+        steps = []
+        for batch in shards:
+            loss = pipe.train_step(batch, None)
+            grads = {
+                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                for n, p in pipe.named_parameters()
+                if p.grad is not None
+            }
+            steps.append((float(loss), grads))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        shares = {
+            n: (tuple(p.to_local().shape), whole[n].shape)
+            for n, p in pipe.named_parameters()
+            if is_expert_parameter(p) and not fsdp
+        }
+        out[f"{schedule}/{fsdp}"] = dict(steps=steps, shares=shares)
+    return out
+
+
+def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
+    want = reference(kind, aux)
+    results = distributed.run(ranks, PP * DP, kind, aux, runs, timeout=400)
+    for key in (f"{s}/{f}" for s, f in runs):
+        for rank, got in enumerate(results):
+            run = got[key]
+            for step, ((loss, grads), (want_loss, want_grads)) in enumerate(
+                zip(run["steps"], want, strict=True)
+            ):
+                what = f"{kind} {key} rank {rank} step {step}"
+                assert loss == pytest.approx(want_loss, rel=1e-5), what
+                assert_close(grads, {n: want_grads[n] for n in grads}, what, tol=1e-4)
+            for name, (local, full) in run["shares"].items():
+                assert local == (EXPERTS // EP, *full[1:]), (key, name)
+        # every parameter has its gradient on some rank
+        names = set().union(*(set(g[key]["steps"][0][1]) for g in results))
+        assert names == set(want[0][1]), key
+        if not key.endswith("True"):
+            assert any(g[key]["shares"] for g in results), key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mixtral_router_aux_loss_1f1b_and_interleaved_fsdp() -> None:
+    """Mixtral with its router auxiliary loss (per micro-batch): 1f1b, and interleaved-1f1b
+    (2 chunks) under FSDP."""
+    check("mixtral", True, [("1f1b", False), ("interleaved-1f1b", True)])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_qwen2_moe_shared_experts_zb_h1_fsdp_and_dualpipev() -> None:
+    """Qwen2-MoE (a shared expert, replicated): zb-h1 under FSDP and dualpipev."""
+    check("qwen2_moe", False, [("zb-h1", True), ("dualpipev", False)])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_olmoe_1f1b() -> None:
+    """OLMoE: 1f1b; and without router losses the accumulated reference is the whole
+    batch's loss."""
+    model = model_of("olmoe", False)
+    rows = batches()[0]
+    ids, labels = torch.cat([i for i, _ in rows]), torch.cat([t for _, t in rows])
+    whole = float(model(input_ids=ids, labels=labels).loss)
+    assert whole == pytest.approx(reference("olmoe", False)[0][0], rel=1e-5)
+    check("olmoe", False, [("1f1b", False)])
