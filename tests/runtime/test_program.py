@@ -42,10 +42,14 @@ def schedules(draw: st.DrawFn) -> Schedule:
 def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
     schedule: Schedule, train: bool
 ) -> None:
+    """Each side posts a message once, at its tick; a receive alone may join the group the
+    receiver posts just before (rule 4), but never one with a group of its own between."""
     programs = [rank_program(schedule, r, train) for r in range(schedule.ranks)]
+    tick_of = ticks(schedule, train)
     sent: Counter[tuple[int, Message]] = Counter()
     received: Counter[tuple[int, Message]] = Counter()
     for rank, program in enumerate(programs):
+        posting = [t.tick for t in program.ticks if t.sends or t.recvs]
         for step in program.ticks:
             assert step.rank == rank
             for message in step.sends:
@@ -53,7 +57,11 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
                 sent[step.tick, message] += 1
             for message in step.recvs:
                 assert message.dst == rank != message.src
-                received[step.tick, message] += 1
+                at = tick_of[message.producer]
+                if step.tick != at:  # joined: no group of this rank between the two
+                    assert step.tick < at
+                    assert not [t for t in posting if step.tick < t <= at], (rank, message)
+                received[at, message] += 1
     assert sent == received
     assert all(n == 1 for n in sent.values())
     # Every value that crosses ranks is a message; nothing else is.
