@@ -16,7 +16,9 @@ stream until its data arrives and may hold a send until the peer's receive runs:
 3. A rank waits for a receive right before the action that consumes it, whose tick is
    larger than the tick the receive was posted at.
 4. A group of receives alone joins the group the rank posts just before it (nothing is
-   posted between the two): one ``batch_isend_irecv`` fewer, the same posting order.
+   posted between the two) when that group receives nothing itself: one
+   ``batch_isend_irecv`` fewer, the same posting order. (NCCL answers a group with one
+   work: waiting for an earlier receive of the group would wait for the joined ones too.)
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -161,7 +163,7 @@ def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgr
         sent = outgoing.get(tick)
         # Receives in peer order: the group's layout is the same on every run.
         recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
-        if not sent and recvs and timeline and (timeline[-1].sends or timeline[-1].recvs):
+        if not sent and recvs and timeline and timeline[-1].sends and not timeline[-1].recvs:
             joined = timeline[-1]  # rule 4: the receives join the group posted before them
             timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
             recvs = ()

@@ -58,9 +58,10 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
             for message in step.recvs:
                 assert message.dst == rank != message.src
                 at = tick_of[message.producer]
-                if step.tick != at:  # joined: no group of this rank between the two
-                    assert step.tick < at
+                if step.tick != at:  # joined: no group of this rank between the two,
+                    assert step.tick < at  # and none of the group's receives are earlier
                     assert not [t for t in posting if step.tick < t <= at], (rank, message)
+                    assert step.sends and tick_of[step.recvs[0].producer] == at
                 received[at, message] += 1
     assert sent == received
     assert all(n == 1 for n in sent.values())
