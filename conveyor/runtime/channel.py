@@ -69,6 +69,9 @@ class Mailbox:
         before its work."""
         return [int(v) for v in header.tolist()]
 
+    def expect_sums(self) -> None:
+        """The step's transfers are all posted: get ready for the loss sums (:meth:`share`)."""
+
     def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The loss sums of the last stage (:func:`~conveyor.runtime.step_loss.pack`) for
         every pipeline rank: a call that returns them once they are here."""
@@ -128,6 +131,7 @@ class Remote(Mailbox):
         self._t0 = 0.0
         self._outgoing: tuple[Action, Any] | None = None
         self._incoming: dict[Action, _Incoming] = {}
+        self._sums: tuple[torch.Tensor, Work] | None = None  # the loss sums' receive
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
 
@@ -157,9 +161,20 @@ class Remote(Mailbox):
         self.transport.wait(work, holder, what)
         return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
 
+    def expect_sums(self) -> None:
+        """Post the receive of the loss sums right after the step's last transfers, as a
+        group of its own: they arrive while this rank still computes, and the holder's
+        send finds its receive already posted."""
+        holder = self.schedule.placement[-1]
+        if self.rank != holder:
+            buf = torch.empty(4, dtype=torch.float64, device=self.device)
+            (work,) = self.transport.post([Op(False, buf, holder)])
+            self._sums = (buf, work)
+
     def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The last stage's holder sends ``sums`` to every other pipeline rank, which
-        receive into a buffer of their own; the returned call waits for the transfer."""
+        receive them (posted by :meth:`expect_sums`); the returned call waits for the
+        transfer."""
         holder = self.schedule.placement[-1]
         if self.rank == holder:
             what = "sending the step's loss"
@@ -173,8 +188,10 @@ class Remote(Mailbox):
                 return sums
 
             return sent
-        buf = torch.empty_like(sums)
-        (work,) = self.transport.post([Op(False, buf, holder)])
+        if self._sums is None:
+            self.expect_sums()
+        assert self._sums is not None
+        (buf, work), self._sums = self._sums, None
 
         def received() -> torch.Tensor:
             self.transport.wait(work, holder, "waiting for the step's loss (the last stage)")

@@ -177,7 +177,7 @@ class Engine:
         for sync in syncs:
             sync.begin(program)
         try:
-            self._walk(program, train, batch.inputs)
+            self._walk(program, train, batch.inputs, mode != "predict")
             channel.end()
             shared = channel.share(pack(state.loss, self.ctx.device)) if mode != "predict" else None
             for sync in syncs:
@@ -200,9 +200,15 @@ class Engine:
             )
         return state.record(shared() if shared is not None else None, channel.waits, memory)
 
-    def _walk(self, program: RankProgram, train: bool, inputs: list[Any] | None) -> None:
-        """Every tick of ``program``, in order."""
+    def _walk(
+        self, program: RankProgram, train: bool, inputs: list[Any] | None, sums: bool
+    ) -> None:
+        """Every tick of ``program``, in order; with ``sums``, the loss sums' receive is
+        posted right after the last transfers."""
         ticks = program.ticks
+        expect = program.last_group if sums else -1
+        if expect < 0 and sums:
+            self.channel.expect_sums()
         meter = self.meter if train else None
         with (
             torch.set_grad_enabled(train),
@@ -220,6 +226,8 @@ class Engine:
                 else:
                     j = i + 1
                     self._tick(ticks[i], inputs)
+                if i <= expect < j:
+                    self.channel.expect_sums()
                 i = j
 
     def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:

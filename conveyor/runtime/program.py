@@ -86,6 +86,11 @@ class RankProgram:
     adjacent: frozenset[tuple[int, int]]
     train: bool = True
 
+    @property
+    def last_group(self) -> int:
+        """The index in ``ticks`` of the last tick that posts transfers (-1: none)."""
+        return max((i for i, t in enumerate(self.ticks) if t.sends or t.recvs), default=-1)
+
     def first_action(self, stage: int) -> Action:
         """``stage``'s first action in this program."""
         action = self.ticks[self.first[stage]].action
