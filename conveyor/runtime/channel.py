@@ -249,31 +249,16 @@ class Remote(Mailbox):
         if tick.sends:
             sends = self._outgoing_ops(tick.sends[0], descriptions)
         self._outgoing = None
-        rounds = self._rounds(tick.recvs)
-        for k, messages in enumerate(rounds):
-            last = k == len(rounds) - 1
-            self._post_round(messages, descriptions if k == 0 else [], sends if last else [])
+        self._post_group(tick.recvs, descriptions, sends)
         self.transport.prune()
 
-    def _rounds(self, recvs: tuple[Message, ...]) -> list[tuple[Message, ...]]:
-        """``recvs`` cut where a peer comes again after a value with a new description:
-        from one peer, a description, its tensors, the next description, its tensors
-        (program rule 4 can put two messages of one peer in one group)."""
-        if all(m.producer.kind != F or self._meta(m) is not None for m in recvs):
-            return [recvs]  # no description to read first: one group in any case
-        rounds: list[tuple[Message, ...]] = [()]
-        for message in recvs:
-            if any(m.src == message.src for m in rounds[-1]):
-                rounds.append(())
-            rounds[-1] += (message,)
-        return rounds
-
-    def _post_round(
+    def _post_group(
         self, recvs: tuple[Message, ...], descriptions: list[Op], sends: list[Op]
     ) -> None:
-        """Post ``recvs`` (each from another peer), with ``sends`` in their group; new
-        descriptions go first, as their own group with ``descriptions`` (outgoing ones),
-        and are read before the tensors' buffers are sized."""
+        """Post ``recvs`` (each from another peer: the program's groups receive one
+        message per peer) with ``sends`` as one group; new descriptions go first, as their
+        own group with ``descriptions`` (outgoing ones), and are read before the tensors'
+        buffers are sized."""
         unknown: list[tuple[Message, torch.Tensor]] = []
         for message in recvs:
             if message.producer.kind == F and self._meta(message) is None:

@@ -52,6 +52,8 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
         posting = [t.tick for t in program.ticks if t.sends or t.recvs]
         for step in program.ticks:
             assert step.rank == rank
+            # One message per peer in a group: a new description is read before its tensors.
+            assert len({m.src for m in step.recvs}) == len(step.recvs)
             for message in step.sends:
                 assert message.src == rank != message.dst
                 sent[step.tick, message] += 1
