@@ -58,6 +58,11 @@ class Mailbox:
         self.waits: list[Timing] = []
         self._box: dict[Action, Any] = {}
 
+    def knows(self, key: StepKey) -> bool:
+        """Whether a step of ``key`` ran to its end before: every value's description
+        is known."""
+        return False
+
     def begin(self, key: StepKey, t0: float) -> None:
         """Start a step (``t0``: its start on ``time.perf_counter``)."""
         self._box = {}
@@ -132,6 +137,7 @@ class Remote(Mailbox):
         self._outgoing: tuple[Action, Any] | None = None
         self._incoming: dict[Action, _Incoming] = {}
         self._sums: tuple[torch.Tensor, Work] | None = None  # the loss sums' receive
+        self._known: set[StepKey] = set()  # keys of steps that ran to their end
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
 
@@ -300,7 +306,11 @@ class Remote(Mailbox):
             position += n
             self._incoming[incoming.message.producer] = incoming
 
+    def knows(self, key: StepKey) -> bool:
+        return key in self._known
+
     def end(self) -> None:
+        self._known.add(self._key)
         self.transport.flush()
         if self._incoming:
             left = ", ".join(action_name(p) for p in self._incoming)

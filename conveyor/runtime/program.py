@@ -15,10 +15,13 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    receivers wait for it before posting the tensors.
 3. A rank waits for a receive right before the action that consumes it, whose tick is
    larger than the tick the receive was posted at.
-4. A group of receives alone joins the group the rank posts just before it (nothing is
-   posted between the two) when that group receives nothing itself: one
-   ``batch_isend_irecv`` fewer, the same posting order. (NCCL answers a group with one
-   work: waiting for an earlier receive of the group would wait for the joined ones too.)
+4. Once a rank knows every value's description (a step with the same input shapes ran
+   before: ``join=True``), a group of receives alone joins the group the rank posts just
+   before it (nothing is posted between the two) when that group receives nothing
+   itself: one ``batch_isend_irecv`` fewer, the same posting order. (A new description
+   is waited for when its receive is posted, which must not happen before the tick the
+   sender sends it at; and NCCL answers a group with one work, so waiting for an earlier
+   receive of the group would wait for the joined ones too.)
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -143,8 +146,12 @@ def ticks(schedule: Schedule, train: bool = True) -> dict[Action, int]:
     return out
 
 
-def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgram:
-    """Pipeline rank ``rank``'s program when each rank is its own process."""
+def rank_program(
+    schedule: Schedule, rank: int, train: bool = True, join: bool = False
+) -> RankProgram:
+    """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
+    receives alone join the group before them (rule 4; only once every description is
+    known)."""
     at = ticks(schedule, train)
     placement, stages = schedule.placement, schedule.stages
     mine: dict[int, Action] = {}
@@ -168,7 +175,8 @@ def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgr
         sent = outgoing.get(tick)
         # Receives in peer order: the group's layout is the same on every run.
         recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
-        if not sent and recvs and timeline and timeline[-1].sends and not timeline[-1].recvs:
+        before = timeline[-1] if timeline else None
+        if join and not sent and recvs and before and before.sends and not before.recvs:
             joined = timeline[-1]  # rule 4: the receives join the group posted before them
             timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
             recvs = ()

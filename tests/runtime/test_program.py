@@ -37,14 +37,15 @@ def schedules(draw: st.DrawFn) -> Schedule:
         return get_schedule(name, p, max(m, 2 * p), chunks)
 
 
-@given(schedules(), st.booleans())
+@given(schedules(), st.booleans(), st.booleans())
 @settings(max_examples=150, deadline=None)
 def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
-    schedule: Schedule, train: bool
+    schedule: Schedule, train: bool, join: bool
 ) -> None:
-    """Each side posts a message once, at its tick; a receive alone may join the group the
-    receiver posts just before (rule 4), but never one with a group of its own between."""
-    programs = [rank_program(schedule, r, train) for r in range(schedule.ranks)]
+    """Each side posts a message once, at its tick; with ``join`` a receive alone may join
+    the group the receiver posts just before (rule 4), never one with a group of its own
+    between; without, every receive is posted at its tick."""
+    programs = [rank_program(schedule, r, train, join) for r in range(schedule.ranks)]
     tick_of = ticks(schedule, train)
     sent: Counter[tuple[int, Message]] = Counter()
     received: Counter[tuple[int, Message]] = Counter()
@@ -60,6 +61,7 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
             for message in step.recvs:
                 assert message.dst == rank != message.src
                 at = tick_of[message.producer]
+                assert join or step.tick == at
                 if step.tick != at:  # joined: no group of this rank between the two,
                     assert step.tick < at  # and none of the group's receives are earlier
                     assert not [t for t in posting if step.tick < t <= at], (rank, message)
