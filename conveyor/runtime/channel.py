@@ -58,6 +58,11 @@ class Mailbox:
         self.waits: list[Timing] = []
         self._box: dict[Action, Any] = {}
 
+    def knows(self, key: StepKey) -> bool:
+        """Whether a step of ``key`` ran to its end before: every value's description
+        is known."""
+        return False
+
     def begin(self, key: StepKey, t0: float) -> None:
         """Start a step (``t0``: its start on ``time.perf_counter``)."""
         self._box = {}
@@ -68,6 +73,9 @@ class Mailbox:
         pipeline rank sees it (the first stage's), read to the host: the step's one sync
         before its work."""
         return [int(v) for v in header.tolist()]
+
+    def expect_sums(self) -> None:
+        """The step's transfers are all posted: get ready for the loss sums (:meth:`share`)."""
 
     def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The loss sums of the last stage (:func:`~conveyor.runtime.step_loss.pack`) for
@@ -128,6 +136,8 @@ class Remote(Mailbox):
         self._t0 = 0.0
         self._outgoing: tuple[Action, Any] | None = None
         self._incoming: dict[Action, _Incoming] = {}
+        self._sums: tuple[torch.Tensor, Work] | None = None  # the loss sums' receive
+        self._known: set[StepKey] = set()  # keys of steps that ran to their end
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
 
@@ -157,9 +167,20 @@ class Remote(Mailbox):
         self.transport.wait(work, holder, what)
         return [int(v) for v in buf.tolist()]  # one host sync per step, not per micro-batch
 
+    def expect_sums(self) -> None:
+        """Post the receive of the loss sums right after the step's last transfers, as a
+        group of its own: they arrive while this rank still computes, and the holder's
+        send finds its receive already posted."""
+        holder = self.schedule.placement[-1]
+        if self.rank != holder:
+            buf = torch.empty(4, dtype=torch.float64, device=self.device)
+            (work,) = self.transport.post([Op(False, buf, holder)])
+            self._sums = (buf, work)
+
     def share(self, sums: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The last stage's holder sends ``sums`` to every other pipeline rank, which
-        receive into a buffer of their own; the returned call waits for the transfer."""
+        receive them (posted by :meth:`expect_sums`); the returned call waits for the
+        transfer."""
         holder = self.schedule.placement[-1]
         if self.rank == holder:
             what = "sending the step's loss"
@@ -173,8 +194,10 @@ class Remote(Mailbox):
                 return sums
 
             return sent
-        buf = torch.empty_like(sums)
-        (work,) = self.transport.post([Op(False, buf, holder)])
+        if self._sums is None:
+            self.expect_sums()
+        assert self._sums is not None
+        (buf, work), self._sums = self._sums, None
 
         def received() -> torch.Tensor:
             self.transport.wait(work, holder, "waiting for the step's loss (the last stage)")
@@ -232,15 +255,23 @@ class Remote(Mailbox):
         if tick.sends:
             sends = self._outgoing_ops(tick.sends[0], descriptions)
         self._outgoing = None
+        self._post_group(tick.recvs, descriptions, sends)
+        self.transport.prune()
+
+    def _post_group(
+        self, recvs: tuple[Message, ...], descriptions: list[Op], sends: list[Op]
+    ) -> None:
+        """Post ``recvs`` (each from another peer: the program's groups receive one
+        message per peer) with ``sends`` as one group; new descriptions go first, as their
+        own group with ``descriptions`` (outgoing ones), and are read before the tensors'
+        buffers are sized."""
         unknown: list[tuple[Message, torch.Tensor]] = []
-        for message in tick.recvs:
+        for message in recvs:
             if message.producer.kind == F and self._meta(message) is None:
                 buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
                 unknown.append((message, buf))
                 descriptions.append(Op(False, buf, message.src))
         if descriptions:
-            # New shapes: the descriptions go first, as their own group, and the receivers
-            # read them before they can size the tensors' buffers.
             works = self.transport.post(descriptions)
             received = works[len(descriptions) - len(unknown) :]
             for (message, buf), work in zip(unknown, received, strict=True):
@@ -254,7 +285,7 @@ class Remote(Mailbox):
         # their works at the front of the group's list.
         receives: list[_Incoming] = []
         ops: list[Op] = []
-        for message in tick.recvs:
+        for message in recvs:
             if message.producer.kind == F:
                 meta = self._meta(message)
                 assert meta is not None
@@ -274,9 +305,12 @@ class Remote(Mailbox):
             incoming.works = works[position : position + n]
             position += n
             self._incoming[incoming.message.producer] = incoming
-        self.transport.prune()
+
+    def knows(self, key: StepKey) -> bool:
+        return key in self._known
 
     def end(self) -> None:
+        self._known.add(self._key)
         self.transport.flush()
         if self._incoming:
             left = ", ".join(action_name(p) for p in self._incoming)

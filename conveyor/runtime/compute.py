@@ -264,13 +264,8 @@ class StageCompute:
         if self.step.stash and (s, m) in self.step.stash:
             outs = self._rerun(s, m)
         if self.split_backward:
-            store = self._store
             got, work = backward_input(
-                outs,
-                grads,
-                in_leaves,
-                self.params[s],
-                lambda keep: store.collecting((s, m) if keep else None),
+                outs, grads, in_leaves, self.params[s], self._store.collector((s, m))
             )
             self.step.pending_w[(s, m)] = work
             # Free what only B needed (W holds its own references) before anything else.

@@ -13,7 +13,8 @@ dtype and W's GEMM runs in it, its result added to the parameter's own-dtype gra
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,10 +26,11 @@ from torch.overrides import TorchFunctionMode
 from conveyor.runtime.opaque_linear import (
     Entry,
     OpaqueDeferring,
+    autocast_input,
     deferrable,
     is_opaque,
     keeping_buffers,
-    route_linear,
+    linear_call,
     sink,
 )
 
@@ -86,13 +88,14 @@ class _Deferring(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        def deferred(x: torch.Tensor, weight: Any, bias: Any, cast: torch.dtype | None) -> Any:
-            return _DeferredLinear.apply(x, weight, bias, self.slot, cast)  # type: ignore[no-untyped-call]
-
-        def takes(x: Any, weight: Any, bias: Any) -> bool:
-            return deferrable(weight, bias, self.params)
-
-        return route_linear(func, args, kwargs or {}, takes, deferred)
+        kwargs = kwargs or {}
+        call = linear_call(func, args, kwargs)
+        if call is not None and deferrable(call[1], call[2], self.params):
+            x, weight, bias = call
+            cast = autocast_input(x, weight)
+            if cast is not None:
+                return _DeferredLinear.apply(cast[0], weight, bias, self.slot, cast[1])  # type: ignore[no-untyped-call]
+        return func(*args, **kwargs)
 
 
 class LinearWeightStore:
@@ -126,6 +129,18 @@ class LinearWeightStore:
         stack.enter_context(sink(None if key is None else self._slots.setdefault(key, [])))
         stack.enter_context(keeping_buffers())
         return stack
+
+    def collector(
+        self, key: tuple[int, int]
+    ) -> Callable[[bool], contextlib.AbstractContextManager[Any]]:
+        """What the split backward calls to keep (``True``) or drop (``False``) ``key``'s
+        linear inputs and output gradients (:meth:`collecting`)."""
+        return functools.partial(self._collecting_for, key)
+
+    def _collecting_for(
+        self, key: tuple[int, int], keep: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        return self.collecting(key if keep else None)
 
     def kept(self, key: tuple[int, int]) -> list[torch.Tensor]:
         """The inputs and output gradients kept for ``key``'s W."""

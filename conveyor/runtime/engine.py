@@ -99,20 +99,22 @@ class Engine:
             if ctx.distributed
             else Mailbox(schedule, stages)
         )
-        self._programs: dict[bool, RankProgram] = {}
+        self._programs: dict[tuple[bool, bool], RankProgram] = {}
         self._stages = schedule.stages  # read every tick
         self._state = StepState("train")  # the step in progress (or the last one)
         self._syncs: Sequence[StepSync] = ()
 
-    def program(self, train: bool) -> RankProgram:
-        """This process's program for a training (``train``) or forward-only step."""
-        program = self._programs.get(train)
+    def program(self, train: bool, join: bool = False) -> RankProgram:
+        """This process's program for a training (``train``) or forward-only step;
+        ``join``: with fewer groups, once every value's description is known (program
+        rule 4)."""
+        program = self._programs.get((train, join))
         if program is None:
             if self.ctx.distributed:
-                program = rank_program(self.schedule, self.ctx.pp_rank, train)
+                program = rank_program(self.schedule, self.ctx.pp_rank, train, join)
             else:
                 program = single_process_program(self.schedule, train)
-            self._programs[train] = program
+            self._programs[train, join] = program
         return program
 
     def header(self, batch: MicroBatches) -> Header:
@@ -160,14 +162,15 @@ class Engine:
         ``sums`` are the last stage's loss sums, on every pipeline rank.
         """
         train = mode == "train"
-        program = self.program(train)
+        key = (header.signature, mode)
+        program = self.program(train, self.channel.knows(key))
         compute, channel = self.compute, self.channel
         t0 = time.perf_counter()  # after the header: ranks start together
         state = StepState(mode, batch.targets, header.sizes, header.counts, scale,
                           program.adjacent, t0)  # fmt: skip
         self._state, self._syncs = state, syncs
         compute.begin(state)
-        channel.begin((header.signature, mode), t0)
+        channel.begin(key, t0)
         meter = self.meter if train else None
         cuda = self.ctx.device.type == "cuda"
         if meter is not None:
@@ -177,7 +180,7 @@ class Engine:
         for sync in syncs:
             sync.begin(program)
         try:
-            self._walk(program, train, batch.inputs)
+            self._walk(program, train, batch.inputs, mode != "predict")
             channel.end()
             shared = channel.share(pack(state.loss, self.ctx.device)) if mode != "predict" else None
             for sync in syncs:
@@ -200,9 +203,15 @@ class Engine:
             )
         return state.record(shared() if shared is not None else None, channel.waits, memory)
 
-    def _walk(self, program: RankProgram, train: bool, inputs: list[Any] | None) -> None:
-        """Every tick of ``program``, in order."""
+    def _walk(
+        self, program: RankProgram, train: bool, inputs: list[Any] | None, sums: bool
+    ) -> None:
+        """Every tick of ``program``, in order; with ``sums``, the loss sums' receive is
+        posted right after the last transfers."""
         ticks = program.ticks
+        expect = program.last_group if sums else -1
+        if expect < 0 and sums:
+            self.channel.expect_sums()
         meter = self.meter if train else None
         with (
             torch.set_grad_enabled(train),
@@ -220,6 +229,8 @@ class Engine:
                 else:
                     j = i + 1
                     self._tick(ticks[i], inputs)
+                if i <= expect < j:
+                    self.channel.expect_sums()
                 i = j
 
     def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:

@@ -132,29 +132,32 @@ def keeping_buffers() -> Iterator[None]:
 Linear = Callable[[torch.Tensor, Any, Any, "torch.dtype | None"], Any]
 
 
-def route_linear(
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    takes: Callable[[torch.Tensor, Any, Any], bool],
-    linear: Linear,
-) -> Any:
-    """A torch function mode's handling of a call: ``F.linear`` (or the ATen op a graph
-    captured with torch.export calls directly) on a tensor input that ``takes`` accepts
-    runs as ``linear(x, weight, bias, cast)``, as autocast's linear would (input, weight
-    and bias in ``cast``, the autocast dtype, or None without autocast); anything else
-    runs as it is."""
+def linear_call(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, Any, Any] | None:
+    """``(x, weight, bias)`` of a torch function mode's call of ``F.linear`` (or of the
+    ATen op a graph captured with torch.export calls directly) on a tensor input with
+    gradients enabled; None for any other call."""
     if (func is F.linear or func is _ATEN_LINEAR) and torch.is_grad_enabled():
         x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        if isinstance(x, torch.Tensor) and takes(x, weight, bias):
-            device = x.device.type
-            if not torch.is_autocast_enabled(device):
-                return linear(x, weight, bias, None)
-            cast = torch.get_autocast_dtype(device)
-            if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
-                return linear(x.to(cast), weight, bias, cast)
-    return func(*args, **kwargs)
+        if isinstance(x, torch.Tensor):
+            return x, weight, bias
+    return None
+
+
+def autocast_input(
+    x: torch.Tensor, weight: Any
+) -> tuple[torch.Tensor, torch.dtype | None] | None:
+    """``x`` as autocast's linear takes it, and the dtype it casts input, weight and bias
+    to (None without autocast); None where autocast would leave the linear as it is."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, None
+    cast = torch.get_autocast_dtype(device)
+    if x.dtype in _CASTABLE and weight.dtype in _CASTABLE:
+        return x.to(cast), cast
+    return None
 
 
 class OpaqueDeferring(TorchFunctionMode):
@@ -165,11 +168,12 @@ class OpaqueDeferring(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        def opaque(x: torch.Tensor, weight: Any, bias: Any, cast: torch.dtype | None) -> Any:
-            return torch.ops.conveyor.linear(x, weight, bias, cast)
-
-        def takes(x: Any, weight: Any, bias: Any) -> bool:
-            # An input without a gradient: nothing would ask for the op's backward.
-            return x.requires_grad and deferrable(weight, bias, None)
-
-        return route_linear(func, args, kwargs or {}, takes, opaque)
+        kwargs = kwargs or {}
+        call = linear_call(func, args, kwargs)
+        # An input without a gradient: nothing would ask for the op's backward.
+        if call is not None and call[0].requires_grad and deferrable(call[1], call[2], None):
+            x, weight, bias = call
+            cast = autocast_input(x, weight)
+            if cast is not None:
+                return torch.ops.conveyor.linear(cast[0], weight, bias, cast[1])
+        return func(*args, **kwargs)

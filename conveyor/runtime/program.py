@@ -15,6 +15,13 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    receivers wait for it before posting the tensors.
 3. A rank waits for a receive right before the action that consumes it, whose tick is
    larger than the tick the receive was posted at.
+4. Once a rank knows every value's description (a step with the same input shapes ran
+   before: ``join=True``), a group of receives alone joins the group the rank posts just
+   before it (nothing is posted between the two) when that group receives nothing
+   itself: one ``batch_isend_irecv`` fewer, the same posting order. (A new description
+   is waited for when its receive is posted, which must not happen before the tick the
+   sender sends it at; and NCCL answers a group with one work, so waiting for an earlier
+   receive of the group would wait for the joined ones too.)
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -23,7 +30,11 @@ rank posts its groups in increasing order. Suppose every group before (t, k) com
 Then each rank computes its tick-``t`` action (its inputs came at earlier ticks), so it
 posts its (t, k) group; the operations on its streams ahead of that group all belong to
 earlier groups, which have completed. So every (t, k) group reaches the head of its
-streams, where all its counterparts are too, and completes. Collectives (data parallel,
+streams, where all its counterparts are too, and completes. A group that rule 4 joined
+holds operations of two (tick, phase) positions; NCCL progresses the operations of a
+group together, so each completes when its counterpart is posted, and the argument
+holds operation by operation: the later receives' senders need nothing this rank posts
+after the joined group. Collectives (data parallel,
 FSDP, tensor parallel, tied weights) are posted at the same point of the same program by
 every member of their group, so they extend the same order. ``tests/parallel/test_nccl.py``
 replays what each rank really posts under these rules for every schedule and layout.
@@ -31,6 +42,7 @@ replays what each rank really posts under these rules for every schedule and lay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,6 +88,11 @@ class RankProgram:
     final: dict[int, int]
     adjacent: frozenset[tuple[int, int]]
     train: bool = True
+
+    @property
+    def last_group(self) -> int:
+        """The index in ``ticks`` of the last tick that posts transfers (-1: none)."""
+        return max((i for i, t in enumerate(self.ticks) if t.sends or t.recvs), default=-1)
 
     def first_action(self, stage: int) -> Action:
         """``stage``'s first action in this program."""
@@ -129,8 +146,12 @@ def ticks(schedule: Schedule, train: bool = True) -> dict[Action, int]:
     return out
 
 
-def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgram:
-    """Pipeline rank ``rank``'s program when each rank is its own process."""
+def rank_program(
+    schedule: Schedule, rank: int, train: bool = True, join: bool = False
+) -> RankProgram:
+    """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
+    receives alone join the group before them (rule 4; only once every description is
+    known)."""
     at = ticks(schedule, train)
     placement, stages = schedule.placement, schedule.stages
     mine: dict[int, Action] = {}
@@ -149,11 +170,16 @@ def rank_program(schedule: Schedule, rank: int, train: bool = True) -> RankProgr
             outgoing[tick] = message
         else:
             incoming.setdefault(tick, []).append(message)
-    timeline = []
+    timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys()):
         sent = outgoing.get(tick)
         # Receives in peer order: the group's layout is the same on every run.
         recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
+        before = timeline[-1] if timeline else None
+        if join and not sent and recvs and before and before.sends and not before.recvs:
+            joined = timeline[-1]  # rule 4: the receives join the group posted before them
+            timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
+            recvs = ()
         timeline.append(Tick(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
     return _finish(timeline, train)
 

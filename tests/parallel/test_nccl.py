@@ -112,12 +112,19 @@ def _record_all(rank: int, pp: int, dp: int, tp: int, fsdp: bool) -> dict[str, A
                 except conveyor.ConfigError as exc:
                     out[f"{name} {kind}"] = str(exc)
                     continue
-                for step, n in enumerate((4 * microbatches, 2 * microbatches + 1)):
+                # New shapes, other shapes, then (but with tensor parallelism, whose
+                # programs are the same and whose recording is slow) those again: the
+                # second step of a shape runs the program whose receives join earlier
+                # groups (rule 4).
+                again = 2 if tp == 1 else 1
+                sizes = (4 * microbatches,) + (2 * microbatches + 1,) * again
+                for step, n in enumerate(sizes):
                     x, y = _data(kind, step, n)
                     mine = slice(ctx.dp_rank, None, dp)
                     pipe.train_step(x[mine], y[mine])
                 x, y = _data(kind, 0, 2 * microbatches)
-                pipe.eval_step(x, y)
+                for _ in range(again):
+                    pipe.eval_step(x, y)
                 pipe.predict(x)
             out[f"{name} {kind}"] = [r.to_dict() for r in trace]
     return out

@@ -37,23 +37,36 @@ def schedules(draw: st.DrawFn) -> Schedule:
         return get_schedule(name, p, max(m, 2 * p), chunks)
 
 
-@given(schedules(), st.booleans())
+@given(schedules(), st.booleans(), st.booleans())
 @settings(max_examples=150, deadline=None)
 def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
-    schedule: Schedule, train: bool
+    schedule: Schedule, train: bool, join: bool
 ) -> None:
-    programs = [rank_program(schedule, r, train) for r in range(schedule.ranks)]
+    """Each side posts a message once, at its tick; with ``join`` a receive alone may join
+    the group the receiver posts just before (rule 4), never one with a group of its own
+    between; without, every receive is posted at its tick."""
+    programs = [rank_program(schedule, r, train, join) for r in range(schedule.ranks)]
+    tick_of = ticks(schedule, train)
     sent: Counter[tuple[int, Message]] = Counter()
     received: Counter[tuple[int, Message]] = Counter()
     for rank, program in enumerate(programs):
+        posting = [t.tick for t in program.ticks if t.sends or t.recvs]
         for step in program.ticks:
             assert step.rank == rank
+            # One message per peer in a group: a new description is read before its tensors.
+            assert len({m.src for m in step.recvs}) == len(step.recvs)
             for message in step.sends:
                 assert message.src == rank != message.dst
                 sent[step.tick, message] += 1
             for message in step.recvs:
                 assert message.dst == rank != message.src
-                received[step.tick, message] += 1
+                at = tick_of[message.producer]
+                assert join or step.tick == at
+                if step.tick != at:  # joined: no group of this rank between the two,
+                    assert step.tick < at  # and none of the group's receives are earlier
+                    assert not [t for t in posting if step.tick < t <= at], (rank, message)
+                    assert step.sends and tick_of[step.recvs[0].producer] == at
+                received[at, message] += 1
     assert sent == received
     assert all(n == 1 for n in sent.values())
     # Every value that crosses ranks is a message; nothing else is.
