@@ -219,6 +219,8 @@ def build(
     gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
     params = (p for stage in stages.values() for p in stage.parameters())
     token_loss = model_token_loss(model) if options.loss_fn is None else None
+    if token_loss is not None:
+        engine.compute.router_coef = router_coef(model)
     stepper = Stepper(
         engine,
         ctx,
@@ -230,6 +232,16 @@ def build(
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
     return RankParts(stages, description, shared, stepper)
+
+
+def router_coef(model: Any) -> float | None:
+    """A transformers MoE model's ``router_aux_loss_coef`` where its loss adds the router
+    auxiliary term (``output_router_logits=True``), else None."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coef = getattr(model, "router_aux_loss_coef", None)
+    return float(coef) if isinstance(coef, (int, float)) else None
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

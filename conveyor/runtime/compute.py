@@ -29,7 +29,13 @@ from conveyor.runtime.recompute import (
     shape_only,
 )
 from conveyor.runtime.split_backward import backward_input
-from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term
+from conveyor.runtime.step_loss import (
+    LossTerm,
+    StepLoss,
+    as_term,
+    counted_term,
+    router_term,
+)
 from conveyor.runtime.step_state import StepState
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
@@ -95,6 +101,8 @@ class StageCompute:
         self.meter = meter
         # Neither option: the forward runs exactly the original, option-free code.
         self._plain = not self.recompute and autocast is None
+        # A transformers MoE model's router_aux_loss_coef (loss_fn=None, router logits on).
+        self.router_coef: float | None = None
         self.params: dict[int, list[torch.Tensor]] = {
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
@@ -197,6 +205,12 @@ class StageCompute:
         if self.loss_fn is None:
             result: Any = model_loss(out)
             if self.step.counts is not None:
+                aux = output_field(out, "aux_loss")
+                if self.router_coef is not None and aux is not None:
+                    assert self.step.aux_weight is not None
+                    return router_term(
+                        result, aux, self.router_coef, self.step.counts[m], self.step.aux_weight
+                    )
                 return counted_term(result, self.step.counts[m])
         else:
             assert self.step.targets is not None

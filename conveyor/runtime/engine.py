@@ -151,6 +151,7 @@ class Engine:
         header: Header,
         scale: float,
         syncs: Sequence[StepSync] = (),
+        aux_weight: float | None = None,
     ) -> StepRecord:
         """Run one step.
 
@@ -158,8 +159,9 @@ class Engine:
         stage, targets where it holds the last and a ``loss_fn`` reads them); ``header``
         is :meth:`header` of it; ``scale`` multiplies every micro-batch's loss total before
         its backward (:mod:`conveyor.runtime.step_loss`); ``syncs`` run around the actions
-        (:class:`~conveyor.runtime.step_sync.StepSync`). Outside ``predict`` the record's
-        ``sums`` are the last stage's loss sums, on every pipeline rank.
+        (:class:`~conveyor.runtime.step_sync.StepSync`); ``aux_weight`` weighs a model's
+        router auxiliary loss (:func:`~conveyor.runtime.step_loss.router_weight`). Outside
+        ``predict`` the record's ``sums`` are the last stage's loss sums, on every pipeline rank.
         """
         train = mode == "train"
         key = (header.signature, mode)
@@ -167,7 +169,7 @@ class Engine:
         compute, channel = self.compute, self.channel
         t0 = time.perf_counter()  # after the header: ranks start together
         state = StepState(mode, batch.targets, header.sizes, header.counts, scale,
-                          program.adjacent, t0)  # fmt: skip
+                          program.adjacent, t0, aux_weight)  # fmt: skip
         self._state, self._syncs = state, syncs
         compute.begin(state)
         channel.begin(key, t0)

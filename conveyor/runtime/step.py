@@ -23,6 +23,7 @@ from conveyor.runtime.step_loss import (
     combine,
     global_rows,
     loss_scale,
+    router_weight,
     sum_over_replicas,
 )
 from conveyor.runtime.step_state import Mode, StepRecord
@@ -101,8 +102,11 @@ class Stepper:
         # Every replica divides by the global batch's rows: the replicas then sum.
         rows = global_rows(sum(header.sizes), self.ctx)
         scale = loss_scale(rows, self.fsdp_replicas)
+        aux_weight = None
+        if header.counts is not None and engine.compute.router_coef is not None:
+            aux_weight = router_weight(header.counts, self.ctx, count)
         if mode == "eval":
-            record = engine.run(mode, batch, header, scale, self.gathers)
+            record = engine.run(mode, batch, header, scale, self.gathers, aux_weight)
             return Step(record, self._combine(record, count))
         # Earlier gradients are put aside (a copy's memory) only where the step must act
         # on its own: reductions over ranks, or a division by a count after the backward
@@ -114,7 +118,8 @@ class Stepper:
         if isolate:
             grads.put_aside()
         try:
-            record = engine.run(mode, batch, header, scale, (*self.reductions, *self.gathers))
+            syncs = (*self.reductions, *self.gathers)
+            record = engine.run(mode, batch, header, scale, syncs, aux_weight)
             combined = self._combine(record, count)
             if had and not isolate and combined.gradient_factor != 1.0:
                 raise PipelineError(

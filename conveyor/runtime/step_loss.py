@@ -95,6 +95,42 @@ def counted_term(mean: torch.Tensor, count: int) -> LossTerm:
     return LossTerm(torch.nan_to_num(_wide(mean.reshape(())), nan=0.0), count, count, True)
 
 
+def router_term(
+    loss: torch.Tensor, aux: torch.Tensor, coef: float, count: int, aux_weight: float
+) -> LossTerm:
+    """A transformers MoE model's own loss with its router auxiliary term
+    (``output_router_logits=True``): ``loss`` is the micro-batch's token mean plus
+    ``coef * aux``. As a pair its total is the token sum plus ``coef * aux * aux_weight``,
+    where ``aux_weight`` is the step's count over its micro-batches (all replicas'), so that
+    the step's loss is the whole batch's token loss plus ``coef`` times the mean of the
+    micro-batches' auxiliary losses (:func:`router_weight`). A micro-batch without a
+    counted token adds its auxiliary term only."""
+    _check_scalar(loss, "the model's loss must be a scalar tensor")
+    aux = _wide(aux.reshape(()))
+    if count == 0:
+        total = aux * (coef * aux_weight)
+    else:  # count * (token mean + coef * aux) - coef * aux * count + coef * aux * weight
+        total = _wide(loss.reshape(())) * count + aux * (coef * (aux_weight - count))
+    return LossTerm(total, 1, count, True)
+
+
+def router_weight(counts: tuple[int, ...], ctx: Context, count: float | None = None) -> float:
+    """What a micro-batch's router auxiliary loss is weighted by in the step's total (see
+    :func:`router_term`): the step's token count (``count`` if given, else the counts summed
+    over the data-parallel replicas) over its micro-batches (every replica's). One
+    collective over the replicas where there are some."""
+    sums = torch.tensor([sum(counts), len(counts)], dtype=torch.int64, device=ctx.device)
+    if ctx.distributed and ctx.dp_size > 1:
+        collective(
+            lambda: dist.all_reduce(sums, group=ctx.dp_group, async_op=True),
+            ctx.timeout,
+            f"rank {ctx.rank}: exchanging the replicas' token counts (router auxiliary loss)",
+            "another replica",
+        )
+    summed, microbatches = (int(v) for v in sums.tolist())
+    return (summed if count is None else float(count)) / microbatches
+
+
 def _check_scalar(value: Any, rule: str) -> None:
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

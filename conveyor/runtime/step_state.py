@@ -58,7 +58,8 @@ class StepState:
     ``counts``, the tokens a model's own token loss divides each micro-batch's by;
     ``scale``, what each loss total is multiplied by before its backward
     (:mod:`~conveyor.runtime.step_loss`); ``adjacent``, (stage, micro-batch) whose B
-    follows its F at once (recompute keeps their activations); ``t0``, the step's start.
+    follows its F at once (recompute keeps their activations); ``t0``, the step's start;
+    ``aux_weight``, a model's router auxiliary loss's weight (``loss_fn=None``).
     """
 
     mode: Mode
@@ -68,6 +69,8 @@ class StepState:
     scale: float = 1.0
     adjacent: frozenset[Key] = frozenset()
     t0: float = 0.0
+    # A router auxiliary loss's weight (step_loss.router_weight); None without one.
+    aux_weight: float | None = None
     # F to B: (input leaves, output leaves) per (stage, micro-batch).
     saved: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     pending_w: dict[Key, WeightWork] = field(default_factory=dict)

@@ -6,8 +6,8 @@ test_experts.py), ``loss_fn=None`` with labels padded by -100, two steps of othe
 lengths with an SGD step between them. The reference is the unsplit model under gradient
 accumulation over the same micro-batches (each called with the whole batch's token count):
 without router losses that is the whole batch's loss, and with ``output_router_logits`` the
-router's auxiliary loss would be per forward, so per micro-batch (not tested yet: see
-docs/guide/moe.md). The schedules 1f1b, zb-h1,
+router's auxiliary loss is per forward, so per micro-batch: the step adds ``coef`` times
+their mean (docs/guide/moe.md). The schedules 1f1b, zb-h1,
 interleaved-1f1b and dualpipev each run once, interleaved-1f1b under FSDP (experts over the
 replicas holding the same experts). Each rank's expert parameters are its share.
 """
@@ -38,6 +38,7 @@ def model_of(kind: str, aux: bool) -> torch.nn.Module:
     if aux:
         model.config.output_router_logits = True
         model.config.router_aux_loss_coef = 0.5
+        model.router_aux_loss_coef = 0.5  # read at construction
     return model
 
 
@@ -69,7 +70,10 @@ def reference(kind: str, aux: bool) -> list[tuple[float, dict[str, torch.Tensor]
         n = torch.tensor(count(rows))
         total = 0.0
         for ids, labels in rows:
-            loss = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+            output = model(input_ids=ids, labels=labels, num_items_in_batch=n)
+            loss = output.loss
+            if aux:  # the mean of the micro-batches' auxiliary losses (docs/guide/moe.md)
+                loss = loss + model.router_aux_loss_coef * output.aux_loss * (1 / len(rows) - 1)
             loss.backward()
             total += float(loss.detach())
         out.append((total, {k: p.grad.clone() for k, p in model.named_parameters()}))
@@ -162,3 +166,36 @@ def test_olmoe_1f1b() -> None:
     whole = float(model(input_ids=ids, labels=labels).loss)
     assert whole == pytest.approx(reference("olmoe", False)[0][0], rel=1e-5)
     check("olmoe", False, [("1f1b", False)])
+
+
+def test_router_aux_loss_one_process() -> None:
+    """output_router_logits with loss_fn=None on pp=2 (one process): the whole batch's token
+    loss plus coef times the mean of the micro-batches' auxiliary losses, as the unsplit
+    model accumulating over the same micro-batches."""
+    rows = batches()[0][:MICRO]
+    model = model_of("mixtral", True)
+    n = torch.tensor(count(rows))
+    want_loss = 0.0
+    for ids, labels in rows:
+        output = model(input_ids=ids, labels=labels, num_items_in_batch=n)
+        loss = output.loss + model.router_aux_loss_coef * output.aux_loss * (1 / MICRO - 1)
+        loss.backward()
+        want_loss += float(loss.detach())
+    want = {k: p.grad for k, p in model.named_parameters()}
+    conveyor.init(pp=2)
+    ids, labels = (torch.cat([row[i] for row in rows]) for i in (0, 1))
+    batch = {"input_ids": ids, "labels": labels}
+    pipe = conveyor.Pipeline(model_of("mixtral", True), loss_fn=None, microbatches=MICRO)
+    got = float(pipe.train_step(batch, None))
+    assert got == pytest.approx(want_loss, rel=1e-6)
+    grads = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
+    assert set(grads) == set(want)
+    assert_close(grads, want, "router aux", tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mixtral_router_aux_loss() -> None:
+    """Mixtral with output_router_logits, 1f1b: the auxiliary term averages over every
+    replica's micro-batches."""
+    check("mixtral", True, [("1f1b", False)])
