@@ -199,3 +199,59 @@ def test_mixtral_router_aux_loss() -> None:
     """Mixtral with output_router_logits, 1f1b: the auxiliary term averages over every
     replica's micro-batches."""
     check("mixtral", True, [("1f1b", False)])
+
+
+def _train_and_save(rank: int, path: str) -> dict[str, tuple[int, ...]]:
+    """pp2 x dp2 x ep2: one SGD step of Mixtral, then save; returns this rank's expert
+    parameters' local shapes."""
+    ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
+    rows = batches()[0][ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO]
+    ids, labels = (torch.cat([row[i] for row in rows]) for i in (0, 1))
+    batch = {"input_ids": ids, "labels": labels}
+    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+                             sample=(batch, None))  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    pipe.train_step(batch, None)
+    opt.step()
+    conveyor.checkpoint.save(pipe, path, opt, step=1)
+    return {n: tuple(p.to_local().shape) for n, p in pipe.named_parameters()
+            if is_expert_parameter(p)}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path: Any) -> None:
+    """A checkpoint saved by pp2 x dp2 x ep2 (world 4) holds whole experts under the
+    original names: it loads into pp=2 without ep (one process) and into the unsplit
+    model, equal to the unsplit model after the same step."""
+    from conveyor.checkpoint import load, load_model_state
+
+    path = str(tmp_path / "ckpt")
+    shares = distributed.run(_train_and_save, PP * DP, path, timeout=400)
+    assert any(shares), "no rank held experts"
+    for local in shares:
+        for name, shape in local.items():
+            assert shape[0] == EXPERTS // EP, (name, shape)
+    # the reference: the unsplit model after one step over the whole batch
+    want_model = model_of("mixtral", False)
+    rows = batches()[0]
+    n = torch.tensor(count(rows))
+    for ids, labels in rows:
+        want_model(input_ids=ids, labels=labels, num_items_in_batch=n).loss.backward()
+    torch.optim.SGD(want_model.parameters(), lr=LR).step()
+    want = want_model.state_dict()
+
+    state = load_model_state(path)
+    assert list(state) == list(want)
+    assert_close(state, want, "load_model_state", tol=1e-5)
+    unsplit = model_of("mixtral", False)
+    assert load(unsplit, path) == 1
+    assert_close(unsplit.state_dict(), want, "unsplit", tol=1e-5)
+
+    conveyor.init(pp=2)
+    ids, labels = (torch.cat([row[i] for row in rows[:MICRO]]) for i in (0, 1))
+    batch = {"input_ids": ids, "labels": labels}
+    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+                             sample=(batch, None))  # fmt: skip
+    assert load(pipe, path) == 1
+    assert_close(pipe.state_dict(), want, "pp2", tol=1e-5)
