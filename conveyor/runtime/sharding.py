@@ -261,13 +261,18 @@ class Sharded:
             stage.set_is_last_backward(False)
             stage.set_reshard_after_backward(self.per_action, recurse=True)
             if not self.per_action:
-                self._pending[s] = stage.unshard(async_op=True)
+                # The stage's own unit does not gather its sub-units (the expert
+                # collections'): gathered now too, their gathered tensors are the ones
+                # the split backward's W differentiates for (ShardedSync.gathered).
+                units = [stage, *(m for m in stage.modules() if m is not stage
+                                  and hasattr(m, "unshard"))]  # fmt: skip
+                self._pending[s] = [unit.unshard(async_op=True) for unit in units]
 
     def ready(self, stage: int) -> None:
-        """Wait for ``stage``'s gather (call before its first action of the step)."""
-        handle = self._pending.pop(stage, None)
-        if handle is not None:
-            handle.wait()
+        """Wait for ``stage``'s gathers (call before its first action of the step)."""
+        for handle in self._pending.pop(stage, []):
+            if handle is not None:
+                handle.wait()
 
     def release(self, stage: int, train: bool) -> None:
         """After ``stage``'s last action of the step: reduce-scatter its gradients over
