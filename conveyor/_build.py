@@ -213,7 +213,7 @@ def build(
     # Without FSDP, replicas average their gradients while the pipeline drains.
     reductions: list[StepSync] = []
     if replicas and not options.fsdp:
-        reductions.append(DataParallel(schedule, stages, ctx))
+        reductions.append(DataParallel(stages, ctx))
     if shared:
         reductions.append(shared)
     gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]

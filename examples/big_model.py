@@ -24,7 +24,7 @@ import math
 import torch
 from hf_llama import config
 from loop import add_pipeline_options, context, printer, train
-from text import corpus, windows
+from text import corpus, encode, windows
 from transformers import LlamaForCausalLM
 
 import conveyor
@@ -62,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = context(args)
     text = corpus(args.chars)
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    vocab, data = encode(text)
     with conveyor.empty_weights():  # shapes only: no process holds the whole model
         model = LlamaForCausalLM(config(len(vocab), args))
     whole = sum(p.numel() for p in model.parameters())

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 from loop import add_pipeline_options, context, printer, train, where
-from text import corpus, windows
+from text import corpus, encode, windows
 from torch import nn
 from torch.nn import functional as F
 
@@ -114,15 +114,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def sample(
     pipe: conveyor.Pipeline,
     ctx: conveyor.Context,
-    prompt: str,
-    lookup: dict[str, int],
+    prompt: list[int],
     chars: int,
     context: int,
 ) -> torch.Tensor:
-    """Sample ``chars`` characters after ``prompt``, one sequence per micro-batch (the
-    pipeline needs at least that many rows); every rank ends with the same tokens."""
+    """Sample ``chars`` characters after ``prompt`` (token ids), one sequence per
+    micro-batch (the pipeline needs at least that many rows); every rank ends with the
+    same tokens."""
     rows = pipe.microbatches
-    idx = torch.tensor([[lookup[c] for c in prompt]] * rows, dtype=torch.long)
+    idx = torch.tensor([prompt] * rows, dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
     for _ in range(chars):
         logits = pipe.predict(idx[:, -context:])
@@ -180,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     ctx = context(args, dp=args.dp, tp=args.tp)
     text = corpus(args.chars)
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    vocab, data = encode(text)
     model = GPT(len(vocab), args.context, args.width, args.depth, args.heads)
     count = sum(p.numel() for p in model.parameters())  # before sharding unties the copies
     chunks = check_chunks(args.schedule, args.chunks, flags=True)
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return pipe.train_step(rows[:, :-1], rows[:, 1:])
 
     loss = train(pipe, opt, step_of, args.steps, args, say)
-    out = sample(pipe, ctx, "def ", lookup, args.sample, args.context)
+    out = sample(pipe, ctx, [vocab.index(c) for c in "def "], args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
     return 0 if math.isfinite(loss.item()) else 1
 

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 from loop import add_pipeline_options, context, printer, train
-from text import corpus, windows
+from text import corpus, encode, windows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     ctx = context(args)
     text = corpus(args.chars)
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    vocab, data = encode(text)
     model = build(len(vocab), args)
 
     def batch(step: int) -> dict[str, torch.Tensor]:
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(p.numel() for p in model.parameters()):,} parameters")
     say(pipe)
     loss = train(pipe, opt, lambda step: pipe.train_step(batch(step), None), args.steps, args, say)
-    out = generate(pipe, ctx, [lookup[c] for c in "def "], args.sample, args.context)
+    out = generate(pipe, ctx, [vocab.index(c) for c in "def "], args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out))
     return 0 if math.isfinite(loss.item()) else 1
 

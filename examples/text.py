@@ -23,6 +23,13 @@ def corpus(limit: int) -> str:
     return "".join(parts)[:limit]
 
 
+def encode(text: str) -> tuple[list[str], torch.Tensor]:
+    """The characters of ``text`` (the vocabulary, sorted) and ``text`` as their indices."""
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    return vocab, torch.tensor([lookup[c] for c in text], dtype=torch.long)
+
+
 def windows(data: torch.Tensor, step: int, rows: int, length: int) -> torch.Tensor:
     """``rows`` windows of ``length + 1`` tokens; the batch of a step depends on the step
     alone, so a run resumed from a checkpoint repeats nothing."""

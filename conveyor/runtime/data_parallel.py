@@ -32,7 +32,7 @@ from conveyor.runtime.program import RankProgram
 from conveyor.runtime.sharding import local_shard as _local
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import collective, wait_bounded
-from conveyor.schedules import Action, F, Schedule
+from conveyor.schedules import Action
 
 T = TypeVar("T", bound=torch.Tensor)
 
@@ -62,7 +62,7 @@ class DataParallel(StepSync):
     step's gradient, so run that sum after :meth:`finish`.
     """
 
-    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], ctx: Context) -> None:
+    def __init__(self, stages: dict[int, nn.Module], ctx: Context) -> None:
         if not ctx.distributed or ctx.dp_group is None:
             raise ValueError("DataParallel needs a distributed context with dp_size > 1")
         self._ctx = ctx
@@ -81,34 +81,29 @@ class DataParallel(StepSync):
             _Bucket(s, ps, _summed_over(reduction_group(ps[0], ctx)))
             for (s, _), ps in by_stages.items()
         ]
-        # The last backward / W of each local stage in this rank's program.
-        final: dict[int, Action] = {}
-        for action in schedule.actions[ctx.pp_rank]:
-            if action.kind != F and action.stage in stages:
-                final[action.stage] = action
-        self._final = {a: s for s, a in final.items()}
-        self._active = False  # a step is running
+        # The step's program: each stage's last backward / W ends its gradients.
+        self._program: RankProgram | None = None
         self._done: set[int] = set()
-        self.launched_early = 0  # buckets started by after_action (the rest by wait)
 
     # ----------------------------------------------------------------- one step
     def begin(self, program: RankProgram) -> None:
         """Start a training step."""
-        self._active = True
+        self._program = program
         self._done = set()
         for bucket in self._buckets:
             bucket.pending, bucket.launched = [], False
 
     def after_action(self, action: Action) -> None:
         """Engine hook: after a stage's last backward / W, start reducing what is final."""
-        stage = self._final.get(action)
-        if stage is None or not self._active:
+        if self._program is None:
+            return
+        stage = self._program.closing.get(action)
+        if stage is None:
             return
         self._done.add(stage)
         for bucket in self._buckets:
             if not bucket.launched and bucket.stages <= self._done:
                 self._launch(bucket)
-                self.launched_early += 1
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
@@ -142,7 +137,7 @@ class DataParallel(StepSync):
     @torch.no_grad()
     def finish(self) -> None:
         """Finish the reductions: each ``.grad`` is this step's sum over the replicas."""
-        self._active = False
+        self._program = None
         for bucket in self._buckets:
             if not bucket.launched:
                 self._launch(bucket)
@@ -163,7 +158,7 @@ class DataParallel(StepSync):
 
     def abort(self) -> None:
         """After a failed step: drop the reductions in flight."""
-        self._active = False
+        self._program = None
         for bucket in self._buckets:
             bucket.pending = []
 

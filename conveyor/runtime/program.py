@@ -43,6 +43,7 @@ replays what each rank really posts under these rules for every schedule and lay
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,20 +90,24 @@ class RankProgram:
     adjacent: frozenset[tuple[int, int]]
     train: bool = True
 
-    @property
+    @functools.cached_property
     def last_group(self) -> int:
         """The index in ``ticks`` of the last tick that posts transfers (-1: none)."""
         return max((i for i, t in enumerate(self.ticks) if t.sends or t.recvs), default=-1)
 
-    def first_action(self, stage: int) -> Action:
-        """``stage``'s first action in this program."""
-        action = self.ticks[self.first[stage]].action
-        assert action is not None
-        return action
+    @functools.cached_property
+    def opening(self) -> dict[Action, int]:
+        """Each stage's first action here, and that stage (FSDP gathers before it)."""
+        return {self._action(i): s for s, i in self.first.items()}
 
-    def final_action(self, stage: int) -> Action:
-        """``stage``'s last action in this program."""
-        action = self.ticks[self.final[stage]].action
+    @functools.cached_property
+    def closing(self) -> dict[Action, int]:
+        """Each stage's last action here, and that stage (its gradients are final after
+        it in a training step: reductions start)."""
+        return {self._action(i): s for s, i in self.final.items()}
+
+    def _action(self, index: int) -> Action:
+        action = self.ticks[index].action
         assert action is not None
         return action
 

@@ -304,23 +304,21 @@ class ShardedSync(StepSync):
     def __init__(self, sharded: Sharded, gathered: Callable[[int], None]) -> None:
         self.sharded = sharded
         self.gathered = gathered
-        self._train = False
-        self._first: dict[Action, int] = {}
-        self._final: dict[Action, int] = {}
+        self._program: RankProgram | None = None  # the step's
 
     def begin(self, program: RankProgram) -> None:
-        self._train = program.train
-        self._first = {program.first_action(s): s for s in program.first}
-        self._final = {program.final_action(s): s for s in program.final}
+        self._program = program
         self.sharded.begin(sorted(program.first, key=program.first.__getitem__))
 
     def before_action(self, action: Action) -> None:
-        stage = self._first.get(action)
+        assert self._program is not None
+        stage = self._program.opening.get(action)
         if stage is not None:
             self.sharded.ready(stage)
             self.gathered(stage)
 
     def after_action(self, action: Action) -> None:
-        stage = self._final.get(action)
+        assert self._program is not None
+        stage = self._program.closing.get(action)
         if stage is not None:
-            self.sharded.release(stage, self._train)
+            self.sharded.release(stage, self._program.train)

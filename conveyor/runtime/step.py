@@ -97,17 +97,16 @@ class Stepper:
         batch = self._divide(mode, inputs, targets, cut)
         engine = self.engine
         header = engine.header(batch)
-        if mode == "predict":
-            return Step(engine.run(mode, batch, header, 1.0, self.gathers), None)
+        aux_weight = None
+        routed = header.counts is not None and engine.compute.router_coef is not None
+        if mode != "predict" and routed:
+            aux_weight = router_weight(header.counts, self.ctx, count)
+        if mode != "train":  # no backward: nothing to scale
+            record = engine.run(mode, batch, header, 1.0, self.gathers, aux_weight)
+            return Step(record, None if mode == "predict" else self._combine(record, count))
         # Every replica divides by the global batch's rows: the replicas then sum.
         rows = global_rows(sum(header.sizes), self.ctx)
         scale = loss_scale(rows, self.fsdp_replicas)
-        aux_weight = None
-        if header.counts is not None and engine.compute.router_coef is not None:
-            aux_weight = router_weight(header.counts, self.ctx, count)
-        if mode == "eval":
-            record = engine.run(mode, batch, header, scale, self.gathers, aux_weight)
-            return Step(record, self._combine(record, count))
         # Earlier gradients are put aside (a copy's memory) only where the step must act
         # on its own: reductions over ranks, or a division by a count after the backward
         # (a pair loss's, or ``count``).

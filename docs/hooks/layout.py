@@ -2,9 +2,10 @@
 
 A page writes ``<!-- conveyor-layout -->`` on a line of its own; the build replaces it with
 every module of ``conveyor/``, layer by layer from the top, each with the first paragraph
-of its docstring. :data:`LAYERS` is also what ``tests/architecture/test_layers.py`` holds the imports
-to (a module imports from its own layer or lower ones, and no import cycle exists), so the
-page can neither miss a module nor describe a layering the code does not have.
+of its docstring. :data:`LAYERS` is also what ``tests/architecture/test_layers.py`` holds
+the imports to (a module imports from its own layer or lower ones, and no import cycle
+exists), so the page can neither miss a module nor describe a layering the code does not
+have.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def replica(rank: int, kind: str, dp: int, ep: int, skewed: bool) -> dict[str, A
     mine = batch[ctx.dp_rank]
     count = torch.tensor(items(batch))
     schedule = one_f_one_b(1, 1)
-    sync = DataParallel(schedule, {0: model}, ctx)
+    sync = DataParallel({0: model}, ctx)
     sync.begin(single_process_program(schedule))
     loss = model(input_ids=mine[0], labels=mine[1], num_items_in_batch=count).loss
     loss.backward()

@@ -112,11 +112,11 @@ def _record_all(rank: int, pp: int, dp: int, tp: int, fsdp: bool) -> dict[str, A
                 except conveyor.ConfigError as exc:
                     out[f"{name} {kind}"] = str(exc)
                     continue
-                # New shapes, other shapes, then (but with tensor parallelism, whose
-                # programs are the same and whose recording is slow) those again: the
-                # second step of a shape runs the program whose receives join earlier
-                # groups (rule 4).
-                again = 2 if tp == 1 else 1
+                # New shapes, other shapes, then (in the pipeline-only layouts: replicas
+                # and tensor parallelism run the same programs) those again: the second
+                # step of a shape runs the program whose receives join earlier groups
+                # (rule 4).
+                again = 2 if dp == tp == 1 else 1
                 sizes = (4 * microbatches,) + (2 * microbatches + 1,) * again
                 for step, n in enumerate(sizes):
                     x, y = _data(kind, step, n)
