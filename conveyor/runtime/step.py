@@ -98,8 +98,8 @@ class Stepper:
         engine = self.engine
         header = engine.header(batch)
         aux_weight = None
-        routed = header.counts is not None and engine.compute.router_coef is not None
-        if mode != "predict" and routed:
+        routed = engine.compute.router_coef is not None and mode != "predict"
+        if header.counts is not None and routed:
             aux_weight = router_weight(header.counts, self.ctx, count)
         if mode != "train":  # no backward: nothing to scale
             record = engine.run(mode, batch, header, 1.0, self.gathers, aux_weight)
