@@ -6,7 +6,8 @@ the placement of stages on ranks. :func:`get_schedule` builds a named one
 :func:`interleaved_1f1b`, :func:`looped_bfs`, :func:`zb_h1`, :func:`zb_h2`,
 :func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`v_half`, :func:`v_min`,
 :func:`zero_bubble_auto`) can also be called directly; :func:`validate` checks any
-schedule, and :func:`to_table` / :func:`from_table` write and read one as text.
+schedule, :func:`paired` / :func:`unpaired` mark or drop its overlapped forward / backward
+pairs, and :func:`to_table` / :func:`from_table` write and read one as text.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from conveyor.schedules.core import (
     execution_order,
     loop_placement,
     make_schedule,
+    paired,
+    unpaired,
     v_placement,
     validate,
 )
@@ -64,8 +67,10 @@ __all__ = [
     "looped_bfs",
     "make_schedule",
     "one_f_one_b",
+    "paired",
     "save_schedule",
     "to_table",
+    "unpaired",
     "v_half",
     "v_min",
     "v_placement",

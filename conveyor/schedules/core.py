@@ -7,6 +7,7 @@ stages are global stage indices and micro-batches are numbered from 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -109,6 +110,10 @@ class Schedule:
         split_backward: Whether the backward is split into B (input gradient) and W
             (weight gradient); when False, B is the whole backward and there are no W
             actions.
+        pairs: Per rank, the indices ``i`` of its program whose F ``actions[r][i]`` runs
+            overlapped with the B ``actions[r][i + 1]`` of another micro-batch (each
+            one's expert all-to-alls in flight during the other's compute); empty: none
+            (:func:`paired`, :func:`unpaired`).
     """
 
     name: str
@@ -117,6 +122,7 @@ class Schedule:
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
+    pairs: tuple[tuple[int, ...], ...] = ()
     _stage_ranks: dict[int, tuple[int, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -144,6 +150,10 @@ class Schedule:
             own = tuple(s for s, r in enumerate(self.placement) if r == rank)
             self._stage_ranks[rank] = own
         return self._stage_ranks[rank]
+
+    def pair_starts(self, rank: int) -> frozenset[int]:
+        """The indices of ``rank``'s program that start an overlapped pair (:attr:`pairs`)."""
+        return frozenset(self.pairs[rank]) if self.pairs else frozenset()
 
     def __iter__(self) -> Iterator[tuple[int, Action]]:
         """Every ``(rank, action)`` pair: rank 0's program first, each in program order."""
@@ -286,8 +296,9 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """A valid global order of all actions, found by running the ranks' programs.
 
     Sends never block and receives do: each rank advances while the dependencies of its
-    next action are done. The order is round-robin over ranks, which is also the order
-    the single-process world uses.
+    next action are done (of both actions of an overlapped pair, which come out
+    together). The order is round-robin over ranks, which is also the order the
+    single-process world uses.
 
     Args:
         schedule: A schedule whose actions are complete and in range (as checked by
@@ -300,6 +311,32 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
         ScheduleError: If the programs deadlock; the message names every stuck rank and
             the action it waits on.
     """
+    order, position = _run(schedule)
+    if len(order) < sum(len(p) for p in schedule.actions):
+        done = {a for _, a in order}
+        starts = [schedule.pair_starts(r) for r in range(schedule.ranks)]
+        stuck = []
+        for rank, program in enumerate(schedule.actions):
+            i = position[rank]
+            if i < len(program):
+                action = program[i]
+                waiting = [action, program[i + 1]] if i in starts[rank] else [action]
+                missing = [d for a in waiting for d in dependencies(schedule, a) if d not in done]
+                stuck.append(
+                    f"rank {rank} at {action} waits for "
+                    + ", ".join(f"{d} on rank {schedule.placement[d.stage]}" for d in missing)
+                )
+        raise ScheduleError(
+            f"schedule {schedule.name!r} deadlocks: "
+            + "; ".join(stuck)
+            + "; reorder the actions so every wait is on work that can finish first"
+        )
+    return order
+
+
+def _run(schedule: Schedule) -> tuple[list[tuple[int, Action]], list[int]]:
+    """Run the programs while any rank can advance: the order found, and where each
+    rank's program stopped (at its end unless the programs deadlock)."""
     position = [0] * schedule.ranks
     # Whether each action is done, by index (kind, stage, micro-batch) in a bytearray:
     # much cheaper per action than a set of tuples, and this loop runs for every action of
@@ -308,50 +345,117 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     is_done = bytearray(3 * stages * m)
     b_base, w_base = stages * m, 2 * stages * m
     order: list[tuple[int, Action]] = []
-    total = sum(len(p) for p in schedule.actions)
     last = stages - 1
-    while len(order) < total:
+
+    def slot(action: Action) -> tuple[bool, int]:
+        """Whether ``action`` may run, and its index in ``is_done``."""
+        kind, s, mb = action
+        at = s * m + mb
+        if kind == F:
+            return s == 0 or bool(is_done[at - m]), at
+        if kind == B:
+            return bool(is_done[at]) and (s == last or bool(is_done[b_base + at + m])), at + b_base
+        return bool(is_done[b_base + at]), at + w_base
+
+    starts = [schedule.pair_starts(r) for r in range(schedule.ranks)]
+    progressed = True
+    while progressed:
         progressed = False
         for rank, program in enumerate(schedule.actions):
             i, n = position[rank], len(program)
             start = i
             while i < n:
-                action = program[i]
-                kind, s, mb = action
-                at = s * m + mb
-                if kind == F:
-                    ready = s == 0 or is_done[at - m]
-                elif kind == B:
-                    ready = is_done[at] and (s == last or is_done[b_base + at + m])
-                    at += b_base
-                else:
-                    ready = is_done[b_base + at]
-                    at += w_base
+                ready, at = slot(program[i])
                 if not ready:
                     break
+                if i in starts[rank]:  # an overlapped pair runs when both may
+                    ready_b, at_b = slot(program[i + 1])
+                    if not ready_b:
+                        break
+                    is_done[at_b] = 1
+                    i += 1
                 is_done[at] = 1
                 i += 1
             if i > start:
                 order.extend((rank, a) for a in program[start:i])
                 position[rank] = i
                 progressed = True
-        if not progressed:
-            done = {a for _, a in order}
-            stuck = []
-            for rank, program in enumerate(schedule.actions):
-                if position[rank] < len(program):
-                    action = program[position[rank]]
-                    missing = [d for d in dependencies(schedule, action) if d not in done]
-                    stuck.append(
-                        f"rank {rank} at {action} waits for "
-                        + ", ".join(f"{d} on rank {schedule.placement[d.stage]}" for d in missing)
-                    )
-            raise ScheduleError(
-                f"schedule {schedule.name!r} deadlocks: "
-                + "; ".join(stuck)
-                + "; reorder the actions so every wait is on work that can finish first"
-            )
-    return order
+    return order, position
+
+
+def forward_backward_pairs(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per rank, every F directly followed by a B of another micro-batch (the steady
+    state of 1F1B, DualPipeV's overlapped slots): the pairs :func:`paired` marks."""
+    return tuple(
+        tuple(
+            i
+            for i in range(len(program) - 1)
+            if program[i].kind == F
+            and program[i + 1].kind == B
+            and program[i].microbatch != program[i + 1].microbatch
+        )
+        for program in schedule.actions
+    )
+
+
+def paired(schedule: Schedule) -> Schedule:
+    """``schedule`` with its forward / backward pairs marked (:func:`forward_backward_pairs`):
+    where a pipeline shards experts, each pair runs interleaved at the expert all-to-alls.
+
+    Args:
+        schedule: A valid schedule.
+
+    Returns:
+        The same programs with :attr:`Schedule.pairs` set.
+
+    Raises:
+        ScheduleError: If ``schedule`` itself deadlocks. (A pair that would deadlock, e.g.
+            an F of 1F1B's warm-up with the first B, is left unpaired.)
+    """
+    pairs = [set(p) for p in forward_backward_pairs(schedule)]
+    while True:
+        marks = tuple(tuple(sorted(p)) for p in pairs) if any(pairs) else ()
+        marked = dataclasses.replace(schedule, pairs=marks)
+        order, position = _run(marked)
+        if len(order) == sum(len(p) for p in schedule.actions):
+            return marked
+        # A pair whose B waits on its own F's consequences (a warm-up F before the first
+        # B): it runs apart. Unstuck pairs only; if none, the schedule itself deadlocks.
+        stuck = [(r, i) for r, i in enumerate(position) if i in pairs[r]]
+        if not stuck:
+            execution_order(schedule)  # raises, naming the stuck ranks
+        for r, i in stuck:
+            pairs[r].discard(i)
+
+
+def unpaired(schedule: Schedule) -> Schedule:
+    """``schedule`` with no overlapped pairs: every action runs on its own."""
+    return dataclasses.replace(schedule, pairs=())
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    """Raise ScheduleError unless each pair is an F then a B of another micro-batch."""
+    if not schedule.pairs:
+        return
+    if len(schedule.pairs) != schedule.ranks:
+        raise ScheduleError(
+            f"pairs has {len(schedule.pairs)} entries for {schedule.ranks} ranks; give one "
+            f"tuple of indices per rank (empty for none)"
+        )
+    for rank, starts in enumerate(schedule.pairs):
+        program = schedule.actions[rank]
+        previous = -2
+        for i in starts:
+            ok = 0 <= i < len(program) - 1 and i > previous + 1
+            if ok:
+                f, b = program[i], program[i + 1]
+                ok = f.kind == F and b.kind == B and f.microbatch != b.microbatch
+            if not ok:
+                raise ScheduleError(
+                    f"rank {rank}: pair at index {i} is not an F followed by a B of another "
+                    f"micro-batch (pairs are increasing and do not share an action)"
+                )
+            previous = i
 
 
 def _check_local_order(schedule: Schedule) -> None:
@@ -376,7 +480,8 @@ def validate(schedule: Schedule) -> Schedule:
 
     Complete: the placement maps every stage to a rank, every rank holds a stage, each
     rank's program runs only its own stages, and every F and B (and W with
-    ``split_backward``) of every stage and micro-batch appears exactly once.
+    ``split_backward``) of every stage and micro-batch appears exactly once. Each
+    overlapped pair (:attr:`Schedule.pairs`) is an F followed by a B of another micro-batch.
 
     Args:
         schedule: The schedule to check.
@@ -389,6 +494,7 @@ def validate(schedule: Schedule) -> Schedule:
     """
     _check_shape(schedule)
     _check_complete(schedule)
+    _check_pairs(schedule)
     try:
         execution_order(schedule)
     except ScheduleError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from conveyor.errors import ConfigError
-from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, v_placement
+from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, paired, v_placement
 
 
 def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
@@ -113,11 +113,13 @@ def dualpipev(ranks: int, microbatches: int) -> Schedule:
             f"microbatches={microbatches} with ranks={ranks}, so use more micro-batches "
             f"or 'zbv', which runs any count"
         )
-    return Schedule(
-        name="dualpipev",
-        ranks=ranks,
-        microbatches=microbatches,
-        placement=v_placement(ranks),
-        actions=tuple(dualpipev_program(ranks, microbatches, r) for r in range(ranks)),
-        split_backward=True,
+    return paired(
+        Schedule(
+            name="dualpipev",
+            ranks=ranks,
+            microbatches=microbatches,
+            placement=v_placement(ranks),
+            actions=tuple(dualpipev_program(ranks, microbatches, r) for r in range(ranks)),
+            split_backward=True,
+        )
     )

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import heapq
 
-from conveyor.schedules.core import Action, B, F, Kind, Schedule, check_sizes, loop_placement
+from conveyor.schedules.core import (
+    Action,
+    B,
+    F,
+    Kind,
+    Schedule,
+    check_sizes,
+    loop_placement,
+    paired,
+)
 from conveyor.schedules.one_f_one_b import one_f_one_b_program
 
 
@@ -170,10 +179,12 @@ def interleaved_1f1b(ranks: int, microbatches: int, chunks: int) -> Schedule:
         programs = [_megatron_program(ranks, microbatches, chunks, r) for r in range(ranks)]
     else:
         programs = _list_scheduled_programs(ranks, microbatches, chunks)
-    return Schedule(
-        name="interleaved-1f1b",
-        ranks=ranks,
-        microbatches=microbatches,
-        placement=loop_placement(ranks, chunks),
-        actions=tuple(tuple(program) for program in programs),
+    return paired(
+        Schedule(
+            name="interleaved-1f1b",
+            ranks=ranks,
+            microbatches=microbatches,
+            placement=loop_placement(ranks, chunks),
+            actions=tuple(tuple(program) for program in programs),
+        )
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement
+from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement, paired
 
 
 def one_f_one_b_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
@@ -41,10 +41,12 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
         ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
-    return Schedule(
-        name="1f1b",
-        ranks=ranks,
-        microbatches=microbatches,
-        placement=loop_placement(ranks, 1),
-        actions=tuple(one_f_one_b_program(ranks, microbatches, r) for r in range(ranks)),
+    return paired(
+        Schedule(
+            name="1f1b",
+            ranks=ranks,
+            microbatches=microbatches,
+            placement=loop_placement(ranks, 1),
+            actions=tuple(one_f_one_b_program(ranks, microbatches, r) for r in range(ranks)),
+        )
     )

@@ -12,7 +12,9 @@ Format (``#`` starts a comment line; blank lines are ignored)::
     rank 1: F1,0 B1,0 F1,1 B1,1
 
 ``placement`` lists the rank of each stage (stage 0 first). Each action is
-``<kind><stage>,<microbatch>`` with kind F, B or W. A rank's program may be spread over
+``<kind><stage>,<microbatch>`` with kind F, B or W; an overlapped pair
+(:attr:`~conveyor.schedules.core.Schedule.pairs`) is written ``F0,3+B0,1``, the F then
+the B, joined by ``+``. A rank's program may be spread over
 several ``rank N:`` lines; they are joined in order. ``name`` (default ``custom``) and
 ``split_backward`` (default false) may be left out.
 """
@@ -50,7 +52,14 @@ def to_table(schedule: Schedule) -> str:
         f"split_backward: {'true' if schedule.split_backward else 'false'}",
     ]
     for rank, program in enumerate(schedule.actions):
-        lines.append(f"rank {rank}: " + " ".join(str(a) for a in program))
+        starts = schedule.pair_starts(rank)
+        words: list[str] = []
+        for i, action in enumerate(program):
+            if i - 1 in starts:
+                words[-1] += f"+{action}"
+            else:
+                words.append(str(action))
+        lines.append(f"rank {rank}: " + " ".join(words))
     return "\n".join(lines) + "\n"
 
 
@@ -82,18 +91,23 @@ def _parse_header(key: str, value: str, where: str) -> str | int | bool | tuple[
     return value.lower() == "true"
 
 
-def _parse_actions(text: str, where: str) -> list[Action]:
-    """The actions of one ``rank N:`` line (what follows the colon)."""
-    actions = []
+def _parse_actions(text: str, where: str, program: list[Action], pairs: list[int]) -> None:
+    """Append the actions of one ``rank N:`` line (what follows the colon) to
+    ``program``, and the index of each pair's F to ``pairs``."""
     for token in text.split():
-        match = _ACTION.fullmatch(token)
-        if match is None:
-            raise ScheduleError(
-                f"{where}: cannot read action {token!r}; write <kind><stage>,<microbatch> "
-                f"with kind F, B or W, e.g. F0,3"
-            )
-        actions.append(Action(cast(Kind, match[1]), int(match[2]), int(match[3])))
-    return actions
+        parts = token.split("+")
+        if len(parts) > 2:
+            raise ScheduleError(f"{where}: {token!r} joins more than two actions; a pair is F+B")
+        if len(parts) == 2:
+            pairs.append(len(program))
+        for part in parts:
+            match = _ACTION.fullmatch(part)
+            if match is None:
+                raise ScheduleError(
+                    f"{where}: cannot read action {part!r}; write <kind><stage>,<microbatch> "
+                    f"with kind F, B or W, e.g. F0,3 (or a pair F0,3+B0,1)"
+                )
+            program.append(Action(cast(Kind, match[1]), int(match[2]), int(match[3])))
 
 
 def from_table(text: str, source: str = "<table>") -> Schedule:
@@ -112,6 +126,7 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
     """
     header: dict[str, str | int | bool | tuple[int, ...]] = {}
     programs: dict[int, list[Action]] = {}
+    pairs: dict[int, list[int]] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         where = f"{source} line {number}"
@@ -125,7 +140,8 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
                 raise ScheduleError(f"{where}: 'ranks: N' must come before the rank lines")
             if rank >= ranks:
                 raise ScheduleError(f"{where}: rank {rank} is out of range 0..{ranks - 1}")
-            programs.setdefault(rank, []).extend(_parse_actions(rank_match[2], where))
+            program = programs.setdefault(rank, [])
+            _parse_actions(rank_match[2], where, program, pairs.setdefault(rank, []))
             continue
         key, sep, value = line.partition(":")
         key = key.strip()
@@ -157,6 +173,7 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
             placement=placement,
             actions=tuple(tuple(programs[r]) for r in range(ranks)),
             split_backward=split_backward,
+            pairs=tuple(tuple(pairs[r]) for r in range(ranks)) if any(pairs.values()) else (),
         )
     )
 
