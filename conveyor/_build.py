@@ -209,6 +209,9 @@ def build(
         track_memory=options.track_memory,
         compiled=compiled,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
+        # Every pipeline rank decides alike (the pairs shape every rank's program): the
+        # model has expert collections and they are spread over ep ranks.
+        pairs=ctx.ep_size > 1 and bool(chosen(all_stages, options.ep_plan)),
     )
     # Without FSDP, replicas average their gradients while the pipeline drains.
     reductions: list[StepSync] = []

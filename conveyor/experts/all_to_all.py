@@ -13,7 +13,8 @@ are Python ints read from the exchanged counts, which is where a compiled MoE la
 its graph (or uses unbacked sizes with ``capture_scalar_outputs``).
 
 Each op posts one ``torch.distributed.all_to_all_single`` on the group and waits for it at
-most ``timeout`` seconds, naming the group's ranks when a peer dies or stalls.
+most ``timeout`` seconds, naming the group's ranks when a peer dies or stalls. Inside an
+overlapped pair (:mod:`conveyor.runtime.overlap`) the other action computes meanwhile.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
 
-from conveyor.runtime.transport import collective
+from conveyor.runtime.overlap import exchange
+from conveyor.runtime.transport import guarded, wait_bounded
 
 
 def _group_text(group_name: str) -> tuple[dist.ProcessGroup, str]:
@@ -45,8 +47,17 @@ def _all_to_all(
         return dist.all_to_all_single(out, send, out_splits, in_splits, group=group, async_op=True)
 
     doing = f"rank {dist.get_rank()}: the all-to-all of tokens to and from their experts"
-    collective(start, timeout, doing, suspect)
+    _post_and_wait(start, timeout, doing, suspect)
     return out
+
+
+def _post_and_wait(start: Any, timeout: float, doing: str, suspect: str) -> None:
+    """Post the all-to-all and wait at most ``timeout`` seconds; inside an overlapped pair
+    the other action computes during the wait (:func:`~conveyor.runtime.overlap.exchange`)."""
+    exchange(
+        lambda: guarded(start, doing, suspect),
+        lambda work: wait_bounded(work, timeout, doing, suspect),
+    )
 
 
 @_all_to_all.register_fake
@@ -81,7 +92,7 @@ def _all_to_all_counts(counts: torch.Tensor, group_name: str, timeout: float) ->
         return dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
 
     doing = f"rank {dist.get_rank()}: exchanging how many tokens go to each expert"
-    collective(start, timeout, doing, suspect)
+    _post_and_wait(start, timeout, doing, suspect)
     return out
 
 

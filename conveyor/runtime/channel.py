@@ -134,7 +134,7 @@ class Remote(Mailbox):
         self._gradient_metas = gradient_metas
         self._key: StepKey = (0, "train")
         self._t0 = 0.0
-        self._outgoing: tuple[Action, Any] | None = None
+        self._outgoing: dict[Action, Any] = {}  # outputs computed, their sends not posted
         self._incoming: dict[Action, _Incoming] = {}
         self._sums: tuple[torch.Tensor, Work] | None = None  # the loss sums' receive
         self._known: set[StepKey] = set()  # keys of steps that ran to their end
@@ -144,7 +144,7 @@ class Remote(Mailbox):
     def begin(self, key: StepKey, t0: float) -> None:
         super().begin(key, t0)
         self._key, self._t0 = key, t0
-        self._outgoing = None
+        self._outgoing = {}
         self._incoming = {}
 
     def agree(self, header: torch.Tensor, has_inputs: bool) -> list[int]:
@@ -210,7 +210,7 @@ class Remote(Mailbox):
         if consumer in self.stages:
             super().deliver(producer, value)
         else:
-            self._outgoing = (producer, value)
+            self._outgoing[producer] = value
 
     def take(self, producer: Action, consumer: Action) -> Any:
         if producer.stage in self.stages:
@@ -252,17 +252,16 @@ class Remote(Mailbox):
     def post(self, tick: Tick) -> None:
         descriptions: list[Op] = []
         sends: list[Op] = []
-        if tick.sends:
-            sends = self._outgoing_ops(tick.sends[0], descriptions)
-        self._outgoing = None
+        for message in tick.sends:
+            sends += self._outgoing_ops(message, descriptions)
         self._post_group(tick.recvs, descriptions, sends)
         self.transport.prune()
 
     def _post_group(
         self, recvs: tuple[Message, ...], descriptions: list[Op], sends: list[Op]
     ) -> None:
-        """Post ``recvs`` (each from another peer: the program's groups receive one
-        message per peer) with ``sends`` as one group; new descriptions go first, as their
+        """Post ``recvs`` (in the program's order, which the senders' groups share) with
+        ``sends`` as one group; new descriptions go first, as their
         own group with ``descriptions`` (outgoing ones), and are read before the tensors'
         buffers are sized."""
         unknown: list[tuple[Message, torch.Tensor]] = []
@@ -323,12 +322,12 @@ class Remote(Mailbox):
         """The send of ``message``'s value; its description is added to
         ``descriptions`` when the receiver has not seen it."""
         producer = message.producer
-        if self._outgoing is None or self._outgoing[0] != producer:
+        if producer not in self._outgoing:
             raise PipelineError(
                 f"rank {self.rank}: the program sends {action_name(producer)}, which has not "
                 f"run yet; the schedule is inconsistent"
             )
-        value = self._outgoing[1]
+        value = self._outgoing.pop(producer)
         where = f"stage {producer.stage} (micro-batch {producer.microbatch})"
         if producer.kind != F:
             what = f"sending input gradients of {where}"

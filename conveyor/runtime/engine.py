@@ -25,6 +25,7 @@ from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.microbatch import MicroBatches
+from conveyor.runtime.overlap import Pair, Spans, record
 from conveyor.runtime.program import (
     RankProgram,
     Tick,
@@ -66,6 +67,7 @@ class Engine:
         track_memory: bool = False,
         compiled: CompileStats | None = None,
         modules: Mapping[int, str] | None = None,
+        pairs: bool = False,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
@@ -73,7 +75,8 @@ class Engine:
         memory of every training step; ``compiled``: the stages were compiled
         (:func:`~conveyor.runtime.compiled.compile_stages`); ``modules``: per stage, its
         modules as ``print(pipe)`` names them (an error raised in a stage's work names
-        them)."""
+        them); ``pairs``: run the schedule's overlapped pairs interleaved at their
+        all-to-alls (:mod:`~conveyor.runtime.overlap`; where experts are sharded)."""
         self.schedule = schedule
         self.modules = dict(modules or {})
         self.stages = stages
@@ -99,10 +102,12 @@ class Engine:
             if ctx.distributed
             else Mailbox(schedule, stages)
         )
+        self.pairs = pairs and ctx.distributed and bool(schedule.pairs)
         self._programs: dict[tuple[bool, bool], RankProgram] = {}
         self._stages = schedule.stages  # read every tick
         self._state = StepState("train")  # the step in progress (or the last one)
         self._syncs: Sequence[StepSync] = ()
+        self._spans = Spans(ctx.pp_rank, 0.0, [])
 
     def program(self, train: bool, join: bool = False) -> RankProgram:
         """This process's program for a training (``train``) or forward-only step;
@@ -111,7 +116,7 @@ class Engine:
         program = self._programs.get((train, join))
         if program is None:
             if self.ctx.distributed:
-                program = rank_program(self.schedule, self.ctx.pp_rank, train, join)
+                program = rank_program(self.schedule, self.ctx.pp_rank, train, join, self.pairs)
             else:
                 program = single_process_program(self.schedule, train)
             self._programs[train, join] = program
@@ -181,6 +186,8 @@ class Engine:
                 torch.cuda.reset_peak_memory_stats(self.ctx.device)
         for sync in syncs:
             sync.begin(program)
+        self._spans = Spans(self.ctx.pp_rank, t0, state.exchanges)
+        record(self._spans)
         try:
             self._walk(program, train, batch.inputs, mode != "predict")
             channel.end()
@@ -191,6 +198,8 @@ class Engine:
             for sync in syncs:
                 sync.abort()
             raise
+        finally:
+            record(None)
         memory = None
         if meter is not None:
             forward, backward = state.forward_bytes, state.backward_bytes
@@ -203,7 +212,8 @@ class Engine:
             raise PipelineError(
                 f"rank {self.ctx.pp_rank}: activations never consumed by a backward: {names}"
             )
-        return state.record(shared() if shared is not None else None, channel.waits, memory)
+        waits = channel.waits + state.exchanges
+        return state.record(shared() if shared is not None else None, waits, memory)
 
     def _walk(
         self, program: RankProgram, train: bool, inputs: list[Any] | None, sums: bool
@@ -242,32 +252,60 @@ class Engine:
         they are up before their data arrives (gloo then receives it in the background).
         The order of groups, which is what NCCL's rules constrain, is the same either way.
         """
-        channel, action = self.channel, tick.action
+        channel, actions = self.channel, tick.computed
         early = not tick.sends
         if early:
             channel.post(tick)
-        if action is not None:
-            producer = producer_of(action, self._stages)
-            value = channel.take(producer, action) if producer is not None else None
-            if action.kind == F and action.stage == 0:
-                assert inputs is not None
-                value = inputs[action.microbatch]
+        values = [self._input(a, inputs) for a in actions]
+        for action in actions:
             for sync in self._syncs:
                 sync.before_action(action)
-            out = self._compute(tick.rank, action, value)
+        if len(actions) == 2 and self.meter is None:
+            outs = self._pair(tick.rank, actions, values)
+        else:
+            outs = [self._compute(tick.rank, a, v) for a, v in zip(actions, values, strict=True)]
+        for action, out in zip(actions, outs, strict=True):
             if out is not None:
                 channel.deliver(action, out)
         if not early:
             channel.post(tick)
-        if action is not None:
+        for action in actions:
             for sync in self._syncs:
                 sync.after_action(action)
 
-    def _compute(self, rank: int, action: Action, value: Any) -> Any:
-        """F or B of ``action``, timed (and its memory measured with ``track_memory``)."""
+    def _input(self, action: Action, inputs: list[Any] | None) -> Any:
+        """What ``action`` computes on: its micro-batch, or what its producer sent."""
+        if action.kind == F and action.stage == 0:
+            assert inputs is not None
+            return inputs[action.microbatch]
+        producer = producer_of(action, self._stages)
+        return self.channel.take(producer, action) if producer is not None else None
+
+    def _pair(self, rank: int, actions: tuple[Action, ...], values: list[Any]) -> list[Any]:
+        """An overlapped pair (F, B), interleaved at their all-to-alls. Each is timed by
+        the compute it did, the F from the pair's start and the B after it, so the busy
+        time is the compute and the rest (both waiting on transfers) is idle."""
+        f, b = actions  # (with track_memory a pair runs one by one: each action's bytes)
+        pair = Pair(f, b)
+        state = self._state
+        start = time.perf_counter()
+        out_f, out_b = pair.run(
+            lambda: self._compute(rank, f, values[0], timed=False),
+            lambda: self._compute(rank, b, values[1], timed=False),
+        )
+        begin = start - state.t0
+        middle = begin + pair.compute[0]
+        for action, lo, hi in ((f, begin, middle), (b, middle, middle + pair.compute[1])):
+            state.timings.append(Timing(rank, action.kind, action.stage, action.microbatch, lo, hi))
+        return [out_f, out_b]
+
+    def _compute(self, rank: int, action: Action, value: Any, timed: bool = True) -> Any:
+        """F or B of ``action``, timed unless not ``timed`` (and its memory measured with
+        ``track_memory``)."""
         compute, state = self.compute, self._state
         meter = self.meter if state.train else None
         key = (action.stage, action.microbatch)
+        self._spans.action = action  # names the all-to-alls outside a pair
         start = time.perf_counter()  # after any wait for the inputs
         try:
             if action.kind == F:
@@ -284,8 +322,9 @@ class Engine:
             raise  # already says what went wrong, in conveyor's words
         except Exception as exc:
             raise self._failed(action, [action.microbatch], exc) from exc
-        end = time.perf_counter()
-        state.timings.append(Timing(rank, action.kind, *key, start - state.t0, end - state.t0))
+        if timed:
+            end = time.perf_counter()
+            state.timings.append(Timing(rank, action.kind, *key, start - state.t0, end - state.t0))
         return out
 
     def _weight_grads(self, ticks: Sequence[Tick]) -> None:

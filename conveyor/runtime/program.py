@@ -22,6 +22,14 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    is waited for when its receive is posted, which must not happen before the tick the
    sender sends it at; and NCCL answers a group with one work, so waiting for an earlier
    receive of the group would wait for the joined ones too.)
+5. An overlapped pair of the schedule (an F and a B of another micro-batch, run
+   interleaved at their expert all-to-alls) is one tick: one more than the largest of the
+   rank's previous tick and both producers' ticks. Both inputs are waited for before the
+   pair starts and both outputs are sent in the tick's one group (two messages to one
+   peer are listed in the same order by both ends). The pairs a schedule marks are those
+   its programs run deadlock-free as units (:func:`~conveyor.schedules.paired`), so the
+   ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
+   programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -34,10 +42,12 @@ streams, where all its counterparts are too, and completes. A group that rule 4 
 holds operations of two (tick, phase) positions; NCCL progresses the operations of a
 group together, so each completes when its counterpart is posted, and the argument
 holds operation by operation: the later receives' senders need nothing this rank posts
-after the joined group. Collectives (data parallel,
-FSDP, tensor parallel, tied weights) are posted at the same point of the same program by
-every member of their group, so they extend the same order. ``tests/parallel/test_nccl.py``
-replays what each rank really posts under these rules for every schedule and layout.
+after the joined group. A pair's tick is an ordinary tick with two actions: each rank
+computes it once both inputs arrived at earlier ticks, then posts its group. Collectives
+(data parallel, FSDP, tensor parallel, tied weights) are posted at the same point of the
+same program by every member of their group, so they extend the same order.
+``tests/parallel/test_nccl.py`` replays what each rank really posts under these rules for
+every schedule and layout.
 """
 
 from __future__ import annotations
@@ -64,7 +74,9 @@ class Message:
 class Tick:
     """One tick of one rank: compute ``action`` (None: idle), then post ``sends`` and
     ``recvs`` as one group. ``rank`` is whose action it is (in the one-process world one
-    program holds every rank's actions). (A "step" is a whole training step; a program
+    program holds every rank's actions). ``paired``: a B computed interleaved with
+    ``action`` (an F) at their all-to-alls (an overlapped pair of the schedule); both
+    outputs are sent in the tick's group. (A "step" is a whole training step; a program
     is the step's ticks.)"""
 
     tick: int
@@ -72,6 +84,14 @@ class Tick:
     action: Action | None
     sends: tuple[Message, ...] = ()
     recvs: tuple[Message, ...] = ()
+    paired: Action | None = None
+
+    @property
+    def computed(self) -> tuple[Action, ...]:
+        """The tick's actions: none, its action, or the pair."""
+        if self.action is None:
+            return ()
+        return (self.action,) if self.paired is None else (self.action, self.paired)
 
 
 @dataclass(frozen=True)
@@ -107,14 +127,15 @@ class RankProgram:
         return {self._action(i): s for s, i in self.final.items()}
 
     def _action(self, index: int) -> Action:
-        action = self.ticks[index].action
-        assert action is not None
-        return action
+        """The action at ``index`` (of a pair: the later one, which ends the pair)."""
+        computed = self.ticks[index].computed
+        assert computed
+        return computed[-1]
 
     @property
     def actions(self) -> list[Action]:
-        """The actions in the order they run."""
-        return [t.action for t in self.ticks if t.action is not None]
+        """The actions in the order they run (a pair's F first)."""
+        return [a for t in self.ticks for a in t.computed]
 
 
 def producer_of(action: Action, stages: int) -> Action | None:
@@ -137,56 +158,79 @@ def consumer_stage(producer: Action, stages: int) -> int | None:
     return None
 
 
-def ticks(schedule: Schedule, train: bool = True) -> dict[Action, int]:
-    """The lock-step tick of every action (forward actions only unless ``train``)."""
+def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[Action, int]:
+    """The lock-step tick of every action (forward actions only unless ``train``); with
+    ``pairs`` (training only), both actions of an overlapped pair share one tick, after
+    the producers of both."""
     last_tick = [-1] * schedule.ranks
+    position = [0] * schedule.ranks
+    starts = [
+        schedule.pair_starts(r) if pairs and train else frozenset() for r in range(schedule.ranks)
+    ]
     out: dict[Action, int] = {}
     for rank, action in execution_order(schedule):
-        if not train and action.kind != F:
-            continue
-        producer = producer_of(action, schedule.stages)
-        after = out[producer] if producer is not None else -1
-        tick = max(last_tick[rank], after) + 1
-        out[action] = last_tick[rank] = tick
+        i = position[rank]
+        position[rank] += 1
+        if action in out or (not train and action.kind != F):
+            continue  # the B of a pair already placed, or not run in this mode
+        together = [action]
+        if i in starts[rank]:
+            together.append(schedule.actions[rank][i + 1])
+        tick = last_tick[rank]
+        for a in together:
+            producer = producer_of(a, schedule.stages)
+            tick = max(tick, out[producer] if producer is not None else -1)
+        tick += 1
+        for a in together:
+            out[a] = tick
+        last_tick[rank] = tick
     return out
 
 
 def rank_program(
-    schedule: Schedule, rank: int, train: bool = True, join: bool = False
+    schedule: Schedule, rank: int, train: bool = True, join: bool = False, pairs: bool = False
 ) -> RankProgram:
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
     receives alone join the group before them (rule 4; only once every description is
-    known)."""
-    at = ticks(schedule, train)
+    known); ``pairs``: the schedule's overlapped pairs run as one tick (rule 5)."""
+    at = ticks(schedule, train, pairs)
     placement, stages = schedule.placement, schedule.stages
-    mine: dict[int, Action] = {}
+    mine: dict[int, list[Action]] = {}
     incoming: dict[int, list[Message]] = {}
-    outgoing: dict[int, Message] = {}
+    outgoing: dict[int, list[Message]] = {}
     for action, tick in at.items():
         src = placement[action.stage]
         consumer = consumer_stage(action, stages)
         dst = placement[consumer] if consumer is not None else src
         if src == rank:
-            mine[tick] = action
+            mine.setdefault(tick, []).append(action)
         if src == dst or rank not in (src, dst):
             continue
         message = Message(action, src, dst)
         if src == rank:
-            outgoing[tick] = message
+            outgoing.setdefault(tick, []).append(message)
         else:
             incoming.setdefault(tick, []).append(message)
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys()):
-        sent = outgoing.get(tick)
-        # Receives in peer order: the group's layout is the same on every run.
-        recvs = tuple(sorted(incoming.get(tick, []), key=lambda m: m.src))
+        # Sends by producer, receives by peer then producer: both ends of a pair's two
+        # messages to one peer list them in the same order, run after run.
+        sends = tuple(sorted(outgoing.get(tick, []), key=_message_order))
+        recvs = tuple(sorted(incoming.get(tick, []), key=_message_order))
         before = timeline[-1] if timeline else None
-        if join and not sent and recvs and before and before.sends and not before.recvs:
+        if join and not sends and recvs and before and before.sends and not before.recvs:
             joined = timeline[-1]  # rule 4: the receives join the group posted before them
             timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
             recvs = ()
-        timeline.append(Tick(tick, rank, mine.get(tick), (sent,) if sent else (), recvs))
+        actions = sorted(mine.get(tick, []), key=lambda a: a.kind != F)  # a pair's F first
+        first = actions[0] if actions else None
+        paired = actions[1] if len(actions) > 1 else None
+        timeline.append(Tick(tick, rank, first, sends, recvs, paired))
     return _finish(timeline, train)
+
+
+def _message_order(message: Message) -> tuple[int, int, str, int, int]:
+    return (message.src, message.dst, *message.producer)
 
 
 def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
@@ -207,17 +251,15 @@ def _finish(timeline: Iterable[Tick], train: bool) -> RankProgram:
     previous: Action | None = None
     adjacent = set()
     for i, tick in enumerate(in_order):
-        a = tick.action
-        if a is None:
-            continue
-        first.setdefault(a.stage, i)
-        final[a.stage] = i
-        if (
-            previous is not None
-            and previous.kind == F
-            and a.kind == B
-            and (previous.stage, previous.microbatch) == (a.stage, a.microbatch)
-        ):
-            adjacent.add((a.stage, a.microbatch))
-        previous = a
+        for a in tick.computed:
+            first.setdefault(a.stage, i)
+            final[a.stage] = i
+            if (
+                previous is not None
+                and previous.kind == F
+                and a.kind == B
+                and (previous.stage, previous.microbatch) == (a.stage, a.microbatch)
+            ):
+                adjacent.add((a.stage, a.microbatch))
+            previous = a
     return RankProgram(in_order, first, final, frozenset(adjacent), train)

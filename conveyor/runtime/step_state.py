@@ -37,7 +37,9 @@ class StepRecord:
     rank (None in ``predict``); ``outputs``: the last stage's micro-batch outputs (``predict``);
     ``timings``: (rank, kind, stage, micro-batch, start, end) per action, seconds from the
     step start, start once its inputs had arrived; ``waits``: the same for each wait on
-    another rank (the producer's kind, stage and micro-batch); ``memory``: activation
+    another rank (the producer's kind, stage and micro-batch) and each expert all-to-all
+    from its post to its end (kind ``"A"``, the posting action's stage and micro-batch);
+    ``memory``: activation
     memory (``track_memory``), else None.
     """
 
@@ -79,6 +81,8 @@ class StepState:
     outputs: dict[int, Any] = field(default_factory=dict)
     loss: StepLoss | None = None
     timings: list[Timing] = field(default_factory=list)
+    # Each expert all-to-all: kind "A", the stage and micro-batch of the action posting it.
+    exchanges: list[Timing] = field(default_factory=list)
     forward_bytes: dict[Key, int] = field(default_factory=dict)
     backward_bytes: dict[Key, int] = field(default_factory=dict)
 

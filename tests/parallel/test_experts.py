@@ -31,10 +31,11 @@ EXPERTS = 4
 Shard = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels)
 
 
-def tiny_moe(kind: str) -> nn.Module:
-    """A tiny MoE language model (4 experts, top-2, 2 layers), the same weights every call."""
+def tiny_moe(kind: str, layers: int = 2) -> nn.Module:
+    """A tiny MoE language model (4 experts, top-2, ``layers`` layers), the same weights
+    every call."""
     common: dict[str, Any] = dict(
-        vocab_size=37, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=37, hidden_size=16, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2,
     )  # fmt: skip
     if kind == "mixtral":

@@ -32,8 +32,8 @@ MICRO = 3  # micro-batches per replica (dualpipev on 2 ranks needs 3)
 LR = 0.1
 
 
-def model_of(kind: str, aux: bool) -> torch.nn.Module:
-    model = tiny_moe(kind)
+def model_of(kind: str, aux: bool, layers: int = 2) -> torch.nn.Module:
+    model = tiny_moe(kind, layers)
     model.config.use_cache = False
     if aux:
         model.config.output_router_logits = True
@@ -61,9 +61,11 @@ def count(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(int((labels[:, 1:] != -100).sum()) for _, labels in rows)
 
 
-def reference(kind: str, aux: bool) -> list[tuple[float, dict[str, torch.Tensor]]]:
+def reference(
+    kind: str, aux: bool, layers: int = 2
+) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """Per step: the unsplit model's loss and gradients, accumulated over the micro-batches."""
-    model = model_of(kind, aux)
+    model = model_of(kind, aux, layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for rows in batches():
