@@ -63,13 +63,15 @@ def chrome_trace(
 
     Args:
         timings: The action records.
-        waits: The records of waits for a transfer (kind: what was waited for).
+        waits: The records of waits for a transfer (kind: what was waited for), and of
+            expert all-to-alls (kind ``"A"``: the stage and micro-batch of the action that
+            posted it), drawn from their post to their end.
         info: Anything to keep with the trace (schedule, sizes, bubbles); goes to
             ``otherData``.
 
     Returns:
-        The trace as a JSON-ready dict: a track per rank, an event per action and per
-        wait, times in microseconds.
+        The trace as a JSON-ready dict: a track per rank, an event per action, per wait
+        and per all-to-all, times in microseconds.
     """
     trace_events: list[dict[str, object]] = []
     ranks: set[int] = set()
@@ -81,11 +83,15 @@ def chrome_trace(
             "args": {"kind": kind, "stage": stage, "microbatch": mb},
         })
     for rank, kind, stage, mb, start, end in waits:
-        what = "activations" if kind == "F" else "gradients"
+        if kind == "A":  # an expert all-to-all, from its post to its end
+            name, cat, args = f"all-to-all {stage},{mb}", "all-to-all", {"by_stage": stage}
+        else:
+            what = "activations" if kind == "F" else "gradients"
+            name, cat, args = f"wait {what} {kind}{stage},{mb}", "wait", {"waits_for": kind}
         trace_events.append({
-            "name": f"wait {what} {kind}{stage},{mb}", "cat": "wait", "ph": "X", "pid": 0,
-            "tid": rank, "ts": start * 1e6, "dur": (end - start) * 1e6,
-            "args": {"waits_for": kind, "stage": stage, "microbatch": mb},
+            "name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rank,
+            "ts": start * 1e6, "dur": (end - start) * 1e6,
+            "args": {**args, "stage": stage, "microbatch": mb},
         })
     trace_events += [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}

@@ -9,12 +9,15 @@ posts (``tests/support/nccl_record.py``). Checked:
 - the paired runs' losses and gradients equal the unpaired run's and the unsplit model's;
 - in a paired tick the all-to-alls of its F and of its B are in flight at the same time
   (each posted while the other's waits), and without pairs no two all-to-alls ever are;
+- the saved trace shows the all-to-alls of both pipeline ranks;
 - the posts replay deadlock-free under NCCL's rules (``tests/support/nccl_model.py``), and
   the two ranks of each ep group post their all-to-alls in the same order.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +50,7 @@ def _overlapping(spans: list[tuple[str, float, float]]) -> set[tuple[str, str]]:
     return found
 
 
-def ranks(rank: int) -> dict[str, Any]:
+def ranks(rank: int, trace_file: str) -> dict[str, Any]:
     from tests.support.nccl_record import recording
 
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP, timeout=120)
@@ -78,6 +81,8 @@ def ranks(rank: int) -> dict[str, Any]:
                 steps.append((float(loss), grads))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        if run == "dualpipev":
+            pipe.save_trace(trace_file)
         spans = [
             (f"{w.stage},{w.microbatch}", w.start, w.end)
             for w in pipe.last_step_waits()
@@ -92,9 +97,17 @@ def ranks(rank: int) -> dict[str, Any]:
     return out
 
 
-def test_paired_steps_overlap_all_to_alls_exactly_and_replay_under_nccl_rules() -> None:
+def test_paired_steps_overlap_all_to_alls_exactly_and_replay_under_nccl_rules(
+    tmp_path: Path,
+) -> None:
     want = reference("mixtral", aux=False, layers=LAYERS)
-    results = distributed.run(ranks, PP * DP, timeout=600)
+    trace_file = tmp_path / "trace.json"
+    results = distributed.run(ranks, PP * DP, str(trace_file), timeout=600)
+    # The trace shows each pipeline rank's all-to-alls beside its actions.
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "all-to-all"]
+    assert {e["tid"] for e in spans} == {0, 1}, spans[:3]
+    assert all(e["dur"] > 0 and e["name"].startswith("all-to-all ") for e in spans)
     for run in RUNS:
         for rank, got in enumerate(results):
             for step, ((loss, grads), (want_loss, want_grads)) in enumerate(
