@@ -37,28 +37,36 @@ def schedules(draw: st.DrawFn) -> Schedule:
         return get_schedule(name, p, max(m, 2 * p), chunks)
 
 
-@given(schedules(), st.booleans(), st.booleans())
+@given(schedules(), st.booleans(), st.booleans(), st.booleans())
 @settings(max_examples=150, deadline=None)
 def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
-    schedule: Schedule, train: bool, join: bool
+    schedule: Schedule, train: bool, join: bool, pairs: bool
 ) -> None:
     """Each side posts a message once, at its tick; with ``join`` a receive alone may join
     the group the receiver posts just before (rule 4), never one with a group of its own
-    between; without, every receive is posted at its tick."""
-    programs = [rank_program(schedule, r, train, join) for r in range(schedule.ranks)]
-    tick_of = ticks(schedule, train)
+    between; without, every receive is posted at its tick. With ``pairs`` (rule 5) a tick
+    may send two messages to one peer: both ends list them in the same order."""
+    programs = [rank_program(schedule, r, train, join, pairs) for r in range(schedule.ranks)]
+    tick_of = ticks(schedule, train, pairs)
     sent: Counter[tuple[int, Message]] = Counter()
     received: Counter[tuple[int, Message]] = Counter()
+    send_order: dict[tuple[int, int, int], list[Message]] = {}
+    recv_order: dict[tuple[int, int, int], list[Message]] = {}
     for rank, program in enumerate(programs):
         posting = [t.tick for t in program.ticks if t.sends or t.recvs]
         for step in program.ticks:
             assert step.rank == rank
-            # One message per peer in a group: a new description is read before its tensors.
-            assert len({m.src for m in step.recvs}) == len(step.recvs)
+            if not (pairs and train):
+                # One message per peer in a group (a new description is read before its
+                # tensors); only a pair's tick sends two to one peer.
+                assert len({m.src for m in step.recvs}) == len(step.recvs)
             for message in step.sends:
                 assert message.src == rank != message.dst
                 sent[step.tick, message] += 1
+                send_order.setdefault((step.tick, rank, message.dst), []).append(message)
             for message in step.recvs:
+                recv_order.setdefault((tick_of[message.producer], message.src, rank), [])
+                recv_order[tick_of[message.producer], message.src, rank].append(message)
                 assert message.dst == rank != message.src
                 at = tick_of[message.producer]
                 assert join or step.tick == at
@@ -69,35 +77,39 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
                 received[at, message] += 1
     assert sent == received
     assert all(n == 1 for n in sent.values())
+    assert send_order == recv_order
     # Every value that crosses ranks is a message; nothing else is.
     crossing = 0
-    for action in ticks(schedule, train):
+    for action in ticks(schedule, train, pairs):
         producer = producer_of(action, schedule.stages)
         if producer is not None:
             crossing += schedule.placement[producer.stage] != schedule.placement[action.stage]
     assert len(sent) == crossing
 
 
-@given(schedules(), st.booleans())
+@given(schedules(), st.booleans(), st.booleans())
 @settings(max_examples=150, deadline=None)
 def test_programs_keep_the_schedule_order_and_consume_after_producing(
-    schedule: Schedule, train: bool
+    schedule: Schedule, train: bool, pairs: bool
 ) -> None:
-    at = ticks(schedule, train)
+    at = ticks(schedule, train, pairs)
     for rank in range(schedule.ranks):
-        program = rank_program(schedule, rank, train)
+        program = rank_program(schedule, rank, train, pairs=pairs)
         want = [a for a in schedule.actions[rank] if train or a.kind == F]
         assert program.actions == want
         tick_list = [s.tick for s in program.ticks]
         assert tick_list == sorted(set(tick_list))  # one step per tick, increasing
+        # Rule 5: each of the rank's pairs is one tick (training only), F then B.
+        together = [(t.action, t.paired) for t in program.ticks if t.paired is not None]
+        starts = sorted(schedule.pair_starts(rank)) if pairs and train else []
+        assert together == [schedule.actions[rank][i : i + 2] for i in starts]
         for step in program.ticks:
-            if step.action is None:
-                continue
-            producer = producer_of(step.action, schedule.stages)
-            if producer is not None:
-                assert at[producer] < step.tick
-            # The only message sent at a tick is the output of that tick's action.
-            assert all(m.producer == step.action for m in step.sends)
+            for action in step.computed:
+                producer = producer_of(action, schedule.stages)
+                if producer is not None:
+                    assert at[producer] < step.tick
+            # The only messages sent at a tick are the outputs of that tick's actions.
+            assert all(m.producer in step.computed for m in step.sends)
 
 
 def test_one_process_program_runs_every_action_in_a_valid_order() -> None:
@@ -114,20 +126,22 @@ def test_one_process_program_runs_every_action_in_a_valid_order() -> None:
         assert set(program.first) == set(range(schedule.stages)) == set(program.final)
 
 
-def _traces(schedule: Schedule) -> dict[int, list[Record]]:
-    """What each rank would post running its program: before an action, a wait for the
-    receive it consumes; after it, one batch of the tick's sends and receives."""
-    return {rank: _trace(schedule, rank) for rank in range(schedule.ranks)}
+def _traces(schedule: Schedule, pairs: bool = False) -> dict[int, list[Record]]:
+    """What each rank would post running its program: before an action (a pair: both), a
+    wait for each receive it consumes; after it, one batch of the tick's sends and
+    receives."""
+    return {rank: _trace(schedule, rank, pairs) for rank in range(schedule.ranks)}
 
 
-def _trace(schedule: Schedule, rank: int) -> list[Record]:
+def _trace(schedule: Schedule, rank: int, pairs: bool) -> list[Record]:
     out: list[Record] = []
     posted: dict[Action, int] = {}  # producer -> seq of its receive
-    for batch, step in enumerate(rank_program(schedule, rank).ticks):
-        action = step.action
-        producer = None if action is None else producer_of(action, schedule.stages)
-        if producer is not None and producer in posted:
-            out.append(Record(rank, len(out), "wait", "wait", waits_on=(posted.pop(producer),)))
+    for batch, step in enumerate(rank_program(schedule, rank, pairs=pairs).ticks):
+        for action in step.computed:
+            producer = producer_of(action, schedule.stages)
+            if producer is not None and producer in posted:
+                seq = posted.pop(producer)
+                out.append(Record(rank, len(out), "wait", "wait", waits_on=(seq,)))
         for kind, peer, message in [
             *(("send", m.dst, m) for m in step.sends),
             *(("recv", m.src, m) for m in step.recvs),
@@ -151,11 +165,13 @@ def _trace(schedule: Schedule, rank: int) -> list[Record]:
     return out
 
 
-@given(schedules())
+@given(schedules(), st.booleans())
 @settings(max_examples=120, deadline=None)
-def test_programs_replay_without_deadlock_under_nccl_rules(schedule: Schedule) -> None:
+def test_programs_replay_without_deadlock_under_nccl_rules(
+    schedule: Schedule, pairs: bool
+) -> None:
     # Every (streams, sends) combination of the NCCL model (tests/support/nccl_model.py).
-    check(_traces(schedule))
+    check(_traces(schedule, pairs))
 
 
 def test_the_replay_catches_a_receive_posted_ahead_of_a_send() -> None:
