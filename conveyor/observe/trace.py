@@ -83,6 +83,7 @@ def chrome_trace(
             "args": {"kind": kind, "stage": stage, "microbatch": mb},
         })
     for rank, kind, stage, mb, start, end in waits:
+        args: dict[str, object]
         if kind == "A":  # an expert all-to-all, from its post to its end
             name, cat, args = f"all-to-all {stage},{mb}", "all-to-all", {"by_stage": stage}
         else:

@@ -286,7 +286,7 @@ class Engine:
         the compute it did, the F from the pair's start and the B after it, so the busy
         time is the compute and the rest (both waiting on transfers) is idle."""
         f, b = actions  # (with track_memory a pair runs one by one: each action's bytes)
-        pair = Pair(f, b)
+        pair = Pair(f, b, self.ctx.device)
         state = self._state
         start = time.perf_counter()
         out_f, out_b = pair.run(

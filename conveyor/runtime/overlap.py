@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from conveyor.runtime.recompute import RngState, rng_state
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action
 
@@ -51,8 +52,13 @@ class Pair:
     """Two actions interleaved at their communications (see the module's description):
     :meth:`run` computes the first here and the second on a helper thread."""
 
-    def __init__(self, first: Action, second: Action) -> None:
+    def __init__(self, first: Action, second: Action, device: torch.device) -> None:
         self.actions = (first, second)
+        self._device = device
+        # Each action's own random-number state: a forward drawing dropout masks and a
+        # backward replaying a recomputed forward's masks must not draw from each other's
+        # stream when they take turns.
+        self._rng: list[RngState | None] = [None, None]
         self._turn = 0
         self._done = [False, False]
         self._cv = threading.Condition()
@@ -87,6 +93,9 @@ class Pair:
             helper.join()
         finally:
             _set_active(previous)
+        final = self._rng[0]
+        if final is not None:  # as after F then B: a backward draws no random numbers
+            _set_rng(final, self._device)
         for error in errors:
             if error is not None:
                 raise error
@@ -106,14 +115,25 @@ class Pair:
         with self._cv:
             self._cv.wait_for(lambda: self._turn == k)
             self._held_since = time.perf_counter()
+            mine = self._rng[k]
+            if mine is not None:
+                _set_rng(mine, self._device)
 
     def _release(self, k: int, done: bool) -> None:
         with self._cv:
+            self._rng[k] = rng_state(self._device)
             self.compute[k] += time.perf_counter() - self._held_since
             self._done[k] = self._done[k] or done
             if not self._done[1 - k]:
                 self._turn = 1 - k
             self._cv.notify_all()
+
+
+def _set_rng(state: RngState, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 _active: Pair | None = None
