@@ -2,9 +2,11 @@
 
 Pure Python (no torch import). Each rank runs its program in order; an action starts
 when its rank is free and its dependencies are done, plus ``comm`` for a dependency that
-ran on another rank. The simulation itself is in :mod:`conveyor.schedules.simulation`
-(schedules search with it, so it sits beside them); this module is its public face and
-draws its timeline as text.
+ran on another rank. ``a2a`` adds the expert all-to-alls of a mixture-of-experts model:
+an action alone waits for its own, an overlapped forward / backward pair hides each one
+behind the other's compute (:func:`simulate`). The simulation itself is in
+:mod:`conveyor.schedules.simulation` (schedules search with it, so it sits beside them);
+this module is its public face and draws its timeline as text.
 """
 
 from __future__ import annotations
@@ -14,18 +16,23 @@ import math
 
 from conveyor.schedules.core import Action, Schedule
 from conveyor.schedules.simulation import (
+    A2A,
+    A2ASpec,
     Cost,
     CostSpec,
     Event,
     SimResult,
     action_durations,
     is_per_stage,
+    normalize_a2a,
     normalize_cost,
     peak_activations,
     simulate,
 )
 
 __all__ = [
+    "A2A",
+    "A2ASpec",
     "Cost",
     "CostSpec",
     "Event",
@@ -33,6 +40,7 @@ __all__ = [
     "action_durations",
     "ascii_timeline",
     "is_per_stage",
+    "normalize_a2a",
     "normalize_cost",
     "peak_activations",
     "simulate",

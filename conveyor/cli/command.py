@@ -47,6 +47,27 @@ def parse_cost(text: str) -> tuple[float, float, float]:
     return (values[0], values[1], values[2])
 
 
+def parse_a2a(text: str) -> tuple[float, float]:
+    """Parse ``--a2a``'s ``X`` (the same for F and B) or ``F,B``.
+
+    Args:
+        text: One number or two comma-separated ones, e.g. ``1`` or ``1,2``.
+
+    Returns:
+        The pair (F, B) as floats.
+
+    Raises:
+        ConfigError: Unless one or two finite numbers >= 0.
+    """
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"--a2a must be one number >= 0, or two as F,B (e.g. 1,2), got {text!r}")
+    return (values[0], values[-1])
+
+
 def _build_parser() -> Parser:
     """The ``conveyor`` parser: ``simulate`` and, for ``--help``, the forwarded commands."""
     from conveyor import __version__
@@ -95,6 +116,19 @@ def _build_parser() -> Parser:
     simulate.add_argument(
         "--comm", type=float, default=0.0, metavar="C", help="cost of one transfer between ranks"
     )
+    simulate.add_argument(
+        "--a2a",
+        default="0",
+        metavar="X|F,B",
+        help="MoE expert all-to-all time of one rank's whole share for one micro-batch, one "
+        "for F and B or F,B: an action alone waits for its own; in an overlapped F+B pair "
+        "each hides behind the other's compute",
+    )
+    simulate.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run the schedule's F+B pairs as separate actions (to compare, with --a2a)",
+    )
     simulate.add_argument("--json", action="store_true", help="print one JSON object instead")
     simulate.add_argument("--png", metavar="FILE", help="also draw the timeline to FILE")
     simulate.set_defaults(run=run_simulate)
@@ -135,20 +169,28 @@ def run_simulate(args: argparse.Namespace) -> int:
         ConfigError: For a bad flag value, schedule name or chunk count; or when
             ``--png`` cannot be drawn.
     """
+    from conveyor.schedules import unpaired
     from conveyor.schedules.registry import get_schedule
     from conveyor.simulate import ascii_timeline, simulate
 
     cost = parse_cost(args.cost)
+    a2a = parse_a2a(args.a2a)
     chunks = _check_simulate_args(args)
     schedule = get_schedule(args.schedule, args.ranks, args.microbatches, chunks)
-    result = simulate(schedule, cost=cost, comm=args.comm)
+    if args.no_overlap:
+        schedule = unpaired(schedule)
+    result = simulate(schedule, cost=cost, comm=args.comm, a2a=a2a)
+    moe = ""
+    if any(a2a):
+        pairs = "no-overlap" if args.no_overlap else f"{result.overlapped} F+B pairs overlapped"
+        moe = f", a2a F,B = {a2a[0]:g},{a2a[1]:g} ({pairs})"
     if args.png:
         from conveyor.observe.pictures import draw_timeline
         from conveyor.runtime.timing import Timing
 
         title = (
             f"{schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunk(s), "
-            f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}, "
+            f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}{moe}, "
             f"bubble {result.bubble:.1%}"
         )
         draw_timeline(
@@ -165,6 +207,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(
         f"schedule {schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunk(s), "
         f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}, comm {args.comm:g}"
+        f"{moe}"
     )
     print(
         f"makespan {data['makespan']:g}  span {data['span']:g}  bubble {result.bubble:.2%}  "

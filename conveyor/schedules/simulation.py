@@ -2,7 +2,10 @@
 
 Pure Python (no torch import). Each rank runs its program in order; an action starts
 when its rank is free and its dependencies are done, plus ``comm`` for a dependency that
-ran on another rank. It lives beside :class:`~conveyor.schedules.core.Schedule` because
+ran on another rank. With expert all-to-all time (``a2a``), an action alone waits for its
+all-to-all and an overlapped forward / backward pair
+(:attr:`~conveyor.schedules.core.Schedule.pairs`) hides each one's behind the other's
+compute (:func:`simulate`). It lives beside :class:`~conveyor.schedules.core.Schedule` because
 schedules search with it (:func:`~conveyor.schedules.auto.zero_bubble_auto`);
 :mod:`conveyor.simulate` is its public face.
 """
@@ -10,6 +13,7 @@ schedules search with it (:func:`~conveyor.schedules.auto.zero_bubble_auto`);
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeGuard, cast
@@ -30,6 +34,11 @@ Cost = tuple[float, float, float]
 """Durations (F, B, W) of one micro-batch, checked: finite floats >= 0."""
 CostSpec = Sequence[float] | Sequence[Sequence[float]]
 """(F, B, W) for one rank's whole share, or one (F, B, W) per stage."""
+A2A = tuple[float, float]
+"""Expert all-to-all time (F, B) of one micro-batch through one rank's whole share,
+checked: finite floats >= 0."""
+A2ASpec = float | Sequence[float]
+"""One all-to-all time for both F and B, or a pair (F, B)."""
 
 
 class Event(NamedTuple):
@@ -65,6 +74,9 @@ class SimResult:
             costs and stays meaningful for per-stage costs.
         peak_activations: Per rank, the most micro-batch activations held at once
             (:func:`peak_activations`).
+        a2a: The expert all-to-all time (F, B) of one micro-batch through one rank's
+            whole share, checked (:func:`normalize_a2a`); (0, 0): none, and the pairs
+            were not simulated.
     """
 
     schedule: Schedule
@@ -75,6 +87,14 @@ class SimResult:
     span: float
     bubble: float
     peak_activations: tuple[float, ...]
+    a2a: A2A = (0.0, 0.0)
+
+    @property
+    def overlapped(self) -> int:
+        """How many overlapped forward / backward pairs were simulated as pairs: those of
+        the schedule (:attr:`~conveyor.schedules.core.Schedule.pairs`) when there is
+        all-to-all time, else none."""
+        return sum(map(len, self.schedule.pairs)) if any(self.a2a) else 0
 
     def to_json_dict(self) -> dict[str, object]:
         """The ``conveyor simulate --json`` object (keys as in DESIGN.md).
@@ -82,7 +102,9 @@ class SimResult:
         Returns:
             ``schedule`` (its name), ``ranks``, ``chunks``, ``microbatches``, ``cost``,
             ``comm``, ``makespan``, ``span``, ``bubble`` (rounded to 4 places) and
-            ``peak_activations``: plain JSON values.
+            ``peak_activations``: plain JSON values. With all-to-all time, also ``a2a``
+            (``[F, B]``) and ``pairs`` (how many overlapped pairs ran); without, those two
+            keys are left out, so the object is exactly DESIGN.md's.
         """
         cost = [list(c) for c in self.cost] if is_per_stage(self.cost) else list(self.cost)
         return {
@@ -96,7 +118,7 @@ class SimResult:
             "span": _tidy(self.span),
             "bubble": round(self.bubble, 4),
             "peak_activations": [round(p, 4) for p in self.peak_activations],
-        }
+        } | ({"a2a": list(self.a2a), "pairs": self.overlapped} if any(self.a2a) else {})
 
 
 def is_per_stage(cost: Cost | tuple[Cost, ...]) -> TypeGuard[tuple[Cost, ...]]:
@@ -127,6 +149,28 @@ def _as_cost(values: Sequence[float], what: str) -> Cost:
     if not all(math.isfinite(v) and v >= 0 for v in (f, b, w)):
         raise ConfigError(f"{what} must be finite and >= 0, got {list(values)}")
     return (f, b, w)
+
+
+def normalize_a2a(a2a: A2ASpec) -> A2A:
+    """Check ``a2a`` and return it as a pair (F, B).
+
+    Args:
+        a2a: One number (the same for F and B) or two, (F, B).
+
+    Returns:
+        The pair, as floats.
+
+    Raises:
+        ConfigError: Unless one or two finite numbers >= 0.
+    """
+    values = a2a if isinstance(a2a, Sequence) else [a2a]
+    pair = tuple(float(v) for v in values if isinstance(v, numbers.Real))
+    in_range = all(math.isfinite(v) and v >= 0 for v in pair)
+    if len(pair) != len(values) or len(pair) not in (1, 2) or not in_range:
+        raise ConfigError(
+            f"a2a must be a finite number >= 0, or a pair (F, B) of them, got {a2a!r}"
+        )
+    return (pair[0], pair[-1])
 
 
 def normalize_cost(schedule: Schedule, cost: CostSpec) -> Cost | tuple[Cost, ...]:
@@ -225,11 +269,35 @@ def bubble(busy: float, first: float, last: float, ranks: int) -> float:
     return 1.0 - busy / (ranks * span) if span > 0 else 0.0
 
 
-def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float = 0.0) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    cost: CostSpec = (1.0, 1.0, 1.0),
+    comm: float = 0.0,
+    a2a: A2ASpec = 0.0,
+) -> SimResult:
     """Run ``schedule`` in simulated time.
 
     Each rank runs its program in order; an action starts when its rank is free and its
     dependencies have ended, plus ``comm`` for each dependency that ran on another rank.
+
+    ``a2a`` adds the expert all-to-alls of a mixture-of-experts model (tokens travel to
+    their experts and back in every MoE layer, in F and in B; W has none), in the model
+    DualPipe is built on: compute and communication run side by side, on their own
+    streams.
+
+    - ``a2a`` 0 (the default): no all-to-all. Overlapped pairs are ignored; every action
+      runs alone and takes its compute time.
+    - An action that runs alone takes its compute plus its all-to-all: the rank waits for
+      its tokens, with nothing else to do meanwhile.
+    - An overlapped pair (:attr:`~conveyor.schedules.core.Schedule.pairs`: one
+      micro-batch's F and another's B, interleaved) starts when its rank is free and
+      the dependencies of both have ended, and takes ``max(cF + cB, aF + aB)``: each
+      all-to-all is in flight while the other action computes, so the rank is busy for
+      the longer of the two streams, compute or communication, not their sum. Its F and
+      B are recorded as consecutive events that split that time in proportion ``cF :
+      cB``, so busy time, bubble and pictures add up. Both results are ready when the
+      pair ends (the two are interleaved to the end, and their outputs are sent
+      together), and that is when the actions that need them may start.
 
     Args:
         schedule: The schedule; not validated here (see
@@ -237,33 +305,68 @@ def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float =
         cost: (F, B, W) durations for one rank's whole share of the model and one
             micro-batch, or a list of (F, B, W), one per stage, in any time unit.
         comm: The latency of one transfer between ranks, in the unit of ``cost``.
+        a2a: The expert all-to-all time of one micro-batch through one rank's whole
+            share, in the unit of ``cost``: one number for F and B, or a pair (F, B).
+            Like a per-rank ``cost``, each of V chunks takes 1/V of it.
 
     Returns:
         The timeline and its summary.
 
     Raises:
         ScheduleError: If the schedule deadlocks.
-        ConfigError: For bad costs or a ``comm`` that is not a finite number >= 0.
+        ConfigError: For bad costs, a ``comm`` that is not a finite number >= 0, or an
+            ``a2a`` that is not one or two of them.
     """
     if not (math.isfinite(comm) and comm >= 0):
         raise ConfigError(f"comm must be a finite number >= 0, got {comm}")
     costs = normalize_cost(schedule, cost)
+    exchange = normalize_a2a(a2a)
     durations = action_durations(schedule, costs)
+    overlap = any(exchange)
+    # Per kind, one chunk's all-to-all (W has none); all zero without all-to-all.
+    a2a_of: dict[Kind, float] = {
+        F: exchange[0] / schedule.chunks,
+        B: exchange[1] / schedule.chunks,
+        W: 0.0,
+    }
+    pair_starts = [
+        schedule.pair_starts(r) if overlap else frozenset[int]() for r in range(schedule.ranks)
+    ]
     placement = schedule.placement
     free = [0.0] * schedule.ranks
     first_start = [math.inf] * schedule.ranks
+    position = [0] * schedule.ranks
     end: dict[Action, float] = {}
     timed: list[list[Event]] = [[] for _ in range(schedule.ranks)]
-    for rank, action in execution_order(schedule):
+    order = execution_order(schedule)  # a pair's F and B come out together, in order
+    k = 0
+    while k < len(order):
+        rank, action = order[k]
+        together = [action]
+        if position[rank] in pair_starts[rank]:
+            together.append(order[k + 1][1])
+        k += len(together)
+        position[rank] += len(together)
         start = free[rank]
-        for dep in dependencies(schedule, action):
-            ready_at = end[dep] + (comm if placement[dep.stage] != rank else 0.0)
-            start = max(start, ready_at)
-        finish = start + durations[action.stage][action.kind]
-        end[action] = finish
+        for one in together:
+            for dep in dependencies(schedule, one):
+                ready_at = end[dep] + (comm if placement[dep.stage] != rank else 0.0)
+                start = max(start, ready_at)
+        if len(together) == 1:
+            finish = start + durations[action.stage][action.kind] + a2a_of[action.kind]
+            end[action] = finish
+            timed[rank].append(Event(rank, action, start, finish))
+        else:
+            fwd, bwd = together
+            compute_f, compute_b = durations[fwd.stage][F], durations[bwd.stage][B]
+            length = max(compute_f + compute_b, a2a_of[F] + a2a_of[B])
+            finish = start + length
+            share = compute_f / (compute_f + compute_b) if compute_f + compute_b else 0.5
+            middle = start + length * share
+            end[fwd] = end[bwd] = finish
+            timed[rank] += [Event(rank, fwd, start, middle), Event(rank, bwd, middle, finish)]
         free[rank] = finish
         first_start[rank] = min(first_start[rank], start)
-        timed[rank].append(Event(rank, action, start, finish))
     events = tuple(e for rank_events in timed for e in rank_events)
     active = [r for r in range(schedule.ranks) if timed[r]]
     first = min((first_start[r] for r in active), default=0.0)
@@ -280,4 +383,5 @@ def simulate(schedule: Schedule, cost: CostSpec = (1.0, 1.0, 1.0), comm: float =
         span=span,
         bubble=bubble(busy, first, last, schedule.ranks),
         peak_activations=peak_activations(schedule),
+        a2a=exchange,
     )
