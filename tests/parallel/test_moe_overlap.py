@@ -10,6 +10,8 @@ posts (``tests/support/nccl_record.py``). Checked:
 - in a paired tick the all-to-alls of its F and of its B are in flight at the same time
   (each posted while the other's waits), and without pairs no two all-to-alls ever are;
 - the saved trace shows the all-to-alls of both pipeline ranks;
+- with dropout on, the paired run with recompute equals the paired and the unpaired run
+  without it (each action of a pair keeps its own random-number stream);
 - the posts replay deadlock-free under NCCL's rules (``tests/support/nccl_model.py``), and
   the two ranks of each ep group post their all-to-alls in the same order.
 """
@@ -34,6 +36,9 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 RUNS = ("dualpipev", "dualpipev unpaired", "1f1b")
+# Dropout on: the paired 1f1b with recompute (its B replays the forward's masks while the
+# paired F draws its own) must equal the run without recompute and the unpaired run.
+DROPOUT_RUNS = ("1f1b dropout", "1f1b dropout recompute", "1f1b dropout unpaired")
 LAYERS = 4  # a MoE layer in each of dualpipev's 4 stages
 
 
@@ -55,12 +60,16 @@ def ranks(rank: int, trace_file: str) -> dict[str, Any]:
 
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP, timeout=120)
     out: dict[str, Any] = {"pp": ctx.pp_rank}
-    for run in RUNS:
+    for run in RUNS + DROPOUT_RUNS:
         name = run.split()[0]
         schedule: Any = name
         if run.endswith("unpaired"):
             schedule = unpaired(get_schedule(name, PP, MICRO))
         model = model_of("mixtral", aux=False, layers=LAYERS)
+        if "dropout" in run:
+            model.config.attention_dropout = 0.3
+            for layer in model.model.layers:
+                layer.self_attn.attention_dropout = 0.3
         mine = [rows[ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO] for rows in batches()]
         shards = [
             {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
@@ -68,8 +77,10 @@ def ranks(rank: int, trace_file: str) -> dict[str, Any]:
         ]
         with recording() as trace:
             pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
-                                     sample=(shards[0], None))  # fmt: skip
+                                     sample=(shards[0], None),
+                                     recompute="recompute" in run)  # fmt: skip
             opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            torch.manual_seed(10 + rank)  # the same masks in every dropout run
             steps = []
             for batch in shards:
                 loss = pipe.train_step(batch, None)
@@ -103,6 +114,16 @@ def test_paired_steps_overlap_all_to_alls_exactly_and_replay_under_nccl_rules(
     want = reference("mixtral", aux=False, layers=LAYERS)
     trace_file = tmp_path / "trace.json"
     results = distributed.run(ranks, PP * DP, str(trace_file), timeout=600)
+    for rank, got in enumerate(results):
+        base = got["1f1b dropout"]["steps"]
+        for run in DROPOUT_RUNS[1:]:
+            for step, ((loss, grads), (want_loss, want_grads)) in enumerate(
+                zip(got[run]["steps"], base, strict=True)
+            ):
+                what = f"{run} rank {rank} step {step}"
+                assert loss == pytest.approx(want_loss, rel=1e-5), (what, loss, want_loss)
+                assert_close(grads, want_grads, what, tol=1e-5)
+        assert got["1f1b dropout"]["steps"][0][0] != got["1f1b"]["steps"][0][0]  # dropout on
     # The trace shows each pipeline rank's all-to-alls beside its actions.
     events = json.loads(trace_file.read_text())["traceEvents"]
     spans = [e for e in events if e.get("cat") == "all-to-all"]
