@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from conveyor.weights.converted import converted
 from conveyor.weights.empty import empty_weights, has_meta
 from conveyor.weights.fill import check, fill
 from conveyor.weights.plan import wanted
@@ -63,7 +64,11 @@ class Pending:
     def __init__(self, model: nn.Module, modules: list[nn.Module], weights: Weights,
                  init_seed: int) -> None:  # fmt: skip
         self.model, self.init_seed = model, init_seed
-        self.source: Source | None = open_source(weights) if weights is not None else None
+        # A transformers checkpoint is read under the model's names, converted as
+        # from_pretrained converts it (MoE experts stored one tensor per expert).
+        self.source: Source | None = (
+            converted(open_source(weights), model) if weights is not None else None
+        )
         everything = self.source is not None
         whole = wanted(model, [model], everything)
         self.found = check(model, whole, self.source)
