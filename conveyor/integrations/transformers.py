@@ -179,10 +179,15 @@ class PipelineTrainer(Trainer):
             decay = set(self.get_decay_parameter_names(self.whole))
             named = [(n, p) for n, p in self.pipe.named_parameters() if p.requires_grad]
             decay_rate = self.args.weight_decay
+            # Sharded parameters (DTensors: experts over ep, tensor-parallel weights) in
+            # groups of their own: the fused and foreach optimizers step a group's tensors
+            # together, and torch refuses DTensors mixed with plain tensors there.
             groups = [
-                {"params": [p for n, p in named if n in decay], "weight_decay": decay_rate},
-                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-            ]
+                {"params": [p for n, p in named if (n in decay) is d and _sharded(p) is s],
+                 "weight_decay": decay_rate if d else 0.0}
+                for d in (True, False)
+                for s in (False, True)
+            ]  # fmt: skip
             cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.whole)
             self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
         return self.optimizer
@@ -329,3 +334,8 @@ class PipelineTrainer(Trainer):
         state = self.whole_state_dict()
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor (a shard over a device mesh)."""
+    return hasattr(p, "device_mesh")
