@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement, paired
+from conveyor.schedules.core import Action, B, F, Schedule, check_sizes, loop_placement
 
 
 def one_f_one_b_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:
@@ -41,12 +41,13 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
         ConfigError: If a size is not an integer >= 1.
     """
     check_sizes(ranks, microbatches)
-    return paired(
-        Schedule(
-            name="1f1b",
-            ranks=ranks,
-            microbatches=microbatches,
-            placement=loop_placement(ranks, 1),
-            actions=tuple(one_f_one_b_program(ranks, microbatches, r) for r in range(ranks)),
-        )
+    # Not paired (conveyor.schedules.paired would mark its steady state): in plain 1F1B a
+    # pair's B waits for the next rank's pair, so the pairs run one rank after another
+    # and cost more than the overlap hides (docs/concepts/schedules-as-data.md).
+    return Schedule(
+        name="1f1b",
+        ranks=ranks,
+        microbatches=microbatches,
+        placement=loop_placement(ranks, 1),
+        actions=tuple(one_f_one_b_program(ranks, microbatches, r) for r in range(ranks)),
     )

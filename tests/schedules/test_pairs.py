@@ -80,21 +80,24 @@ def test_paired_marks_valid_pairs_on_every_generator(schedule: Schedule) -> None
 
 
 def test_generators_that_overlap_return_paired_schedules() -> None:
-    for name, p, m in [("1f1b", 4, 8), ("interleaved-1f1b", 4, 8), ("dualpipev", 4, 10)]:
+    for name, p, m in [("interleaved-1f1b", 4, 8), ("dualpipev", 4, 10)]:
         schedule = get_schedule(name, p, m, default_chunks(name))
         assert schedule.pairs and schedule == paired(schedule), name
     assert get_schedule("gpipe", 4, 8).pairs == ()  # no F is ever followed by a B
+    # 1F1B could pair (its steady state) but is generated without: there the pairs cost
+    # more than they hide (test_1f1b_two_ranks_by_hand).
+    assert get_schedule("1f1b", 4, 8).pairs == () and paired(get_schedule("1f1b", 4, 8)).pairs
 
 
 def test_table_writes_a_pair_as_f_plus_b() -> None:
-    table = to_table(get_schedule("1f1b", 2, 3))
+    table = to_table(paired(get_schedule("1f1b", 2, 3)))
     assert "rank 0: F0,0 F0,1+B0,0 F0,2+B0,1 B0,2" in table
     assert "rank 1: F1,0 B1,0 F1,1 B1,1 F1,2 B1,2" in table  # same micro-batch: no pair
 
 
 # --- validate rejects bad pairs -------------------------------------------------------------
 
-BASE = get_schedule("1f1b", 2, 3)  # rank 0: F0,0 F0,1 B0,0 F0,2 B0,1 B0,2; pairs at 1, 3
+BASE = paired(get_schedule("1f1b", 2, 3))  # rank 0: F0,0 F0,1 B0,0 F0,2 B0,1 B0,2; pairs at 1, 3
 NOT_A_PAIR = r"rank 0: pair at index {} is not an F followed by a B of another micro-batch"
 
 
@@ -250,7 +253,8 @@ def test_1f1b_two_ranks_by_hand() -> None:
     #   rank 1: F0 2-4, B0 4-6, F1 8-10, B1 10-12, F2 14-16, B2 16-18, F3 20-22, B3 22-24
     #   makespan 26: in plain 1F1B a pair ties the next forward to the last backward, so
     #   the overlap costs more than it hides.
-    schedule = get_schedule("1f1b", 2, 4)
+    assert get_schedule("1f1b", 2, 4).pairs == ()  # the generator does not pair it
+    schedule = paired(get_schedule("1f1b", 2, 4))
     assert schedule.pairs == ((1, 3, 5), ())
     assert simulate(unpaired(schedule), (1, 1, 0), a2a=1).makespan == 20.0
     result = simulate(schedule, (1, 1, 0), a2a=1)

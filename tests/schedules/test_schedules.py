@@ -224,7 +224,7 @@ def test_table_format() -> None:
         "microbatches: 2\n"
         "placement: 0 1\n"
         "split_backward: false\n"
-        "rank 0: F0,0 F0,1+B0,0 B0,1\n"
+        "rank 0: F0,0 F0,1 B0,0 B0,1\n"
         "rank 1: F1,0 B1,0 F1,1 B1,1\n"
     )
 
