@@ -8,8 +8,9 @@ One world (forked workers, so the 4 processes share this one's imports) runs, in
    tensor per expert under older names; conveyor converts as ``from_pretrained`` does):
    each rank makes real only its own stages and its share of the experts, the rows of the
    checkpoint's experts it holds; one step exact against the unsplit model;
-2. ``recompute=True`` with 1f1b, its pairs active (a recomputed forward runs inside the
-   paired backward): exact;
+2. ``recompute=True`` with 1f1b, its steady state paired: exact (the pairs run one after
+   the other under recompute until runtime/overlap.Pair tells a recomputed forward from
+   the pair's own; then a recomputed forward runs inside the paired backward);
 3. ``compile`` (aot_eager): gradients equal the eager pipeline's of (1), compiled code ran;
 4. ``autocast=torch.bfloat16``: close to the unsplit model under the same autocast;
 5. ``conveyor.Trainer`` and ``PipelineTrainer`` (``pipeline_options={"ep": 2}``): a few
@@ -31,6 +32,7 @@ import torch
 
 import conveyor
 from conveyor.experts import is_expert_parameter
+from conveyor.schedules import get_schedule, paired
 from tests.parallel.test_experts import EXPERTS
 from tests.parallel.test_moe_pipeline import (
     DP,
@@ -150,8 +152,11 @@ def _recompute(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         calls.append((threading.current_thread().name, in_backward))
         return routed(*args)
 
+    # 1F1B with its steady state's forwards and backwards paired (marked here, whether or
+    # not the generator marks them itself)
+    schedule = paired(get_schedule("1f1b", PP, MICRO))
     pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
-                             schedule="1f1b", recompute=True, sample=(batch, None))  # fmt: skip
+                             schedule=schedule, recompute=True, sample=(batch, None))  # fmt: skip
     shard.routed_forward = counting  # type: ignore[assignment]
     try:
         out = _step(pipe, batch)
@@ -332,7 +337,7 @@ def test_meta_device_and_transformers_checkpoint(results: dict[str, Any]) -> Non
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_recompute_with_1f1b(results: dict[str, Any]) -> None:
-    """recompute=True with 1f1b (whose schedule pairs forwards with backwards): exact, and
+    """recompute=True with 1f1b, its steady state paired: exact, and
     stage 0's forwards are really recomputed. Where the engine runs the pairs interleaved,
     some recompute runs inside a paired backward (the pair's helper thread, before
     autograd's backward); while runtime/overlap.Pair cannot tell that forward from the
