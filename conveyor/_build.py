@@ -210,13 +210,8 @@ def build(
         compiled=compiled,
         modules={s: ", ".join(description.stages[s].modules) for s in held},
         # Every pipeline rank decides alike (the pairs shape every rank's program): the
-        # model has expert collections and they are spread over ep ranks. Not with
-        # recompute: a backward's recomputed forward runs on the pair's second thread but
-        # outside autograd's backward, where runtime/overlap.Pair.party takes it for the
-        # pair's forward, and the ranks wait on each other forever.
-        pairs=ctx.ep_size > 1
-        and bool(chosen(all_stages, options.ep_plan))
-        and not options.recompute_stages(schedule.stages),
+        # model has expert collections and they are spread over ep ranks.
+        pairs=ctx.ep_size > 1 and bool(chosen(all_stages, options.ep_plan)),
     )
     # Without FSDP, replicas average their gradients while the pipeline drains.
     reductions: list[StepSync] = []

@@ -64,11 +64,15 @@ class Pair:
         self._cv = threading.Condition()
         self.compute = [0.0, 0.0]  # seconds each action held the baton
         self._held_since = 0.0
+        self._first = threading.get_ident()
 
     def party(self) -> int:
-        """Which action is calling: the second (a backward) runs inside autograd's
-        backward, also on CUDA where that is autograd's own device thread."""
-        return 1 if torch._C._current_graph_task_id() != -1 else 0
+        """Which action is calling: the first runs on the thread that called :meth:`run`,
+        outside any backward; the second (a backward) on the helper thread, or inside
+        autograd's backward (on CUDA autograd's own device thread). A recomputed forward
+        runs on the helper thread before its backward starts."""
+        inside = torch._C._current_graph_task_id() != -1
+        return 0 if threading.get_ident() == self._first and not inside else 1
 
     def run(self, first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
         """Both results; the first error either raised, after both ended."""
@@ -84,6 +88,7 @@ class Pair:
             finally:
                 self._release(k, done=True)
 
+        self._first = threading.get_ident()
         helper = threading.Thread(target=body, args=(1, second), name="conveyor-pair")
         previous = _set_active(self)
         try:

@@ -8,9 +8,8 @@ One world (forked workers, so the 4 processes share this one's imports) runs, in
    tensor per expert under older names; conveyor converts as ``from_pretrained`` does):
    each rank makes real only its own stages and its share of the experts, the rows of the
    checkpoint's experts it holds; one step exact against the unsplit model;
-2. ``recompute=True`` with 1f1b, its steady state paired: exact (the pairs run one after
-   the other under recompute until runtime/overlap.Pair tells a recomputed forward from
-   the pair's own; then a recomputed forward runs inside the paired backward);
+2. ``recompute=True`` with 1f1b, its steady state paired: exact, a recomputed forward
+   running inside the paired backward (on the pair's helper thread);
 3. ``compile`` (aot_eager): gradients equal the eager pipeline's of (1), compiled code ran;
 4. ``autocast=torch.bfloat16``: close to the unsplit model under the same autocast;
 5. ``conveyor.Trainer`` and ``PipelineTrainer`` (``pipeline_options={"ep": 2}``): a few
@@ -337,11 +336,9 @@ def test_meta_device_and_transformers_checkpoint(results: dict[str, Any]) -> Non
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_recompute_with_1f1b(results: dict[str, Any]) -> None:
-    """recompute=True with 1f1b, its steady state paired: exact, and
-    stage 0's forwards are really recomputed. Where the engine runs the pairs interleaved,
-    some recompute runs inside a paired backward (the pair's helper thread, before
-    autograd's backward); while runtime/overlap.Pair cannot tell that forward from the
-    pair's own (it deadlocked), the pipeline runs the pairs one after the other."""
+    """recompute=True with 1f1b, its steady state paired: exact, and stage 0's forwards
+    are really recomputed, some inside a paired backward (the pair's helper thread, before
+    autograd's backward: runtime/overlap.Pair tells it from the pair's own forward)."""
     for rank, got in enumerate(results["got"]):
         run = got["recompute"]
         _exact(run, results["want"]["step"], f"recompute rank {rank}")
@@ -352,9 +349,8 @@ def test_recompute_with_1f1b(results: dict[str, Any]) -> None:
             # does not follow its forward directly
             assert len(forwards) > MICRO, (rank, run["calls"])
         in_pair = [t for t in forwards if t == "conveyor-pair"]
-        if not run["paired"]:
-            assert not in_pair, (rank, run["calls"])
-        elif got["meta"]["pp_rank"] == 0:
+        assert run["paired"], rank  # the engine runs the pairs interleaved
+        if got["meta"]["pp_rank"] == 0:
             assert in_pair, (rank, run["calls"])
     _every_gradient(results, "recompute")
 
