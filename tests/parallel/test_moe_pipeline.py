@@ -8,8 +8,8 @@ accumulation over the same micro-batches (each called with the whole batch's tok
 without router losses that is the whole batch's loss, and with ``output_router_logits`` the
 router's auxiliary loss is per forward, so per micro-batch: the step adds ``coef`` times
 their mean (docs/guide/moe.md). The schedules 1f1b, zb-h1,
-interleaved-1f1b and dualpipev each run once, interleaved-1f1b and zb-h1 under FSDP (experts
-over the replicas holding the same experts). Each rank's expert parameters are its share.
+interleaved-1f1b and dualpipev each run with and without FSDP (experts over the replicas
+holding the same experts). Each rank's expert parameters are its share.
 """
 
 from __future__ import annotations
@@ -144,30 +144,33 @@ def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_mixtral_1f1b_and_interleaved_fsdp() -> None:
-    """Mixtral: 1f1b, and interleaved-1f1b (2 chunks) under FSDP."""
-    check("mixtral", False, [("1f1b", False), ("interleaved-1f1b", True)])
+def test_mixtral_1f1b_and_interleaved() -> None:
+    """Mixtral: 1f1b, and interleaved-1f1b (2 chunks, its pairs overlapped) with and
+    without FSDP."""
+    runs = [("1f1b", False), ("interleaved-1f1b", True), ("interleaved-1f1b", False)]
+    check("mixtral", False, runs)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_qwen2_moe_shared_experts_zb_h1_fsdp_and_dualpipev() -> None:
     """Qwen2-MoE (a shared expert, replicated): zb-h1 (also under FSDP: W differentiates
-    for the expert units' gathered tensors too) and dualpipev."""
-    check("qwen2_moe", False, [("zb-h1", False), ("zb-h1", True), ("dualpipev", False)])
+    for the expert units' gathered tensors too) and dualpipev, with and without FSDP."""
+    runs = [("zb-h1", False), ("zb-h1", True), ("dualpipev", False), ("dualpipev", True)]
+    check("qwen2_moe", False, runs)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_olmoe_1f1b() -> None:
-    """OLMoE: 1f1b; and without router losses the accumulated reference is the whole
-    batch's loss."""
+    """OLMoE: 1f1b, with and without FSDP; and without router losses the accumulated
+    reference is the whole batch's loss."""
     model = model_of("olmoe", False)
     rows = batches()[0]
     ids, labels = torch.cat([i for i, _ in rows]), torch.cat([t for _, t in rows])
     whole = float(model(input_ids=ids, labels=labels).loss)
     assert whole == pytest.approx(reference("olmoe", False)[0][0], rel=1e-5)
-    check("olmoe", False, [("1f1b", False)])
+    check("olmoe", False, [("1f1b", False), ("1f1b", True)])
 
 
 def test_router_aux_loss_one_process() -> None:
