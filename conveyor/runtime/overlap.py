@@ -8,10 +8,9 @@ communication (:func:`exchange`) the holder posts it, hands the baton to the oth
 and waits for its transfer; it takes the baton back when the other action reaches its
 own communication or ends. So the posts alternate F, B, F, B, ... in an order fixed by
 the programs alone, the same on every rank of a group (NCCL's rule: collectives in one
-order on every member). On CPU (gloo) the waiting thread blocks while the other
-computes; on CUDA, NCCL runs the transfer on its own communication stream and the wait
-only orders the compute stream after it, so the other action's kernels are queued while
-the transfer runs.
+order on every member). The waiting thread blocks (at most the time-out) while the other
+computes: on CPU (gloo) the transfer runs on gloo's threads; on CUDA, NCCL runs it on its
+own communication stream while the other thread queues its kernels on the compute stream.
 
 Outside a pair, :func:`exchange` posts and waits, as a plain collective does. Every
 exchange of a step is recorded as a span for the trace (:class:`Spans`).
