@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,21 @@ from conveyor.cli.launch import main as launch
 from conveyor.context import in_torchrun
 
 Step = Callable[[], None]
+
+
+def step_times(step: Callable[[], Any], steps: int, warmup: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` between two barriers, after
+    ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def alternate(

@@ -196,28 +196,12 @@ def a2a_split(pipe: Any) -> dict[str, float]:
     return out
 
 
-def timed(step: Step, steps: int, warmup: int, sync: bool = True) -> list[float]:
-    """Seconds per step after ``warmup`` untimed steps, each between two barriers."""
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def time_rank(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]:
     """All six runs in these processes, alternated; this rank's numbers."""
     import conveyor
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import alternate
+    from common import alternate, step_times
 
     contexts = {1: conveyor.init(pp=PP, dp=DP), EP: conveyor.init(pp=PP, dp=DP, ep=EP)}
     ctx = contexts[EP]
@@ -243,7 +227,7 @@ def time_rank(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]
                     splits[key].append(a2a_split(pipe))
 
             runs[(name, variant)] = step
-    times, _ = alternate(runs, None, args.rounds, timed, args.steps, args.warmup)
+    times, _ = alternate(runs, None, args.rounds, step_times, args.steps, args.warmup)
     return {
         "rank": ctx.rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
         "ep_rank": ctx.ep_rank,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from common import run_on_processes
+from common import run_on_processes, step_times
 
 import conveyor
 from conveyor._options import Options
@@ -87,16 +87,7 @@ def unbalanced_model() -> tuple[nn.Sequential, int, int]:
 
 def median_step(step: Callable[[], None], steps: int, warmup: int) -> float:
     """Median seconds of ``step`` between barriers, after ``warmup`` untimed steps."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(step_times(step, steps, warmup))
 
 
 def pipeline_step(

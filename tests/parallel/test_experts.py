@@ -94,7 +94,12 @@ def reference(kind: str, skewed: bool) -> tuple[float, dict[str, torch.Tensor]]:
     model = tiny_moe(kind)
     if skewed:
         skew(model, EXPERTS // 2)
-    batch = shards()
+    return accumulated(model, shards())
+
+
+def accumulated(model: nn.Module, batch: list[Shard]) -> tuple[float, dict[str, torch.Tensor]]:
+    """``model``'s loss and gradients over ``batch``, accumulated shard by shard, each
+    called with the whole batch's token count."""
     count = torch.tensor(items(batch))
     total = 0.0
     for ids, labels in batch:
@@ -248,15 +253,7 @@ def test_skewed_routing_one_rank_idle() -> None:
 def test_dp4_ep2_expert_replicas() -> None:
     """dp=4 x ep=2: experts are summed over the 2 replicas holding the same experts (ranks
     {0, 2} and {1, 3}), the rest over all 4; exact against the unsplit model."""
-    model = tiny_moe("olmoe")
-    batch = shards() * 2
-    count = torch.tensor(items(batch))
-    total = 0.0
-    for ids, labels in batch:
-        loss = model(input_ids=ids, labels=labels, num_items_in_batch=count).loss
-        loss.backward()
-        total += float(loss.detach())
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    total, want = accumulated(tiny_moe("olmoe"), shards() * 2)
     results = distributed.run(replica, 4, "olmoe", 4, 2, False)
     for rank, got in enumerate(results):
         assert got["ep_rank"] == rank % 2

@@ -27,7 +27,16 @@ import torch
 
 import conveyor
 from conveyor.schedules import get_schedule, paired, unpaired
-from tests.parallel.test_moe_pipeline import DP, EP, MICRO, PP, batches, model_of, reference
+from tests.parallel.test_moe_pipeline import (
+    DP,
+    EP,
+    MICRO,
+    PP,
+    batches,
+    model_of,
+    reference,
+    train,
+)
 from tests.support import distributed
 from tests.support.helpers import assert_close
 from tests.support.nccl_model import Record, check
@@ -80,19 +89,7 @@ def ranks(rank: int, trace_file: str) -> dict[str, Any]:
             pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
                                      sample=(shards[0], None),
                                      recompute="recompute" in run)  # fmt: skip
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-            torch.manual_seed(10 + rank)  # the same masks in every dropout run
-            steps = []
-            for batch in shards:
-                loss = pipe.train_step(batch, None)
-                grads = {
-                    n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                    for n, p in pipe.named_parameters()
-                    if p.grad is not None
-                }
-                steps.append((float(loss), grads))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            steps = train(pipe, shards, seed=10 + rank)  # the same masks in every dropout run
         if run == "dualpipev":
             pipe.save_trace(trace_file)
         spans = [

@@ -84,6 +84,28 @@ def reference(
     return out
 
 
+def train(
+    pipe: conveyor.Pipeline, shards: list[dict[str, torch.Tensor]], seed: int | None = None
+) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """One SGD step per batch of ``shards``: each step's loss and gradients (experts
+    whole); ``seed``: seed the generators first (dropout)."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    if seed is not None:
+        torch.manual_seed(seed)
+    steps = []
+    for batch in shards:
+        loss = pipe.train_step(batch, None)
+        grads = {
+            n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            for n, p in pipe.named_parameters()
+            if p.grad is not None
+        }
+        steps.append((float(loss), grads))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps
+
+
 def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict[str, Any]:
     """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards."""
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
@@ -100,18 +122,7 @@ def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict
         # parameters.
         pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
                                  fsdp=fsdp, sample=(shards[0], None))  # fmt: skip
-        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-        steps = []
-        for batch in shards:
-            loss = pipe.train_step(batch, None)
-            grads = {
-                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                for n, p in pipe.named_parameters()
-                if p.grad is not None
-            }
-            steps.append((float(loss), grads))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        steps = train(pipe, shards)
         shares = {
             n: (tuple(p.to_local().shape), whole[n].shape)
             for n, p in pipe.named_parameters()
