@@ -167,7 +167,7 @@ def pp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[
     """The checkpoint that 2 processes saved at pp=2 under 1F1B after BEFORE steps, and
     what each rank saw (see _save_then_reload)."""
     path = str(tmp_path_factory.mktemp("pp2") / "ckpt")
-    return path, distributed.run(_save_then_reload, 2, path)
+    return path, distributed.run(_save_then_reload, 2, path, fork=True)
 
 
 @pytest.mark.multiprocess
@@ -265,7 +265,7 @@ def test_pp2_checkpoint_loads_into_8_stages_and_pp_x_dp_on_4_processes(
 ) -> None:
     path, _ = pp2_checkpoint
     dp_path = str(tmp_path / "dp")
-    results = distributed.run(_reshard_on_four, 4, path, dp_path)
+    results = distributed.run(_reshard_on_four, 4, path, dp_path, fork=True)
     want_state, want_opt, want_final = _reference()
     assert [r["8 stages"]["held"] for r in results] == [(r, 0, (r, r + 4)) for r in range(4)]
     assert [r["pp x dp"]["held"] for r in results] == [

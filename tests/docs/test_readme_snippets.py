@@ -173,7 +173,7 @@ def test_snippet_runs_where_the_page_says(code: str, tmp_path: Path) -> None:
         code = code.replace(
             "ctx = conveyor.init()", "ctx = conveyor.init()\nassert ctx.pp_size == 2", 1
         )
-    results = distributed.run(_run, processes, code, str(tmp_path), timeout=180)
+    results = distributed.run(_run, processes, code, str(tmp_path), timeout=180, fork=True)
     losses = {round(float(r["loss"]), 5) for r in results}
     assert len(losses) == 1  # the same loss on every rank
 

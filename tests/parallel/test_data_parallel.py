@@ -188,7 +188,7 @@ def _pp2_dp2(rank: int, trace: str) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_pp2_x_dp2_equals_the_unsplit_model_on_the_global_batch(tmp_path: Path) -> None:
-    results = distributed.run(_pp2_dp2, 4, str(tmp_path / "trace.json"))
+    results = distributed.run(_pp2_dp2, 4, str(tmp_path / "trace.json"), fork=True)
     assert [r["layout"] for r in results] == [
         (0, 0, 0, 0, 1),
         (1, 1, 0, 0, 1),
@@ -226,7 +226,7 @@ def _two_processes(rank: int) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_clip_grad_norm_on_two_ranks_and_pure_data_parallelism() -> None:
-    results = distributed.run(_two_processes, 2)
+    results = distributed.run(_two_processes, 2, fork=True)
     for name, config in CLIP_CONFIGS.items():
         check(name, config, 2, [(r[name][0], r[name][1]) for r in results])
     check("pure-dp", PURE_DP, 1, [(r["pure-dp"][0], r["pure-dp"][1]) for r in results])

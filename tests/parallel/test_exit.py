@@ -29,16 +29,18 @@ SCRIPT = ROOT / "tests" / "support" / "exit_train.py"
 
 
 @pytest.fixture(scope="module")
-def pinned() -> Iterator[list[str]]:
-    """The command prefix that pins to CPU 0, with a busy process there too."""
-    if shutil.which("taskset") is None:
-        yield []
+def pinned() -> Iterator[dict[str, str]]:
+    """The environment that pins the training processes to CPU 0 from their
+    ``conveyor.init`` on (tests/support/exit_train.py: their imports, before any group
+    exists, are not slowed), with a busy process there too."""
+    if shutil.which("taskset") is None or not hasattr(os, "sched_setaffinity"):
+        yield {}
         return
     # Busy until its parent (this test process) is gone, even if it is killed.
     spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
     hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", spin])
     try:
-        yield ["taskset", "-c", "0"]
+        yield {"EXIT_TRAIN_CPU": "0"}
     finally:
         hog.kill()
         hog.wait()
@@ -57,11 +59,11 @@ RUNS = {
 
 
 @pytest.mark.parametrize("run", list(RUNS), ids=list(RUNS))
-def test_a_finished_run_exits_0_with_every_thread_joined(pinned: list[str], run: str) -> None:
+def test_a_finished_run_exits_0_with_every_thread_joined(pinned: dict[str, str], run: str) -> None:
     schedule, layout, processes, destroy = RUNS[run]
-    command = [*pinned, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
     command += [str(processes), str(SCRIPT), schedule, layout, *(["destroy"] if destroy else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **pinned}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert f"trained {schedule} {layout}" in done.stdout, done.stdout
@@ -69,6 +71,8 @@ def test_a_finished_run_exits_0_with_every_thread_joined(pinned: list[str], run:
         line = f"rank {rank}: gloo workers after the exit hooks: "
         left = [x for x in done.stdout.splitlines() if x.startswith(line)]
         assert left and int(left[0][len(line) :]) <= 2, done.stdout
+        if pinned:  # every thread left at the end ran on CPU 0, beside the busy process
+            assert f"rank {rank}: threads on cpus [0]" in done.stdout, done.stdout
 
 
 ZB_SCRIPT = """

@@ -52,7 +52,7 @@ def _faulty_run(rank: int, how: str, timeout: float, dp: int = 1, culprit: int =
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_dead_rank_fails_the_others_with_its_name() -> None:
-    (msg,) = distributed.run(_faulty_run, 2, "die", 60.0, expect=[0], timeout=120)
+    (msg,) = distributed.run(_faulty_run, 2, "die", 60.0, expect=[0], timeout=120, fork=True)
     seconds, text = msg.split("s ", 1)
     assert float(seconds) < 30, msg
     assert "rank 1" in text and "rank 0:" in text, msg
@@ -65,7 +65,7 @@ def test_dead_rank_fails_the_others_with_its_name() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_stalled_rank_times_out_within_the_set_limit() -> None:
-    (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120)
+    (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120, fork=True)
     seconds, text = msg.split("s ", 1)
     assert 2.5 <= float(seconds) < 20, msg
     assert "rank 1" in text and "3 s" in text, msg
@@ -77,7 +77,9 @@ def test_stalled_rank_times_out_within_the_set_limit() -> None:
 def test_stalled_rank_under_data_parallelism_fails_every_other_rank() -> None:
     # Rank 3 (pipeline rank 1 of replica 1) hangs: its pipeline peer times out on the
     # transfer, the other replica on the gradient average; nobody waits forever.
-    msgs = distributed.run(_faulty_run, 4, "hang", 3.0, 2, 3, expect=[0, 1, 2], timeout=120)
+    msgs = distributed.run(
+        _faulty_run, 4, "hang", 3.0, 2, 3, expect=[0, 1, 2], timeout=120, fork=True
+    )
     for rank, msg in zip((0, 1, 2), msgs, strict=False):
         seconds, text = msg.split("s ", 1)
         assert 2.5 <= float(seconds) < 30, msg
@@ -129,7 +131,7 @@ def _bad_output_run(rank: int, kind: str) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
-    (msg,) = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120)
+    (msg,) = distributed.run(_bad_output_run, 2, "varying", expect=[0], timeout=120, fork=True)
     want = "stage 0 (micro-batch 0) output changed (output value 1 was 1, now 3)"
     assert msg.startswith(want), msg
 
@@ -137,7 +139,7 @@ def test_a_varying_non_tensor_output_is_reported_with_stage_and_value() -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tensor_on_the_wrong_device_is_reported_with_stage_and_value() -> None:
-    (msg,) = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120)
+    (msg,) = distributed.run(_bad_output_run, 2, "device", expect=[0], timeout=120, fork=True)
     assert msg.startswith("stage 0 (micro-batch 0) returned tensor 0 of its output on meta"), msg
 
 
@@ -147,7 +149,9 @@ def test_stalled_rank_is_named_when_waits_are_stream_ordered() -> None:
     # The CUDA path (waits without a time-out, a watchdog naming what is late), run on
     # gloo: the other rank still fails within the time-out, naming the rank and action.
     env = {"CONVEYOR_STREAM_WAITS": "1"}
-    (msg,) = distributed.run(_faulty_run, 2, "hang", 3.0, expect=[0], timeout=120, env=env)
+    (msg,) = distributed.run(
+        _faulty_run, 2, "hang", 3.0, expect=[0], timeout=120, env=env, fork=True
+    )
     seconds, text = msg.split("s ", 1)
     assert 2.5 <= float(seconds) < 20, msg
     assert "rank 1" in text and "rank 0:" in text, msg
@@ -226,7 +230,9 @@ def _between_steps(rank: int, what: str, folder: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["dies", "save"])
 def test_a_rank_missing_between_steps_is_named(what: str, tmp_path: Path) -> None:
-    results = distributed.run(_between_steps, 2, what, str(tmp_path), expect=[0], timeout=120)
+    results = distributed.run(
+        _between_steps, 2, what, str(tmp_path), expect=[0], timeout=120, fork=True
+    )
     seconds, text = results[0].split("s ", 1)
     assert float(seconds) < 20, results[0]
     if what == "save":

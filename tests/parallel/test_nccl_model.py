@@ -343,7 +343,7 @@ def _programs(rank: int) -> dict[str, list[Record]]:
 
 @pytest.fixture(scope="module")
 def recorded() -> dict[str, Traces]:
-    runs = distributed.run(_programs, 2)
+    runs = distributed.run(_programs, 2, fork=True)
     return {name: {r: run[name] for r, run in enumerate(runs)} for name in runs[0]}
 
 

@@ -474,7 +474,7 @@ def test_reshard_units_resumed_sharded_optimizers_and_embedding_tp(tmp_path: Pat
     under fsdp resumes into fsdp and tp pipelines as an uninterrupted run; an
     nn.Embedding shards by columns or rows under tp, exactly, or says which dimension tp
     does not divide."""
-    four = distributed.run(_four_more, 4, str(tmp_path / "ckpt"), timeout=300)
+    four = distributed.run(_four_more, 4, str(tmp_path / "ckpt"), timeout=300, fork=True)
     for kind, microbatches in (("mlp", 4), ("nested", 4), ("gpt", 2)):
         check(
             [r[f"reshard {kind}"] for r in four],
@@ -517,8 +517,8 @@ def test_reshard_units_resumed_sharded_optimizers_and_embedding_tp(tmp_path: Pat
 
 def test_pipeline_with_fsdp_and_tensor_parallelism(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
-    eight = distributed.run(_eight, 8, path, timeout=480)
-    four = distributed.run(_four, 4, path, timeout=480)
+    eight = distributed.run(_eight, 8, path, timeout=480, fork=True)
+    four = distributed.run(_four, 4, path, timeout=480, fork=True)
     want_mlp, want_gpt = reference("mlp", 2), reference("gpt", 2)
     check([r["mlp"] for r in eight], want_mlp, "pp2 x dp2 x tp2 fsdp mlp", "mlp")
     check([r["gpt"] for r in eight], want_gpt, "pp2 x dp2 x tp2 fsdp gpt", "gpt")
@@ -603,7 +603,7 @@ def _tp_errors(rank: int) -> list[str]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_tp_plan_error_reaches_every_rank_alike() -> None:
-    results = distributed.run(_tp_errors, 4, timeout=180)
+    results = distributed.run(_tp_errors, 4, timeout=180, fork=True)
     assert all(r == results[0] for r in results), results
     first, second = results[0]
     assert first.startswith(

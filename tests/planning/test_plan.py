@@ -254,7 +254,7 @@ def test_calibration_times_the_step_the_pipeline_runs() -> None:
     """recompute and autocast reach the planner's real steps (they change F, B and W)."""
     from tests.support import distributed
 
-    for seen in distributed.run(_calibrated_options, 2, timeout=120):
+    for seen in distributed.run(_calibrated_options, 2, timeout=120, fork=True):
         assert seen and all(s == (True, torch.bfloat16) for s in seen), seen
 
 

@@ -101,7 +101,7 @@ def _init_wrong_world(rank: int) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_world_size_not_matching_stages() -> None:
-    msgs = distributed.run(_init_wrong_world, 2)
+    msgs = distributed.run(_init_wrong_world, 2, fork=True)
     for msg in msgs:
         assert "world size 2 is not pp x dp x tp = 3 x 1 x 1" in msg
 
@@ -345,7 +345,7 @@ def _launched(rank: int) -> dict[str, str]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_launch_edges_on_two_processes() -> None:
-    results = distributed.run(_launched, 2, timeout=120)
+    results = distributed.run(_launched, 2, timeout=120, fork=True)
     for rank, got in enumerate(results):
         assert got["argument"] == (
             "timeout must be a finite number of seconds > 0, got timeout=-5.0; pass e.g. "

@@ -351,7 +351,7 @@ def _check(results: list[dict[str, Any]], rows: int, names: list[str]) -> None:
 @pytest.mark.slow
 def test_two_processes_every_schedule() -> None:
     names = [n for n, _ in _every_schedule(2, 4)]
-    _check(distributed.run(_pipelines, 2, 2, 1, False, names, timeout=200), 10, names)
+    _check(distributed.run(_pipelines, 2, 2, 1, False, names, timeout=200, fork=True), 10, names)
 
 
 FAMILIES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
@@ -365,14 +365,14 @@ def test_pp2_dp2_uneven_replicas(fsdp: bool) -> None:
     and gradients combine into the global batch's (dropping FSDP's replica weighting, or
     weighting replicas by rows, is off by percents here)."""
     names = [n for n in FAMILIES if n != "dualpipev"]  # m = 2 per replica
-    _check(distributed.run(_pipelines, 4, 2, 2, fsdp, names, timeout=200), 9, names)
+    _check(distributed.run(_pipelines, 4, 2, 2, fsdp, names, timeout=200, fork=True), 9, names)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_four_pipeline_ranks() -> None:
     names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv"]
-    _check(distributed.run(_pipelines, 4, 4, 1, False, names, timeout=200), 10, names)
+    _check(distributed.run(_pipelines, 4, 4, 1, False, names, timeout=200, fork=True), 10, names)
 
 
 # ------------------------------------------------------------------------------ the Trainer

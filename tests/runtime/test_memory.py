@@ -135,7 +135,7 @@ def test_recompute_keeps_only_stage_inputs_but_where_backward_follows_at_once() 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_measured_peak_matches_the_schedule_on_two_ranks() -> None:
-    results = distributed.run(_measure, 2, 2)
+    results = distributed.run(_measure, 2, 2, fork=True)
     for rank, reports in enumerate(results):
         assert set(reports) == set(SCHEDULE_NAMES)
         for name, report in reports.items():

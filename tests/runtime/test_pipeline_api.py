@@ -34,7 +34,7 @@ def _api(rank: int, pp: int) -> dict[str, Any]:
     "world", [1, pytest.param(2, marks=[pytest.mark.multiprocess, pytest.mark.slow])]
 )
 def test_eval_predict_and_state_dict(world: int) -> None:
-    results = [_api(0, 2)] if world == 1 else distributed.run(_api, 2, 2)
+    results = [_api(0, 2)] if world == 1 else distributed.run(_api, 2, 2, fork=True)
     model = mlp()
     x, y = batch(10)
     with torch.no_grad():
@@ -119,7 +119,7 @@ def _auto(rank: int) -> tuple[str, float, dict[str, torch.Tensor]]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_auto_schedule_plans_and_stays_exact() -> None:
-    results = distributed.run(_auto, 2)
+    results = distributed.run(_auto, 2, fork=True)
     model = mlp()
     x, y = batch(12)
     want = mse(model(x), y)

@@ -207,7 +207,7 @@ def test_single_process_world() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes() -> None:
-    _check(distributed.run(_run_all, 2, 2), distributed_world=True)
+    _check(distributed.run(_run_all, 2, 2, fork=True), distributed_world=True)
 
 
 def test_bad_options_say_what_is_valid() -> None:

@@ -49,7 +49,7 @@ def _check(path: Path, schedule: str, ranks: int) -> dict[str, object]:
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_two_process_trace_has_every_action_in_order(tmp_path: Path, schedule: str) -> None:
     path = tmp_path / "trace.json"
-    distributed.run(_traced, 2, str(path), schedule, 2)
+    distributed.run(_traced, 2, str(path), schedule, 2, fork=True)
     trace = _check(path, schedule, 2)
     events = trace["traceEvents"]
     assert {e["tid"] for e in events if e.get("ph") == "X"} == {0, 1}

@@ -93,8 +93,15 @@ def run(
     env: dict[str, str] | None = None,
     allow_errors: bool = False,
     expect: list[int] | None = None,
+    fork: bool = False,
 ) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` processes; returns results by rank.
+
+    With ``fork``, the workers are forked from this process and inherit its imports (torch,
+    conveyor, the test module: seconds of CPU per rank that spawned workers spend again
+    each), unless this process already holds a process group (a forked group would be that
+    one): then they are spawned too. Fork only from the test process (one compute thread,
+    see conftest.py); workers that compile (inductor's worker pools) are spawned.
 
     Raises if any rank fails (unless ``allow_errors``, then the error text is the result),
     or, naming the silent ranks and the others' errors, when a rank gives no answer within
@@ -103,7 +110,7 @@ def run(
     killed afterwards).
     """
     waiting = list(range(world)) if expect is None else expect
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork" if fork and not dist.is_initialized() else "spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -4,7 +4,10 @@
 
 LAYOUT: ``pp`` (pp2, 2 processes), ``dp`` (pp2 x dp2, 4), ``fsdp`` (pp2 x dp2 with
 ``fsdp=True``, 4), ``tp`` (pp2 x tp2 with a ``tp_plan``, 4) or ``3d`` (pp2 x dp2 x tp2 with
-both, 8). Before anything else
+both, 8). With ``$EXIT_TRAIN_CPU`` set, every thread of the process is pinned to that CPU
+once the imports are done, before ``conveyor.init`` starts a gloo thread (those inherit it):
+the process group's whole life, training and exit, runs there, while the imports, which no
+group sees, use every CPU. Before anything else
 it registers an exit handler that prints how many threads the process has once conveyor's
 exit hook has run (handlers run last-registered first): how many gloo worker threads are
 left, 2 per process group still alive.
@@ -32,6 +35,11 @@ def _threads_left() -> None:
     # newline, written apart, can interleave with the other rank's line.
     sys.stdout.flush()
     line = f"rank {rank}: gloo workers after the exit hooks: {workers}\n"
+    cpus: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
+            cpus |= os.sched_getaffinity(int(tid))
+    line += f"rank {rank}: threads on cpus {sorted(cpus)}\n"
     os.write(sys.stdout.fileno(), line.encode())
 
 
@@ -42,6 +50,17 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import conveyor  # noqa: E402
+
+
+def pin_to_cpu() -> None:
+    """Every thread of this process (the ones started later inherit it) on the CPU
+    ``$EXIT_TRAIN_CPU`` names, if it names one."""
+    cpu = os.environ.get("EXIT_TRAIN_CPU")
+    if cpu is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
+            os.sched_setaffinity(int(tid), {int(cpu)})
 
 
 def starve_other_threads() -> None:
@@ -65,6 +84,7 @@ def main(schedule: str, layout: str, destroy: bool) -> tuple[object, object]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dp, tp = LAYOUTS[layout]
+    pin_to_cpu()
     ctx = conveyor.init(pp=2, dp=dp, tp=tp, timeout=60)
     starve_other_threads()
     torch.manual_seed(0)

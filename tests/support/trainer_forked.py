@@ -10,11 +10,7 @@ Fork only from a process that has not started a process group or compute threads
 
 from __future__ import annotations
 
-import io
 from typing import Any
-
-import torch
-import torch.multiprocessing as mp
 
 from tests.support import distributed
 
@@ -24,28 +20,4 @@ def run_forked(fn: Any, world: int, *args: Any, timeout: float = 200) -> list[An
 
     Raises if a rank fails or one gives no answer within ``timeout`` seconds (the workers'
     conveyor time-out is :data:`tests.support.distributed.CONVEYOR_TIMEOUT`, below it)."""
-    if torch.distributed.is_initialized():  # a forked group would be this one's: spawn
-        return list(distributed.run(fn, world, *args, timeout=timeout))
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = distributed.free_port()
-    procs = [
-        ctx.Process(target=distributed._worker, args=(r, world, port, fn, args, queue, {}))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        ranks = list(range(world))
-        for _ in ranks:
-            rank, status, value = distributed.answer(queue, timeout, ranks, results, {})
-            assert status == "ok", f"rank {rank}: {value}"
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world)]
+    return distributed.run(fn, world, *args, timeout=timeout, fork=True)

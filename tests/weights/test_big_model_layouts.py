@@ -130,7 +130,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_rank_initializes_only_its_share_exactly(layout: dict[str, Any]) -> None:
     world = layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
-    _check(distributed.run(_layout, world, layout, None, timeout=240), layout)
+    _check(distributed.run(_layout, world, layout, None, timeout=240, fork=True), layout)
 
 
 def _save(rank: int, path: str) -> None:
@@ -144,9 +144,9 @@ def _save(rank: int, path: str) -> None:
 
 def test_a_checkpoint_of_one_layout_loads_into_a_meta_pipeline_of_another(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
-    distributed.run(_save, 2, path)
+    distributed.run(_save, 2, path, fork=True)
     layout = {"pp": 2, "dp": 2, "fsdp": True, "schedule": "1f1b"}
-    _check(distributed.run(_layout, 4, layout, path, timeout=240), layout)
+    _check(distributed.run(_layout, 4, layout, path, timeout=240, fork=True), layout)
 
 
 def _norms() -> torch.nn.Sequential:
@@ -170,5 +170,5 @@ def _fsdp_state(rank: int) -> dict[str, torch.Tensor]:
 def test_fsdp_allocates_shards_and_keeps_the_real_buffers() -> None:
     want = conveyor.materialize(_norms(), init_seed=SEED).state_dict()
     want["1.running_var"] = torch.full((8,), 3.0)
-    for got in distributed.run(_fsdp_state, 4):
+    for got in distributed.run(_fsdp_state, 4, fork=True):
         assert got and all(torch.equal(v, want[n]) for n, v in got.items()), got.keys()
