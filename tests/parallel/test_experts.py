@@ -217,7 +217,7 @@ def test_dp2_ep2_exact(kind: str) -> None:
     """dp=2 x ep=2: loss and every gradient equal the unsplit model's on the whole batch;
     each rank holds its half of the experts."""
     want_loss, want = reference(kind, skewed=False)
-    results = distributed.run(replica, 2, kind, 2, 2, False)
+    results = distributed.run(replica, 2, kind, 2, 2, False, fork=True)
     for rank, got in enumerate(results):
         assert abs(got["loss"] - want_loss) < 1e-5 * abs(want_loss), (got["loss"], want_loss)
         assert_close(got["grads"], want, f"rank {rank} gradients")
@@ -235,7 +235,7 @@ def test_skewed_routing_one_rank_idle() -> None:
     """Every token goes to ep rank 0's experts: rank 1 receives no token, its expert
     gradients are zero, and the result is still exact."""
     want_loss, want = reference("mixtral", skewed=True)
-    results = distributed.run(replica, 2, "mixtral", 2, 2, True)
+    results = distributed.run(replica, 2, "mixtral", 2, 2, True, fork=True)
     assert results[1]["received"] == [0, 0] and min(results[0]["received"]) > 0
     for rank, got in enumerate(results):
         assert abs(got["loss"] - want_loss) < 1e-5 * abs(want_loss)
@@ -254,7 +254,7 @@ def test_dp4_ep2_expert_replicas() -> None:
     """dp=4 x ep=2: experts are summed over the 2 replicas holding the same experts (ranks
     {0, 2} and {1, 3}), the rest over all 4; exact against the unsplit model."""
     total, want = accumulated(tiny_moe("olmoe"), shards() * 2)
-    results = distributed.run(replica, 4, "olmoe", 4, 2, False)
+    results = distributed.run(replica, 4, "olmoe", 4, 2, False, fork=True)
     for rank, got in enumerate(results):
         assert got["ep_rank"] == rank % 2
         assert abs(got["loss"] - total) < 1e-5 * abs(total)
@@ -335,7 +335,7 @@ def test_all_to_alls_replay_under_nccl_rules() -> None:
     ep ranks in the same order: the replay under NCCL's rules finds no deadlock."""
     from tests.support import nccl_model
 
-    traces = distributed.run(recorded_replica, 2)
+    traces = distributed.run(recorded_replica, 2, fork=True)
     names = [r.name for r in traces[0] if r.kind == "collective"]
     # 2 layers: per forward counts + dispatch + combine, per backward combine + dispatch
     assert names.count("all_to_all_single") == 2 * 5, names

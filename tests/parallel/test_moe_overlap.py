@@ -111,7 +111,7 @@ def test_paired_steps_overlap_all_to_alls_exactly_and_replay_under_nccl_rules(
 ) -> None:
     want = reference("mixtral", aux=False, layers=LAYERS)
     trace_file = tmp_path / "trace.json"
-    results = distributed.run(ranks, PP * DP, str(trace_file), timeout=600)
+    results = distributed.run(ranks, PP * DP, str(trace_file), timeout=600, fork=True)
     for rank, got in enumerate(results):
         base = got["1f1b dropout"]["steps"]
         for run in DROPOUT_RUNS[1:]:

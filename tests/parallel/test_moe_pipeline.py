@@ -134,7 +134,7 @@ def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict
 
 def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
     want = reference(kind, aux)
-    results = distributed.run(ranks, PP * DP, kind, aux, runs, timeout=400)
+    results = distributed.run(ranks, PP * DP, kind, aux, runs, timeout=400, fork=True)
     for key in (f"{s}/{f}" for s, f in runs):
         for rank, got in enumerate(results):
             run = got[key]
@@ -243,7 +243,7 @@ def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path
     from conveyor.checkpoint import load, load_model_state
 
     path = str(tmp_path / "ckpt")
-    shares = distributed.run(_train_and_save, PP * DP, path, timeout=400)
+    shares = distributed.run(_train_and_save, PP * DP, path, timeout=400, fork=True)
     assert any(shares), "no rank held experts"
     for local in shares:
         for name, shape in local.items():
