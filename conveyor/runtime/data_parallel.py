@@ -43,8 +43,6 @@ class _Bucket:
 
     stages: frozenset[int]
     params: list[nn.Parameter]
-    # The ranks the gradients are summed over (None: this rank alone, nothing to sum).
-    group: dist.ProcessGroup | None
     # In flight: (all-reduce work, flat buffer, the buffer's parameters) per dtype/device.
     pending: list[tuple[dist.Work | None, torch.Tensor, list[nn.Parameter]]] = field(
         default_factory=list
@@ -78,8 +76,7 @@ class DataParallel(StepSync):
         for key, p in params.items():
             by_stages.setdefault((frozenset(users[key]), is_expert_parameter(p)), []).append(p)
         self._buckets = [
-            _Bucket(s, ps, _summed_over(reduction_group(ps[0], ctx)))
-            for (s, _), ps in by_stages.items()
+            _Bucket(s, ps) for (s, _), ps in by_stages.items()
         ]
         # The step's program: each stage's last backward / W ends its gradients.
         self._program: RankProgram | None = None
@@ -129,8 +126,10 @@ class DataParallel(StepSync):
             for p in params:
                 p.grad = None  # now in the buffer; finish() puts the sum back
             work = None
-            if bucket.group is not None:
-                work = dist.all_reduce(flat, group=bucket.group, async_op=True)
+            # Looked up at each launch, not kept: the exit hook must be able to free it.
+            group = _summed_over(reduction_group(p0, self._ctx))
+            if group is not None:
+                work = dist.all_reduce(flat, group=group, async_op=True)
                 assert work is not None
             bucket.pending.append((work, flat, params))
 
@@ -144,9 +143,9 @@ class DataParallel(StepSync):
         for bucket in self._buckets:
             for work, flat, params in bucket.pending:
                 if work is not None:
-                    self._collective(
-                        work, "averaging gradients over the data-parallel replicas", bucket.group
-                    )
+                    group = reduction_group(params[0], self._ctx)
+                    doing = "averaging gradients over the data-parallel replicas"
+                    self._collective(work, doing, group)
                 n = flat.numel() - len(params)
                 had = flat[n:].tolist()
                 offset = 0
