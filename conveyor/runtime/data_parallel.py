@@ -43,10 +43,11 @@ class _Bucket:
 
     stages: frozenset[int]
     params: list[nn.Parameter]
-    # In flight: (all-reduce work, flat buffer, the buffer's parameters) per dtype/device.
-    pending: list[tuple[dist.Work | None, torch.Tensor, list[nn.Parameter]]] = field(
-        default_factory=list
-    )
+    # In flight, per dtype/device: (all-reduce work, its group, flat buffer, the buffer's
+    # parameters); work and group None where this rank alone holds them.
+    pending: list[
+        tuple[dist.Work | None, dist.ProcessGroup | None, torch.Tensor, list[nn.Parameter]]
+    ] = field(default_factory=list)
     launched: bool = False
 
 
@@ -126,12 +127,13 @@ class DataParallel(StepSync):
             for p in params:
                 p.grad = None  # now in the buffer; finish() puts the sum back
             work = None
-            # Looked up at each launch, not kept: the exit hook must be able to free it.
+            # Looked up at each launch and kept only until finish(): the exit hook must be
+            # able to free the group.
             group = _summed_over(reduction_group(p0, self._ctx))
             if group is not None:
                 work = dist.all_reduce(flat, group=group, async_op=True)
                 assert work is not None
-            bucket.pending.append((work, flat, params))
+            bucket.pending.append((work, group, flat, params))
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -141,9 +143,8 @@ class DataParallel(StepSync):
             if not bucket.launched:
                 self._launch(bucket)
         for bucket in self._buckets:
-            for work, flat, params in bucket.pending:
+            for work, group, flat, params in bucket.pending:
                 if work is not None:
-                    group = reduction_group(params[0], self._ctx)
                     doing = "averaging gradients over the data-parallel replicas"
                     self._collective(work, doing, group)
                 n = flat.numel() - len(params)

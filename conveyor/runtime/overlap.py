@@ -63,7 +63,7 @@ class Pair:
         self._cv = threading.Condition()
         self.compute = [0.0, 0.0]  # seconds each action held the baton
         self._held_since = 0.0
-        self._first = threading.get_ident()
+        self._first = 0  # the thread that runs the first action (set by run)
 
     def party(self) -> int:
         """Which action is calling: the first runs on the thread that called :meth:`run`,
