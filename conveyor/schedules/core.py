@@ -27,6 +27,18 @@ W: Kind = "W"
 KINDS: tuple[Kind, ...] = (F, B, W)
 """Every kind, in the order an action of each runs for one stage and micro-batch."""
 
+VocabKind = Literal["E", "S", "T", "G"]
+"""A vocabulary pass (vocabulary parallelism, every pipeline rank takes part):
+``"E"`` the embedding lookup of the rank's rows, summed onto the first stage's rank;
+``"S"`` the output layer's forward: the last stage's hidden states broadcast, the rank's
+logits shard and its softmax statistics, gathered from every rank (the loss);
+``"T"`` the output layer's backward: the logits' gradient, the rank's weight gradient,
+and the input gradient summed onto the last stage's rank;
+``"G"`` the embedding's gradient: the first stage's input gradient broadcast, each rank
+adds its rows'."""
+VOCAB_KINDS: tuple[VocabKind, ...] = ("E", "S", "T", "G")
+"""Every vocabulary pass, in the order they run for one micro-batch."""
+
 
 class Action(NamedTuple):
     """One unit of work: ``kind`` of ``stage`` on ``microbatch``.
@@ -48,6 +60,19 @@ class Action(NamedTuple):
     def __str__(self) -> str:
         """The action as ``<kind><stage>,<microbatch>``, e.g. ``F2,5``."""
         return f"{self.kind}{self.stage},{self.microbatch}"
+
+
+class VocabAction(NamedTuple):
+    """One vocabulary pass (:data:`VocabKind`) of one micro-batch, run by every pipeline
+    rank at once (each on its rows of the vocabulary) with collectives over the pipeline
+    group. Written ``S3`` (the output forward of micro-batch 3)."""
+
+    kind: VocabKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        """The pass as ``<kind><microbatch>``, e.g. ``S3``."""
+        return f"{self.kind}{self.microbatch}"
 
 
 def check_sizes(ranks: int, microbatches: int, chunks: int = 1) -> None:
@@ -114,6 +139,10 @@ class Schedule:
             overlapped with the B ``actions[r][i + 1]`` of another micro-batch (each
             one's expert all-to-alls in flight during the other's compute); empty: none
             (:func:`paired`, :func:`unpaired`).
+        vocab: The vocabulary passes (vocabulary parallelism), in the one order every
+            rank runs them; empty: none (:func:`~conveyor.schedules.vocab.with_vocab`).
+        vocab_slots: Per rank, for each pass of ``vocab``, the index of the rank's
+            program it runs before (the program's length: after its last action).
     """
 
     name: str
@@ -123,6 +152,8 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
     pairs: tuple[tuple[int, ...], ...] = ()
+    vocab: tuple[VocabAction, ...] = ()
+    vocab_slots: tuple[tuple[int, ...], ...] = ()
     _stage_ranks: dict[int, tuple[int, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -495,6 +526,12 @@ def validate(schedule: Schedule) -> Schedule:
     _check_shape(schedule)
     _check_complete(schedule)
     _check_pairs(schedule)
+    if schedule.vocab or schedule.vocab_slots:
+        from conveyor.schedules.vocab import check_vocab
+
+        _check_local_order(schedule)
+        check_vocab(schedule)
+        return schedule
     try:
         execution_order(schedule)
     except ScheduleError:

@@ -1,0 +1,215 @@
+"""Vocabulary passes in a schedule: where each pipeline rank runs them, and checks.
+
+Vocabulary parallelism (Yeung et al., "Balancing Pipeline Parallelism with Vocabulary
+Parallelism", MLSys 2025) spreads the input embedding and the output layer over every
+pipeline rank by vocabulary rows. Each micro-batch then has four passes that every rank
+runs at once (:data:`~conveyor.schedules.core.VocabKind`): ``E`` (embedding), ``S``
+(output forward and its statistics: the loss), ``T`` (output backward) and ``G``
+(embedding gradient). Each holds collectives over the pipeline group, so every rank runs
+the passes in one order (:attr:`Schedule.vocab`) and each rank's program says where
+(:attr:`Schedule.vocab_slots`).
+
+:func:`with_vocab` places them by one rule for every schedule: each pass at the time the
+schedule, simulated without passes, first needs it (``E`` as stage 0's forward starts,
+``S`` and ``T`` as the last stage's forward ends, ``G`` as stage 0's backward ends) and on
+each rank before the first action that starts at that time or later. Every dependency
+then runs forward in one total order (time, then passes before actions), so the programs
+cannot deadlock, and ``S`` and ``T`` run back to back: the logits of one micro-batch are
+alive only between them (at most one extra micro-batch of activations, the paper's
+one-barrier rule). On 1F1B that is the paper's placement of the output passes right after
+the last stage's forward; on V-Half and V-Min, whose first and last stages share rank 0,
+the passes take a common slot on every rank.
+
+Pure Python (no torch import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from conveyor.errors import ScheduleError
+from conveyor.schedules.core import (
+    VOCAB_KINDS,
+    Action,
+    B,
+    F,
+    Schedule,
+    VocabAction,
+    dependencies,
+    execution_order,
+)
+
+Step = tuple[int, Action] | tuple[None, VocabAction]
+"""One entry of :func:`merged_order`: ``(rank, action)``, or ``(None, pass)`` for a
+vocabulary pass that every rank runs."""
+
+_TINY = 1e-6  # the smallest duration an action is simulated with (strict time order)
+
+
+def with_vocab(schedule: Schedule, cost: Sequence[float] = (1.0, 1.0, 1.0)) -> Schedule:
+    """``schedule`` with its vocabulary passes placed (see the module doc).
+
+    Args:
+        schedule: A valid schedule without passes; overlapped pairs are dropped.
+        cost: (F, B, W) of one rank's share for one micro-batch: the times that place
+            the passes (durations below 1e-6 count as 1e-6).
+
+    Returns:
+        The schedule with :attr:`Schedule.vocab` and :attr:`Schedule.vocab_slots` set.
+    """
+    from conveyor.schedules.simulation import simulate
+
+    base = dataclasses.replace(schedule, pairs=(), vocab=(), vocab_slots=())
+    timed = simulate(base, tuple(max(float(c), _TINY) for c in cost))
+    start = {e.action: e.start for e in timed.events}
+    end = {e.action: e.end for e in timed.events}
+    last = schedule.stages - 1
+    when: list[tuple[float, int, int, VocabAction]] = []
+    for m in range(schedule.microbatches):
+        out = end[Action(F, last, m)]
+        for kind, at in (
+            ("E", start[Action(F, 0, m)]),
+            ("S", out),
+            ("T", out),
+            ("G", end[Action(B, 0, m)]),
+        ):
+            when.append((at, VOCAB_KINDS.index(kind), m, VocabAction(kind, m)))  # type: ignore[arg-type]
+    when.sort()
+    slots: list[tuple[int, ...]] = []
+    for program in base.actions:
+        starts = [start[a] for a in program]
+        row, i = [], 0
+        for at, *_ in when:
+            while i < len(program) and starts[i] < at:
+                i += 1
+            row.append(i)
+        slots.append(tuple(row))
+    return dataclasses.replace(base, vocab=tuple(v for *_, v in when), vocab_slots=tuple(slots))
+
+
+def merged_order(schedule: Schedule) -> list[Step]:
+    """A valid global order of every action and vocabulary pass.
+
+    The ranks run their programs as :func:`~conveyor.schedules.core.execution_order`
+    does; a pass runs once every rank has reached its slot (a barrier: each holds
+    collectives of the whole pipeline group). Without passes it is ``execution_order``.
+
+    Raises:
+        ScheduleError: If the programs deadlock; names each stuck rank and its wait.
+    """
+    if not schedule.vocab:
+        return list(execution_order(schedule))
+    parts: list[Step] = []
+    position = [0] * schedule.ranks
+    done: set[Action] = set()
+    for k, v in enumerate(schedule.vocab):
+        slots = [schedule.vocab_slots[r][k] for r in range(schedule.ranks)]
+        parts.extend(_segment(schedule, position, slots, done))
+        parts.append((None, v))
+    parts.extend(_segment(schedule, position, [len(p) for p in schedule.actions], done))
+    return parts
+
+
+def _segment(
+    schedule: Schedule, position: list[int], stop: list[int], done: set[Action]
+) -> list[Step]:
+    """The actions between two barriers in a valid order: each rank runs its program from
+    ``position`` up to ``stop`` (both updated in place, as is ``done``)."""
+    order: list[Step] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, program in enumerate(schedule.actions):
+            while position[rank] < stop[rank]:
+                action = program[position[rank]]
+                if not all(d in done for d in dependencies(schedule, action)):
+                    break
+                done.add(action)
+                order.append((rank, action))
+                position[rank] += 1
+                progressed = True
+    if any(position[r] < stop[r] for r in range(schedule.ranks)):
+        stuck = [
+            f"rank {r} at {p[position[r]]}"
+            for r, p in enumerate(schedule.actions)
+            if position[r] < stop[r]
+        ]
+        raise ScheduleError(
+            f"schedule {schedule.name!r} deadlocks around its vocabulary passes: "
+            + ", ".join(stuck)
+            + " wait on work placed after a pass that needs them; place each pass after "
+            "the actions it waits for on every rank"
+        )
+    return order
+
+
+def check_vocab(schedule: Schedule) -> None:
+    """Check the vocabulary passes of ``schedule``: each of E, S, T, G once per
+    micro-batch, in an order that keeps each micro-batch's E, S, T, G in that order; one
+    slot per pass on every rank, never decreasing; each pass where its data is (E before
+    stage 0's forward, S after the last stage's forward, T before the last stage's
+    backward, G after stage 0's backward, on their ranks); and no deadlock.
+
+    Raises:
+        ScheduleError: Naming the pass and rank at fault.
+    """
+    name, p = schedule.name, schedule.ranks
+    seen = {(v.kind, v.microbatch) for v in schedule.vocab}
+    wanted = {(k, m) for k in VOCAB_KINDS for m in range(schedule.microbatches)}
+    if len(schedule.vocab) != len(wanted) or seen != wanted:
+        missing = sorted(wanted - seen)
+        what = f"lacks {missing[0][0]}{missing[0][1]}" if missing else "repeats a pass"
+        raise ScheduleError(
+            f"schedule {name!r}: its vocabulary passes {what}; give E, S, T and G of every "
+            f"micro-batch once (conveyor.schedules.vocab.with_vocab places them)"
+        )
+    index = {(v.kind, v.microbatch): k for k, v in enumerate(schedule.vocab)}
+    for m in range(schedule.microbatches):
+        ks = [index[(kind, m)] for kind in VOCAB_KINDS]
+        if ks != sorted(ks):
+            raise ScheduleError(
+                f"schedule {name!r}: micro-batch {m}'s vocabulary passes run out of order; "
+                f"run E, S, T, G of a micro-batch in that order"
+            )
+    if len(schedule.vocab_slots) != p or any(
+        len(row) != len(schedule.vocab) for row in schedule.vocab_slots
+    ):
+        raise ScheduleError(
+            f"schedule {name!r}: vocab_slots needs one slot per pass for each of {p} ranks"
+        )
+    for r, row in enumerate(schedule.vocab_slots):
+        n = len(schedule.actions[r])
+        if any(not 0 <= i <= n for i in row) or list(row) != sorted(row):
+            raise ScheduleError(
+                f"schedule {name!r}: rank {r}'s vocabulary slots {row} must be positions "
+                f"0..{n} of its program, never decreasing"
+            )
+    last = schedule.stages - 1
+    for k, v in enumerate(schedule.vocab):
+        m = v.microbatch
+        rules = {
+            "E": (Action(F, 0, m), False, "before"),
+            "S": (Action(F, last, m), True, "after"),
+            "T": (Action(B, last, m), False, "before"),
+            "G": (Action(B, 0, m), True, "after"),
+        }
+        action, after, word = rules[v.kind]
+        rank = schedule.placement[action.stage]
+        i = schedule.actions[rank].index(action)
+        slot = schedule.vocab_slots[rank][k]
+        if (slot <= i) if after else (slot > i):
+            raise ScheduleError(
+                f"schedule {name!r}: rank {rank} runs {v} {'before' if after else 'after'} "
+                f"{action}; it must run {word} it"
+            )
+    merged_order(schedule)
+
+
+def vocab_collectives(schedule: Schedule) -> list[tuple[str, int]]:
+    """The collectives over the pipeline group one step posts, in order, the same on
+    every rank: per pass, ``(collective, micro-batch)`` (``E``: reduce; ``S``: broadcast,
+    all-gather; ``T``: reduce; ``G``: broadcast)."""
+    names = {"E": ("reduce",), "S": ("broadcast", "all_gather"), "T": ("reduce",),
+             "G": ("broadcast",)}  # fmt: skip
+    return [(c, v.microbatch) for v in schedule.vocab for c in names[v.kind]]
