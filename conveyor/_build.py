@@ -36,6 +36,8 @@ from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Schedule
+from conveyor.vocab.setup import VocabReplicas, make_vocab_replicas_equal, prepare
+from conveyor.vocab.shards import VocabShards
 from conveyor.weights import Pending, has_meta
 from conveyor.weights.allocate import allocate_sharded
 
@@ -55,6 +57,7 @@ class RankParts:
     description: SplitInfo
     shared: SharedParameters
     stepper: Stepper
+    vocab: VocabShards | None = None
 
     @property
     def compiled(self) -> CompileStats | None:
@@ -71,17 +74,22 @@ class RankParts:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters by their names in the model, a tied one once."""
         seen: set[int] = set()
-        for s in sorted(self.stages):
-            for name, p in self.stages[s].named_parameters():
+        for module in self._modules():
+            for name, p in module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield name, p
 
+    def _modules(self) -> list[nn.Module]:
+        """The stages in order, then the vocabulary rows' holder (vocab_parallel)."""
+        held = [self.stages[s] for s in sorted(self.stages)]
+        return held + ([self.vocab.holder] if self.vocab is not None else [])
+
     def state_dict(self) -> dict[str, Any]:
         """The stages' state, keyed by the names in the model."""
         out: dict[str, Any] = {}
-        for s in sorted(self.stages):
-            out.update(self.stages[s].state_dict())
+        for module in self._modules():
+            out.update(module.state_dict())
         return out
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool) -> None:
@@ -91,10 +99,10 @@ class RankParts:
             ConfigError: ``strict`` and keys of these stages are missing.
         """
         missing: list[str] = []
-        for s in sorted(self.stages):
-            own = self.stages[s].state_dict()
+        for module in self._modules():
+            own = module.state_dict()
             missing += [k for k in own if k not in state]
-            self.stages[s].load_state_dict({k: state[k] for k in own if k in state}, strict=False)
+            module.load_state_dict({k: state[k] for k in own if k in state}, strict=False)
         if strict and missing:
             raise ConfigError(
                 f"state dict lacks {len(missing)} keys this rank needs, e.g. {missing[:3]}; "
@@ -129,7 +137,14 @@ def build(
         NeedsSample: the model needs ``torch.export`` and ``sample`` is None.
         ConfigError: a split or sharding that cannot work, in one sentence.
     """
-    all_stages = split_model(model, schedule.stages, options.balance, sample, schedule.placement)
+    vocab = None
+    if options.vocab_parallel:
+        last = schedule.placement[-1]
+        vocab = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
+                        schedule.placement[0], last)  # fmt: skip
+        sample = vocab.runner.sample(sample) if sample is not None else None
+    cut_from = vocab.model if vocab is not None else model
+    all_stages = split_model(cut_from, schedule.stages, options.balance, sample, schedule.placement)
     if options.balance is None and annotated_stages(model) is None:
         _check_every_rank_trains(schedule, all_stages)
     held = held_stages(schedule, ctx)
@@ -140,10 +155,8 @@ def build(
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
     sharding = options.tp_plan is not None or bool(options.fsdp) or ctx.ep_size > 1
     given = meta or options.weights is not None
-    pending = (
-        Pending(model, list(stages.values()), options.weights, options.init_seed)
-        if given else None
-    )  # fmt: skip
+    own = list(stages.values()) + ([vocab.shards.holder] if vocab is not None else [])
+    pending = Pending(model, own, options.weights, options.init_seed) if given else None
     if pending is not None and not sharding:
         pending.give(ctx.device)
     description = describe_split(model, all_stages, schedule.placement)
@@ -162,6 +175,8 @@ def build(
     replicas = ctx.distributed and ctx.dp_size > 1
     if replicas and not given:
         make_replicas_equal(stages, ctx)
+        if vocab is not None:
+            make_vocab_replicas_equal(vocab.shards, ctx)
     # Expert collections over the ep ranks: each rank keeps its experts' share (values
     # given later land in that share), before tensor parallelism as in torchtitan.
     experts = apply_ep(stages, options.ep_plan, ctx, every=all_stages)
@@ -212,29 +227,35 @@ def build(
         # Every pipeline rank decides alike (the pairs shape every rank's program): the
         # model has expert collections and they are spread over ep ranks.
         pairs=ctx.ep_size > 1 and bool(chosen(all_stages, options.ep_plan)),
+        vocab=vocab.runner if vocab is not None else None,
     )
     # Without FSDP, replicas average their gradients while the pipeline drains.
     reductions: list[StepSync] = []
     if replicas and not options.fsdp:
         reductions.append(DataParallel(stages, ctx))
+        if vocab is not None:
+            reductions.append(VocabReplicas(vocab.shards, ctx))
     if shared:
         reductions.append(shared)
     gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
-    params = (p for stage in stages.values() for p in stage.parameters())
-    token_loss = model_token_loss(model) if options.loss_fn is None else None
+    params = [p for stage in stages.values() for p in stage.parameters()]
+    if vocab is not None:
+        params += vocab.shards.parameters()
+    token_loss = model_token_loss(model) if options.loss_fn is None and vocab is None else None
     if token_loss is not None:
         engine.compute.router_coef = router_coef(model)
     stepper = Stepper(
         engine,
         ctx,
         reads_targets=options.loss_fn is not None,
+        every_rank_reads=vocab is not None,
         counter=token_loss.count if token_loss is not None else None,
         reductions=reductions,
         gathers=gathers,
         grads=StepGradients(params),
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
-    return RankParts(stages, description, shared, stepper)
+    return RankParts(stages, description, shared, stepper, vocab.shards if vocab else None)
 
 
 def router_coef(model: Any) -> float | None:

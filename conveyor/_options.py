@@ -49,6 +49,7 @@ class Options:
     weights: Weights = None
     init_seed: int = 0
     ep_plan: Sequence[str] | None = None
+    vocab_parallel: bool | str | Sequence[str] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -74,12 +75,36 @@ class Options:
                 f"directory) or None, got {type(self.weights).__name__}"
             )
         check_plan(self.ep_plan)
+        self._check_vocab()
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(
                 "sample must be a pair (inputs, targets), as train_step takes them (targets "
                 "may be None with loss_fn=None)"
             )
+
+    def _check_vocab(self) -> None:
+        spec = self.vocab_parallel
+        names = isinstance(spec, (list, tuple)) and 1 <= len(spec) <= 2
+        if not (isinstance(spec, (bool, str)) or names):
+            raise ConfigError(
+                f"vocab_parallel must be False, True, a module name or a pair of names "
+                f"(input embedding, output layer), got {spec!r}"
+            )
+        if isinstance(spec, (list, tuple)):
+            object.__setattr__(self, "vocab_parallel", tuple(spec))
+        if not spec:
+            return
+        refused = [
+            (bool(self.fsdp), "fsdp"),
+            (self.tp_plan is not None, "tp_plan"),
+            (self.ep_plan is not None, "ep_plan"),
+        ]
+        for on, name in refused:
+            if on:
+                raise ConfigError(
+                    f"vocab_parallel does not compose with {name} yet; train with one of them"
+                )
 
     def check_context(self, ctx: Context) -> None:
         """Check ``fsdp`` and ``tp_plan`` against the processes ``ctx`` describes.
@@ -110,6 +135,11 @@ class Options:
                 "stages with dynamic shapes fails in AOTAutograd (RecursionError); pass "
                 "compile={'dynamic': False} (each new sequence length then compiles once), or "
                 "compile=False"
+            )
+        if self.vocab_parallel and ctx.ep_size > 1:
+            raise ConfigError(
+                "vocab_parallel does not compose with expert parallelism (init(ep=...)) yet; "
+                "train with one of them"
             )
         if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
             raise ConfigError(

@@ -37,7 +37,8 @@ from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
-from conveyor.schedules import Schedule
+from conveyor.schedules import Schedule, validate
+from conveyor.schedules.vocab import with_vocab
 from conveyor.weights import Weights
 
 
@@ -103,6 +104,11 @@ class Pipeline:
             ``["model.layers.*.mlp.experts"]``); None: every experts module of the model
             (transformers' experts interface). Each rank holds ``num_experts / E`` experts
             of each, under the original names (docs/guide/moe.md).
+        vocab_parallel: True, a module name or a pair (input embedding, output layer):
+            split both vocabulary layers by rows over every pipeline rank and compute the
+            token cross-entropy from the shards (``loss_fn`` a
+            :class:`~conveyor.losses.TokenCrossEntropy`, or None for a transformers causal
+            LM); the passes run inside the schedule (docs/guide/vocab.md).
 
     Raises:
         ConfigError: an option that cannot work, in one sentence that says what to do.
@@ -129,11 +135,12 @@ class Pipeline:
         weights: Weights = None,
         init_seed: int = 0,
         ep_plan: Sequence[str] | None = None,
+        vocab_parallel: bool | str | Sequence[str] = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
         options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
                           fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
-                          weights, init_seed, ep_plan)
+                          weights, init_seed, ep_plan, vocab_parallel)
         options.check_context(ctx)  # before a plan's collective profiling run
         self.plan: Plan | None = None
         if schedule == "auto":
@@ -145,6 +152,8 @@ class Pipeline:
             )
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
+        if options.vocab_parallel and not self.schedule.vocab:
+            self.schedule = validate(with_vocab(self.schedule))
         options.check_schedule(self.schedule)
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self._model = model

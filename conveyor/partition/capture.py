@@ -80,7 +80,7 @@ def capture(model: nn.Module, sample: Any = None) -> Captured:
 def _fx(model: nn.Module) -> Captured:
     """The model's graph as ``torch.fx`` traces it, with the literal tensors it found."""
     before = set(vars(model))
-    tracer = fx.Tracer()
+    tracer = _Tracer()
     # Buffers become graph reads too (so ``self.mask[:t]`` with a traced t works).
     tracer.proxy_buffer_attributes = True
     try:
@@ -91,6 +91,16 @@ def _fx(model: nn.Module) -> Captured:
         for name in constants:
             delattr(model, name)
     return Captured(graph, model, constants, exported=False)
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, keeping conveyor's stand-ins (``_conveyor_leaf``) whole as calls."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """torch.nn modules and conveyor's stand-ins are calls in the graph."""
+        return getattr(m, "_conveyor_leaf", False) or super().is_leaf_module(
+            m, module_qualified_name
+        )
 
 
 def _structure(model: nn.Module) -> tuple[Any, ...]:

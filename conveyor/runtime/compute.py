@@ -39,6 +39,7 @@ from conveyor.runtime.step_loss import (
 from conveyor.runtime.step_state import StepState
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
+from conveyor.vocab.runner import VocabRunner
 
 LossFn = Callable[[Any, Any], Any]
 """``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
@@ -68,6 +69,8 @@ def model_loss(out: Any) -> torch.Tensor:
 
 def _track_float(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if x.requires_grad and x.is_leaf:
+            return x  # already tracked (the vocabulary-parallel input embedding)
         return x.detach().requires_grad_()
     return x
 
@@ -110,6 +113,8 @@ class StageCompute:
             [p for ps in self.params.values() for p in ps], opaque=compiled is not None
         )
         self._call = StageCaller()
+        # Vocabulary parallelism: the passes around the first and last stages (None: off).
+        self.vocab: VocabRunner | None = None
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
         self.step = StepState("train")
@@ -166,6 +171,9 @@ class StageCompute:
         else:
             in_leaves = grad_leaves(value) if self.step.train else []
         term: LossTerm | None = None
+        vocab = self.vocab
+        if vocab is not None and s == 0:
+            vocab.current = m  # the embedding the first stage's stand-in returns
         if not self._plain:
             out, term = self._forward_with_options(s, m, value)
         elif self.step.train and self.split_backward:
@@ -173,6 +181,20 @@ class StageCompute:
                 out = self._call(s, self.stages[s], value, s == 0)
         else:
             out = self._call(s, self.stages[s], value, s == 0)
+        if vocab is not None and s == 0 and self.step.train:
+            embedded = vocab.embedded(m)
+            if embedded is not None and embedded.requires_grad:
+                # Its gradient is the embedding's (G); last of the leaves, once.
+                in_leaves = [x for x in in_leaves if x is not embedded] + [embedded]
+        if vocab is not None and s == self.last_stage:
+            # The output layer runs as the S and T passes, on every rank's rows.
+            hidden = vocab.hidden_of(out)
+            vocab.keep_hidden(m, hidden)
+            if self.step.train:
+                recomputed = self.step.stash and (s, m) in self.step.stash
+                self.step.saved[(s, m)] = (in_leaves, [shape_only(hidden)] if recomputed
+                                           else [hidden])  # fmt: skip
+            return None
         if s < self.last_stage:
             if s not in self.sent_shapes:
                 values = out if isinstance(out, tuple) else (out,)
@@ -237,7 +259,7 @@ class StageCompute:
                 stack.enter_context(discard_saved())
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            if s == self.last_stage and self.step.mode != "predict":
+            if s == self.last_stage and self.step.mode != "predict" and self.vocab is None:
                 term = self._term(out, m)
         return out, term
 
@@ -245,6 +267,8 @@ class StageCompute:
         """B of a recompute stage: its forward again, from the kept input and RNG state;
         returns the outputs to differentiate."""
         value, rng = self.step.stash[(s, m)]
+        if self.vocab is not None and s == 0:
+            self.vocab.current = m
         with contextlib.ExitStack() as stack:
             stack.enter_context(replay_rng(rng, self.device))
             if self.autocast is not None:
@@ -253,7 +277,12 @@ class StageCompute:
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
             last = s == self.last_stage
-            outs = [self._term(out, m).root(self.step.scale)] if last else grad_leaves(out)
+            if last and self.vocab is not None:
+                outs = [self.vocab.hidden_of(out)]
+            elif last:
+                outs = [self._term(out, m).root(self.step.scale)]
+            else:
+                outs = grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
         del self.step.stash[(s, m)]
         return outs
@@ -291,6 +320,8 @@ class StageCompute:
                 torch.autograd.backward(outs, grads)
             got = [x.grad for x in in_leaves]
         if s == 0:
+            if self.vocab is not None and self.vocab.embedded(m) is not None:
+                self.vocab.input_grad(m, got[-1])
             return None
         return [
             g if g is not None else torch.zeros_like(x) for g, x in zip(got, in_leaves, strict=True)

@@ -38,6 +38,7 @@ from conveyor.runtime.step_state import Mode, StepRecord, StepState
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
+from conveyor.vocab.runner import VocabRunner
 
 __all__ = ["Engine", "Header", "LossFn", "model_loss"]
 
@@ -68,6 +69,7 @@ class Engine:
         compiled: CompileStats | None = None,
         modules: Mapping[int, str] | None = None,
         pairs: bool = False,
+        vocab: VocabRunner | None = None,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
@@ -76,7 +78,8 @@ class Engine:
         (:func:`~conveyor.runtime.compiled.compile_stages`); ``modules``: per stage, its
         modules as ``print(pipe)`` names them (an error raised in a stage's work names
         them); ``pairs``: run the schedule's overlapped pairs interleaved at their
-        all-to-alls (:mod:`~conveyor.runtime.overlap`; where experts are sharded)."""
+        all-to-alls (:mod:`~conveyor.runtime.overlap`; where experts are sharded);
+        ``vocab``: runs the schedule's vocabulary passes (vocabulary parallelism)."""
         self.schedule = schedule
         self.modules = dict(modules or {})
         self.stages = stages
@@ -97,6 +100,8 @@ class Engine:
             meter=self.meter,
             compiled=compiled,
         )
+        self.vocab = vocab
+        self.compute.vocab = vocab
         self.channel: Mailbox = (
             Remote(schedule, stages, ctx, self.compute.gradient_metas)
             if ctx.distributed
@@ -177,6 +182,8 @@ class Engine:
                           program.adjacent, t0, aux_weight)  # fmt: skip
         self._state, self._syncs = state, syncs
         compute.begin(state)
+        if self.vocab is not None:
+            self.vocab.begin(state, batch.inputs, batch.targets)
         channel.begin(key, t0)
         meter = self.meter if train else None
         cuda = self.ctx.device.type == "cuda"
@@ -252,6 +259,10 @@ class Engine:
         they are up before their data arrives (gloo then receives it in the background).
         The order of groups, which is what NCCL's rules constrain, is the same either way.
         """
+        if tick.vocab is not None:
+            assert self.vocab is not None
+            self._pass(tick)
+            return
         channel, actions = self.channel, tick.computed
         early = not tick.sends
         if early:
@@ -273,11 +284,31 @@ class Engine:
             for sync in self._syncs:
                 sync.after_action(action)
 
+    def _pass(self, tick: Tick) -> None:
+        """A vocabulary pass (every rank runs it at this tick), timed as kind ``V``."""
+        assert self.vocab is not None and tick.vocab is not None
+        start = time.perf_counter()
+        try:
+            self.vocab.run(tick.vocab)
+        except ConveyorError:
+            raise
+        except Exception as exc:
+            where = f"rank {self.ctx.rank}: " if self.ctx.distributed else ""
+            raise PipelineError(
+                f"{where}the vocabulary pass {tick.vocab} raised {one_line(exc)}; its "
+                f"traceback, above this one, shows the failing line"
+            ) from exc
+        state = self._state
+        state.vocab_timings.append((tick.vocab, start - state.t0, time.perf_counter() - state.t0))
+
     def _input(self, action: Action, inputs: list[Any] | None) -> Any:
         """What ``action`` computes on: its micro-batch, or what its producer sent."""
         if action.kind == F and action.stage == 0:
             assert inputs is not None
-            return inputs[action.microbatch]
+            value = inputs[action.microbatch]
+            return value if self.vocab is None else self.vocab.stage_input(action.microbatch, value)
+        if self.vocab is not None and action.kind != F and action.stage == self._stages - 1:
+            return self.vocab.hidden_grad(action.microbatch) if action.kind == "B" else None
         producer = producer_of(action, self._stages)
         return self.channel.take(producer, action) if producer is not None else None
 

@@ -30,6 +30,11 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    its programs run deadlock-free as units (:func:`~conveyor.schedules.paired`), so the
    ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
    programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
+6. A vocabulary pass of the schedule (:attr:`~conveyor.schedules.Schedule.vocab`) is a
+   tick of every rank: one more than the largest tick any rank reached before it (its
+   slot). It computes no action and posts no point-to-point group; its collectives go,
+   in a fixed order, to the vocabulary group (a communicator of its own over the
+   pipeline ranks). A training step runs every pass, an eval or predict step E and S.
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -43,7 +48,11 @@ holds operations of two (tick, phase) positions; NCCL progresses the operations 
 group together, so each completes when its counterpart is posted, and the argument
 holds operation by operation: the later receives' senders need nothing this rank posts
 after the joined group. A pair's tick is an ordinary tick with two actions: each rank
-computes it once both inputs arrived at earlier ticks, then posts its group. Collectives
+computes it once both inputs arrived at earlier ticks, then posts its group. A pass's tick
+holds collectives only, at one (tick, phase) of every rank: every rank posts them once
+its earlier groups are posted, and their inputs (the last stage's output, stage 0's input
+gradient) were computed at earlier ticks, so they complete too; no rank sends or receives
+at a pass's tick (every rank's tick there is the pass). Collectives
 (data parallel, FSDP, tensor parallel, tied weights) are posted at the same point of the
 same program by every member of their group, so they extend the same order.
 ``tests/parallel/test_nccl.py`` replays what each rank really posts under these rules for
@@ -58,6 +67,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from conveyor.schedules import Action, B, F, Schedule, execution_order
+from conveyor.schedules.core import VocabAction
+from conveyor.schedules.vocab import merged_order
 
 
 @dataclass(frozen=True)
@@ -76,8 +87,9 @@ class Tick:
     ``recvs`` as one group. ``rank`` is whose action it is (in the one-process world one
     program holds every rank's actions). ``paired``: a B computed interleaved with
     ``action`` (an F) at their all-to-alls (an overlapped pair of the schedule); both
-    outputs are sent in the tick's group. (A "step" is a whole training step; a program
-    is the step's ticks.)"""
+    outputs are sent in the tick's group. ``vocab``: a vocabulary pass every rank runs at
+    this tick (then nothing else is). (A "step" is a whole training step; a program is
+    the step's ticks.)"""
 
     tick: int
     rank: int
@@ -85,6 +97,7 @@ class Tick:
     sends: tuple[Message, ...] = ()
     recvs: tuple[Message, ...] = ()
     paired: Action | None = None
+    vocab: VocabAction | None = None
 
     @property
     def computed(self) -> tuple[Action, ...]:
@@ -158,10 +171,41 @@ def consumer_stage(producer: Action, stages: int) -> int | None:
     return None
 
 
+def runs_pass(kind: str, train: bool) -> bool:
+    """Whether a step of this mode runs a vocabulary pass of ``kind`` (a training step
+    every pass, an eval or predict step the forward passes E and S)."""
+    return train or kind in ("E", "S")
+
+
+def vocab_ticks(schedule: Schedule, train: bool = True) -> dict[Action | VocabAction, int]:
+    """The lock-step tick of every action and of every vocabulary pass the mode runs
+    (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
+    last_tick = [-1] * schedule.ranks
+    out: dict[Action | VocabAction, int] = {}
+    for rank, step in merged_order(schedule):
+        if rank is None:
+            assert isinstance(step, VocabAction)
+            if runs_pass(step.kind, train):
+                tick = max(last_tick) + 1
+                out[step] = tick
+                last_tick = [tick] * schedule.ranks
+            continue
+        assert isinstance(step, Action)
+        if not train and step.kind != F:
+            continue
+        producer = producer_of(step, schedule.stages)
+        tick = max(last_tick[rank], out[producer] if producer is not None else -1) + 1
+        out[step] = tick
+        last_tick[rank] = tick
+    return out
+
+
 def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[Action, int]:
     """The lock-step tick of every action (forward actions only unless ``train``); with
     ``pairs`` (training only), both actions of an overlapped pair share one tick, after
     the producers of both."""
+    if schedule.vocab:
+        return {a: t for a, t in vocab_ticks(schedule, train).items() if isinstance(a, Action)}
     last_tick = [-1] * schedule.ranks
     position = [0] * schedule.ranks
     starts = [
@@ -193,7 +237,13 @@ def rank_program(
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
     receives alone join the group before them (rule 4; only once every description is
     known); ``pairs``: the schedule's overlapped pairs run as one tick (rule 5)."""
-    at = ticks(schedule, train, pairs)
+    passes: dict[int, VocabAction] = {}
+    if schedule.vocab:
+        timed = vocab_ticks(schedule, train)
+        at = {a: t for a, t in timed.items() if isinstance(a, Action)}
+        passes = {t: v for v, t in timed.items() if isinstance(v, VocabAction)}
+    else:
+        at = ticks(schedule, train, pairs)
     placement, stages = schedule.placement, schedule.stages
     mine: dict[int, list[Action]] = {}
     incoming: dict[int, list[Message]] = {}
@@ -212,7 +262,10 @@ def rank_program(
         else:
             incoming.setdefault(tick, []).append(message)
     timeline: list[Tick] = []
-    for tick in sorted(mine.keys() | incoming.keys()):
+    for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
+        if tick in passes:
+            timeline.append(Tick(tick, rank, None, vocab=passes[tick]))
+            continue
         # Sends by producer, receives by peer then producer: both ends of a pair's two
         # messages to one peer list them in the same order, run after run.
         sends = tuple(sorted(outgoing.get(tick, []), key=_message_order))
@@ -236,11 +289,15 @@ def _message_order(message: Message) -> tuple[int, int, str, int, int]:
 def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
     """Every rank's actions in one valid order, for the world of one process (every
     value is handed over in memory)."""
-    timeline = [
-        Tick(i, rank, action)
-        for i, (rank, action) in enumerate(execution_order(schedule))
-        if train or action.kind == F
-    ]
+    timeline: list[Tick] = []
+    for rank, step in merged_order(schedule):
+        if rank is None:
+            assert isinstance(step, VocabAction)
+            if runs_pass(step.kind, train):
+                timeline.append(Tick(len(timeline), -1, None, vocab=step))
+        elif train or step.kind == F:
+            assert isinstance(step, Action)
+            timeline.append(Tick(len(timeline), rank, step))
     return _finish(timeline, train)
 
 

@@ -49,6 +49,7 @@ class Stepper:
         gathers: what every mode runs around its actions (FSDP's gathers).
         grads: the gradients of this process's parameters.
         fsdp_replicas: the replicas FSDP's reduction averages over (1 without FSDP).
+        every_rank_reads: every rank reads the inputs and targets (vocabulary parallelism).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Stepper:
         gathers: Sequence[StepSync],
         grads: StepGradients,
         fsdp_replicas: int,
+        every_rank_reads: bool = False,
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -71,8 +73,9 @@ class Stepper:
         self.gathers = tuple(gathers)
         self.grads = grads
         self.fsdp_replicas = fsdp_replicas
-        self._first = 0 in engine.stages
-        self._last = engine.schedule.stages - 1 in engine.stages
+        # Vocabulary parallelism: every rank embeds and scores its rows of the vocabulary.
+        self._first = 0 in engine.stages or every_rank_reads
+        self._last = engine.schedule.stages - 1 in engine.stages or every_rank_reads
         # Whether the last step's loss was a pair (None before the first): a later step
         # may not rescale gradients that earlier scalar steps left in .grad.
         self.pair: bool | None = None

@@ -1,0 +1,378 @@
+"""The vocabulary passes of a step on this rank (:data:`~conveyor.schedules.core.VocabKind`).
+
+Every pipeline rank runs every pass, on its rows ``[lo, hi)`` of the vocabulary, with
+collectives on the vocabulary group (a communicator of its own over the pipeline ranks):
+
+- ``E``: the embedding of the micro-batch's token ids in this rank's rows (zero
+  elsewhere), summed onto the first stage's rank (reduce); there it becomes the stage's
+  input embedding, an autograd leaf.
+- ``S``: the last stage's hidden states, broadcast from its rank; this rank's logits and
+  their statistics, all-gathered; every rank then knows each token's loss, and the last
+  stage's rank adds the micro-batch's ``(total, count)`` to the step's loss. (In a predict
+  step the logits are gathered onto the last stage's rank instead: the output.)
+- ``T``: the gradient of the logits held here, the weight gradient of these rows, and the
+  hidden states' gradient summed onto the last stage's rank (reduce), where the last
+  stage's backward starts from it.
+- ``G``: the first stage's input gradient, broadcast from its rank; each rank adds it to
+  the embedding rows of the tokens it holds.
+
+The posting order on the group is the schedule's order of passes, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conveyor.errors import PipelineError
+from conveyor.losses import output_field
+from conveyor.runtime.step_loss import LossTerm, StepLoss
+from conveyor.runtime.step_state import StepState
+from conveyor.runtime.transport import collective
+from conveyor.schedules.core import VocabAction
+from conveyor.vocab.cross_entropy import combine, local_targets, shard_grad, shard_stats
+from conveyor.vocab.shards import VocabInput, VocabShards
+
+
+@dataclass(frozen=True)
+class VocabLoss:
+    """The token cross-entropy computed from the shards: ``ignore_index``,
+    ``label_smoothing``, ``shift`` (position i predicts target i + 1), and whether the
+    targets are the ``labels`` of the inputs (a transformers model's own loss)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    shift: bool = False
+    labels_in_inputs: bool = False
+
+
+@dataclass
+class Group:
+    """The vocabulary group: the process group, and the global ranks of the first and
+    last stages' pipeline ranks (None in a world of one process)."""
+
+    group: Callable[[], dist.ProcessGroup] | None
+    first: int
+    last: int
+    me: int
+    timeout: float
+
+
+class VocabRunner:
+    """Runs the vocabulary passes of this rank's steps (module doc)."""
+
+    def __init__(
+        self,
+        shards: VocabShards,
+        loss: VocabLoss,
+        stand_in: VocabInput,
+        group: Group,
+        device: torch.device,
+        autocast: torch.dtype | None,
+    ) -> None:
+        self.shards = shards
+        self.loss = loss
+        self.group = group
+        self.device = device
+        self.autocast = autocast
+        self.transformers = shards.layers.transformers
+        self.current = -1
+        stand_in.source = self._embedded_now
+        self._state = StepState("train")
+        self._inputs: list[Any] = []
+        self._targets: list[Any] = []
+        self._embedded: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._shape: dict[int, tuple[int, ...]] = {}
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]] = {}
+        self._hidden_grad: dict[int, torch.Tensor] = {}
+        self._input_grad: dict[int, torch.Tensor] = {}
+        self._hidden_dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------ the step's data
+    def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
+        """Start a step: its state and this rank's micro-batches (every rank reads them)."""
+        if inputs is None:
+            raise PipelineError(
+                "vocab_parallel: every pipeline rank embeds its rows of the vocabulary, so "
+                "every rank needs the inputs; pass the batch on every rank"
+            )
+        self._state = state
+        self._inputs = inputs
+        self._targets = targets or []
+        for kept in (self._embedded, self._hidden, self._kept, self._hidden_grad,
+                     self._input_grad, self._shape):  # fmt: skip
+            kept.clear()
+
+    def _ids(self, m: int) -> torch.Tensor:
+        value = self._inputs[m]
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, dict):
+            if "input_ids" in value:
+                return value["input_ids"]  # type: ignore[no-any-return]
+            value = tuple(value.values())
+        found = [x for x in value if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+        if not found:
+            raise PipelineError(
+                "vocab_parallel: the inputs hold no integer tensor of token ids; pass the "
+                "ids as the first input (or as input_ids)"
+            )
+        return found[0]
+
+    def _labels(self, m: int) -> torch.Tensor:
+        if self.loss.labels_in_inputs:
+            value = self._inputs[m]
+            labels = value.get("labels") if isinstance(value, dict) else None
+            if labels is None:
+                raise PipelineError(
+                    "vocab_parallel with loss_fn=None reads the loss's labels from the inputs; "
+                    "pass labels in the inputs dict"
+                )
+            return labels  # type: ignore[no-any-return]
+        if not self._targets:
+            raise PipelineError(
+                "vocab_parallel: every pipeline rank computes the loss of its rows, so every "
+                "rank needs the targets; pass them on every rank"
+            )
+        return self._targets[m]  # type: ignore[no-any-return]
+
+    def stage_input(self, m: int, value: Any) -> Any:
+        """What the first stage runs on for micro-batch ``m``: a transformers model takes
+        the embedding as ``inputs_embeds`` (and computes no loss: no labels)."""
+        if not self.transformers or not isinstance(value, dict):
+            return value
+        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
+        out["inputs_embeds"] = self._embedded_for(m)
+        return out
+
+    def sample(self, value: Any) -> Any:
+        """A capture sample as the first stage sees it (:meth:`stage_input`, zeros)."""
+        if not self.transformers or not isinstance(value, dict) or "input_ids" not in value:
+            return value
+        ids = value["input_ids"]
+        weight = self.shards.embedding.weight
+        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
+        out["inputs_embeds"] = torch.zeros(
+            (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=ids.device
+        )
+        return out
+
+    def _embedded_now(self) -> torch.Tensor:
+        return self._embedded_for(self.current)
+
+    def _embedded_for(self, m: int) -> torch.Tensor:
+        try:
+            return self._embedded[m]
+        except KeyError:
+            raise PipelineError(
+                f"vocab_parallel: the first stage ran micro-batch {m} before its embedding "
+                f"pass (E{m}); the schedule is inconsistent"
+            ) from None
+
+    def embedded(self, m: int) -> torch.Tensor | None:
+        """The input embedding leaf of micro-batch ``m`` (None if not on this rank)."""
+        return self._embedded.get(m)
+
+    def hidden_of(self, out: Any) -> torch.Tensor:
+        """The last stage's output as the hidden states: a tensor, or the ``logits``
+        field of a model output (the output layer's stand-in filled it with them)."""
+        hidden = out if isinstance(out, torch.Tensor) else output_field(out, "logits")
+        if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != self.shards.layers.hidden:
+            raise PipelineError(
+                "vocab_parallel: the last stage's output is not the hidden states the output "
+                f"layer {self.shards.layers.output} takes; return its result from the model"
+            )
+        return hidden
+
+    def keep_hidden(self, m: int, hidden: torch.Tensor) -> None:
+        """Keep the last stage's hidden states of micro-batch ``m`` for its S pass."""
+        self._hidden[m] = hidden
+
+    def hidden_grad(self, m: int) -> list[torch.Tensor]:
+        """The gradient of the last stage's output of micro-batch ``m`` (from T)."""
+        return [self._hidden_grad.pop(m)]
+
+    def input_grad(self, m: int, grad: torch.Tensor | None) -> None:
+        """The first stage's backward of micro-batch ``m`` computed its embedding's
+        gradient (G broadcasts it)."""
+        self._input_grad[m] = grad if grad is not None else torch.zeros_like(self._embedded[m])
+
+    def leftovers(self) -> list[str]:
+        """What the step kept and never used (a schedule missing passes)."""
+        return [f"hidden states of micro-batch {m}" for m in self._hidden_grad]
+
+    # ------------------------------------------------------------ the passes
+    def run(self, action: VocabAction) -> None:
+        """Run pass ``action`` on this rank's rows."""
+        m = action.microbatch
+        if action.kind == "E":
+            self._embed(m)
+        elif action.kind == "S":
+            self._output_forward(m)
+        elif action.kind == "T":
+            self._output_backward(m)
+        else:
+            self._embedding_grad(m)
+
+    def _collective(self, what: str, m: int, start: Callable[[dist.ProcessGroup], Any]) -> None:
+        g = self.group
+        if g.group is None:
+            return
+        pg = g.group()
+        collective(
+            lambda: start(pg),
+            g.timeout,
+            f"rank {g.me}: the vocabulary {what} of micro-batch {m}",
+            "another pipeline rank",
+        )
+
+    def _embed(self, m: int) -> None:
+        ids = self._ids(m)
+        shards, g = self.shards, self.group
+        weight = shards.local(shards.embedding)
+        index = ids - shards.lo
+        held = (index >= 0) & (index < weight.shape[0])
+        if weight.shape[0]:
+            out = F.embedding(index.clamp(0, weight.shape[0] - 1), weight.detach())
+            out = out * held[..., None].to(out.dtype)
+        else:
+            out = weight.new_zeros((*ids.shape, self.shards.layers.hidden))
+        self._collective(
+            "embedding sum (reduce)", m,
+            lambda pg: dist.reduce(out, g.first, dist.ReduceOp.SUM, group=pg, async_op=True),
+        )  # fmt: skip
+        if g.group is None or g.me == g.first:
+            self._embedded[m] = out.requires_grad_(self._state.train)
+
+    def _output_forward(self, m: int) -> None:
+        ids = self._ids(m)
+        shards, g, state = self.shards, self.group, self._state
+        hidden = self._hidden.get(m)
+        dtype = self._transport_dtype(hidden)
+        if hidden is not None:
+            flat = hidden.detach().to(dtype).reshape(-1, self.shards.layers.hidden)
+        else:
+            tokens = ids.numel()
+            flat = torch.empty((tokens, self.shards.layers.hidden), dtype=dtype, device=self.device)
+        self._collective(
+            "hidden-state broadcast", m,
+            lambda pg: dist.broadcast(flat, g.last, group=pg, async_op=True),
+        )  # fmt: skip
+        weight = shards.local(shards.output).detach()
+        with self._autocast():
+            logits = flat @ weight.t() if weight.shape[0] else flat.new_zeros((flat.shape[0], 0))
+        if state.mode == "predict":
+            self._gather_logits(m, logits, ids)
+            return
+        loss = self.loss
+        targets = local_targets(
+            self._labels(m).to(self.device), loss.ignore_index, loss.shift, shards.lo, shards.hi
+        )
+        stats = shard_stats(logits, targets)
+        ranks = 1 if g.group is None else g.group().size()
+        gathered = torch.empty((ranks, *stats.shape), dtype=stats.dtype, device=stats.device)
+        if g.group is None:
+            gathered[0] = stats
+        self._collective(
+            "statistics all-gather", m,
+            lambda pg: dist.all_gather(list(gathered.unbind(0)), stats, group=pg, async_op=True),
+        )  # fmt: skip
+        rows = shards.layers.rows
+        combined = combine(gathered, rows, loss.label_smoothing)
+        weight_tok = targets.valid.to(torch.float32)
+        if g.group is None or g.me == g.last:
+            total = (combined.loss * weight_tok).sum()
+            if state.loss is None:
+                state.loss = StepLoss()
+            state.loss.add(LossTerm(total, 1, targets.valid.sum(), True), state.sizes[m])
+        if state.train:
+            self._kept[m] = (flat, logits, targets, combined.lse)
+
+    def _output_backward(self, m: int) -> None:
+        flat, logits, targets, lse = self._kept.pop(m)
+        shards, g, state = self.shards, self.group, self._state
+        loss = self.loss
+        weight_tok = targets.valid.to(torch.float32) * state.scale
+        rows = shards.layers.rows
+        grad = shard_grad(logits, lse, targets, weight_tok, rows, loss.label_smoothing)
+        weight = shards.local(shards.output).detach()
+        with self._autocast():
+            grad_in = (grad.to(flat.dtype) @ weight.to(flat.dtype)) if weight.shape[0] else (
+                torch.zeros_like(flat)
+            )
+            grad_w = grad.t().to(flat.dtype) @ flat if weight.shape[0] else None
+        grad_in = grad_in.to(flat.dtype)
+        if grad_w is not None:
+            shards.add_grad(shards.output, grad_w)
+        self._collective(
+            "hidden-state gradient sum (reduce)", m,
+            lambda pg: dist.reduce(grad_in, g.last, dist.ReduceOp.SUM, group=pg, async_op=True),
+        )  # fmt: skip
+        if g.group is None or g.me == g.last:
+            hidden = self._hidden.pop(m)
+            self._hidden_grad[m] = grad_in.reshape(hidden.shape).to(hidden.dtype)
+
+    def _embedding_grad(self, m: int) -> None:
+        ids = self._ids(m)
+        shards, g = self.shards, self.group
+        weight = shards.local(shards.embedding)
+        if g.group is None or g.me == g.first:
+            grad = self._input_grad.pop(m).detach().to(weight.dtype).contiguous()
+            self._embedded.pop(m, None)
+        else:
+            grad = torch.empty(
+                (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=self.device
+            )
+        self._collective(
+            "embedding gradient broadcast", m,
+            lambda pg: dist.broadcast(grad, g.first, group=pg, async_op=True),
+        )  # fmt: skip
+        index = (ids - shards.lo).reshape(-1)
+        held = (index >= 0) & (index < weight.shape[0])
+        padding = shards.embedding.padding_idx
+        if padding is not None:
+            held &= ids.reshape(-1).ne(padding)
+        rows = grad.reshape(-1, grad.shape[-1]) * held[:, None].to(grad.dtype)
+        local = torch.zeros_like(weight)
+        local.index_add_(0, index.clamp(0, max(weight.shape[0] - 1, 0)), rows)
+        if weight.shape[0]:
+            shards.add_grad(shards.embedding, local)
+
+    def _gather_logits(self, m: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """A predict step's output: every rank's logits, concatenated on the last stage's."""
+        g, rows = self.group, self.shards.layers.rows
+        if g.group is None:
+            whole = logits
+        else:
+            ranks = g.group().size()
+            size = -(-rows // ranks)
+            padded = logits.new_zeros((logits.shape[0], size))
+            padded[:, : logits.shape[1]] = logits
+            parts = logits.new_empty((ranks, logits.shape[0], size))
+            self._collective(
+                "logits all-gather", m,
+                lambda pg: dist.all_gather(list(parts.unbind(0)), padded, group=pg, async_op=True),
+            )  # fmt: skip
+            whole = parts.permute(1, 0, 2).reshape(logits.shape[0], ranks * size)[:, :rows]
+        if g.group is None or g.me == g.last:
+            self._state.outputs[m] = whole.reshape(*ids.shape, rows)
+
+    def _transport_dtype(self, hidden: torch.Tensor | None) -> torch.dtype:
+        """The dtype the hidden states travel in, the same on every rank: float32 under
+        autocast (it casts them for the matmul as the unsplit model's output layer
+        would), else the output weight's."""
+        if self.autocast is not None:
+            return torch.float32
+        return self.shards.output.weight.dtype
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)

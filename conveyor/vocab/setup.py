@@ -1,0 +1,153 @@
+"""Setting up vocabulary parallelism for a pipeline: which layers, what loss, the model
+the stages are cut from, this rank's rows, the vocabulary group and the passes' runner."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor._groups import Held
+from conveyor.context import Context
+from conveyor.errors import ConfigError
+from conveyor.losses import TokenCrossEntropy
+from conveyor.runtime.step_sync import StepSync
+from conveyor.runtime.transport import collective
+from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
+from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
+from conveyor.vocab.shards import VocabShards, local_tensor, stripped
+
+
+@dataclass
+class VocabSetup:
+    """What a pipeline with vocabulary parallelism builds on this rank.
+
+    Attributes:
+        layers: The vocabulary layers.
+        model: The model the stages are cut from (the layers stood in for).
+        shards: This rank's rows of the layers.
+        runner: Runs the passes.
+    """
+
+    layers: VocabLayers
+    model: nn.Module
+    shards: VocabShards
+    runner: VocabRunner
+
+
+def vocab_loss(loss_fn: Any, layers: VocabLayers) -> VocabLoss:
+    """The token cross-entropy the shards compute for ``loss_fn``.
+
+    Raises:
+        ConfigError: a loss the shards cannot compute.
+    """
+    if isinstance(loss_fn, TokenCrossEntropy):
+        return VocabLoss(loss_fn.ignore_index, loss_fn.label_smoothing, loss_fn.shift)
+    if loss_fn is None and layers.transformers:
+        return VocabLoss(-100, 0.0, True, labels_in_inputs=True)
+    what = "loss_fn=None on a model that is not a transformers causal LM" if loss_fn is None else (
+        f"loss_fn={loss_fn!r}"
+    )
+    raise ConfigError(
+        f"vocab_parallel computes the token cross-entropy from the vocabulary shards, not "
+        f"{what}; pass loss_fn=conveyor.losses.TokenCrossEntropy(ignore_index=..., shift=...)"
+    )
+
+
+def prepare(
+    model: nn.Module,
+    spec: VocabSpec,
+    loss_fn: Any,
+    ctx: Context,
+    autocast: torch.dtype | None,
+    first_rank: int,
+    last_rank: int,
+) -> VocabSetup:
+    """Find the layers, shard them over the pipeline ranks and make the runner.
+
+    ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages.
+    Collective over the whole world when distributed (every rank makes every vocabulary
+    group).
+
+    Raises:
+        ConfigError: the layers or the loss cannot be split (one sentence).
+    """
+    layers = find_vocab_layers(model, spec)
+    loss = vocab_loss(loss_fn, layers)
+    split = ctx.distributed and ctx.pp_size > 1
+    mesh = ctx.mesh["pp"] if split and ctx.mesh is not None else None
+    shards = VocabShards(model, layers, mesh)
+    cut_from, stand_in = stripped(model, layers)
+    group = Group(
+        _vocab_group(ctx) if split else None,
+        ctx.global_rank(first_rank) if split else 0,
+        ctx.global_rank(last_rank) if split else 0,
+        ctx.rank,
+        ctx.timeout,
+    )
+    runner = VocabRunner(shards, loss, stand_in, group, ctx.device, autocast)
+    return VocabSetup(layers, cut_from, shards, runner)
+
+
+def _vocab_group(ctx: Context) -> Any:
+    """This pipeline's vocabulary group: a communicator of its own over its pipeline
+    ranks (the passes' collectives then never queue behind point-to-point transfers)."""
+    timeout = datetime.timedelta(seconds=ctx.timeout)
+    mine = None
+    for replica in range(ctx.dp_size):
+        for shard in range(ctx.tp_size):
+            members = [ctx.rank_at(replica, r, shard) for r in range(ctx.pp_size)]
+            group = dist.new_group(members, timeout=timeout)
+            if (replica, shard) == (ctx.dp_rank, ctx.tp_rank):
+                mine = group
+    held = Held(mine)
+    return held.get
+
+
+class VocabReplicas(StepSync):
+    """Data-parallel replicas sum the vocabulary rows' gradients at the step's end (their
+    rows are the same on every replica)."""
+
+    def __init__(self, shards: VocabShards, ctx: Context) -> None:
+        self.params = shards.parameters()
+        self.ctx = ctx
+        self._train = False
+
+    def begin(self, program: Any) -> None:
+        """A step starts (only a training step reduces)."""
+        self._train = program.train
+
+    def finish(self) -> None:
+        """Sum the gradients over the data-parallel group."""
+        if not self._train:
+            return
+        group = self.ctx.dp_group
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grad = local_tensor(p.grad)
+            collective(
+                functools.partial(dist.all_reduce, grad, group=group, async_op=True),
+                self.ctx.timeout,
+                f"rank {self.ctx.rank}: the data-parallel sum of the vocabulary gradients",
+                "another data-parallel replica",
+            )
+
+
+def make_vocab_replicas_equal(shards: VocabShards, ctx: Context) -> None:
+    """Replicas start from replica 0's rows (a model built with different seeds)."""
+    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)
+    for p in shards.parameters():
+        local = local_tensor(p)
+        with torch.no_grad():
+            collective(
+                functools.partial(dist.broadcast, local, src, group=ctx.dp_group, async_op=True),
+                ctx.timeout,
+                f"rank {ctx.rank}: making the vocabulary rows equal over replicas",
+                f"rank {src}",
+            )

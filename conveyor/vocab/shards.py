@@ -1,0 +1,174 @@
+"""The split model without its vocabulary layers, and this rank's rows of them.
+
+:func:`stripped` gives the model the stages are cut from: a copy along the paths to the
+two layers (every other module, parameter and buffer is the model's own object) in which
+the input embedding is a :class:`VocabInput` and the output layer an ``nn.Identity``, so
+the last stage returns the hidden states. :class:`VocabShards` keeps this rank's rows of
+both layers: the original modules, each weight a DTensor ``Shard(0)`` over the pipeline
+ranks (torch's chunk rule for uneven sizes), under the original names.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.errors import PipelineError
+from conveyor.vocab.layers import VocabLayers
+
+
+class VocabInput(nn.Module):
+    """Stands in for the input embedding in the split model: returns the embedding the E
+    pass computed for the micro-batch the first stage is running."""
+
+    _conveyor_leaf = True  # torch.fx keeps it whole (a call, not traced through)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.source: Callable[[], torch.Tensor] | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The current micro-batch's embedding (the arguments, token ids, are unused)."""
+        if self.source is None:
+            raise PipelineError(
+                f"model.{self.name} is split over the pipeline ranks (vocab_parallel) and "
+                f"runs only inside a pipeline step; call the pipeline, not the stage"
+            )
+        return self.source()
+
+
+def stripped(model: nn.Module, layers: VocabLayers) -> tuple[nn.Module, VocabInput]:
+    """``model`` with the vocabulary layers replaced (see the module doc); ``model``
+    itself is unchanged. Returns the copy and its input stand-in."""
+    root = _copy(model)
+    stand_in = VocabInput(layers.input)
+    _replace(root, layers.input, stand_in)
+    _replace(root, layers.output, nn.Identity())
+    return root, stand_in
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    return out
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Set ``root``'s submodule ``name`` to ``new``, copying the modules on the way (the
+    originals, shared with the user's model, keep their children)."""
+    *path, leaf = name.split(".")
+    node = root
+    for part in path:
+        child = node._modules[part]
+        assert child is not None
+        if not getattr(child, "_conveyor_copied", False):
+            child = _copy(child)
+            child._conveyor_copied = True  # type: ignore[assignment]
+            node._modules[part] = child
+        node = child
+    node._modules[leaf] = new
+
+
+def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[lo, hi)`` of ``rows`` split over ``ranks`` as
+    ``torch.chunk`` splits them (DTensor's ``Shard(0)``): ``ceil(rows / ranks)`` each,
+    the last ones fewer or none."""
+    size = -(-rows // ranks)
+    lo = min(rows, rank * size)
+    return lo, min(rows, lo + size)
+
+
+class VocabShards:
+    """This rank's rows of the vocabulary layers (module doc).
+
+    Args:
+        model: The user's model (holds the layers under ``layers``' names).
+        layers: Which layers.
+        mesh: The 1-D pipeline mesh the rows are spread over; None: one process holds
+            every row (the weights stay plain tensors).
+
+    Attributes:
+        embedding: The input embedding module (its weight this rank's rows).
+        output: The output layer module (the same weight when tied).
+        lo, hi: This rank's rows ``[lo, hi)``.
+        holder: A module holding both under their names in the model (for parameters,
+            state dicts and giving meta weights their values).
+    """
+
+    def __init__(self, model: nn.Module, layers: VocabLayers, mesh: Any | None) -> None:
+        self.layers = layers
+        self.embedding: nn.Embedding = model.get_submodule(layers.input)  # type: ignore[assignment]
+        self.output: nn.Linear = model.get_submodule(layers.output)  # type: ignore[assignment]
+        ranks, rank = (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
+        self.lo, self.hi = chunk_rows(layers.rows, ranks, rank)
+        self.mesh = mesh
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+            done: dict[int, nn.Parameter] = {}
+            for module in (self.embedding, self.output):
+                weight = module.weight
+                if isinstance(weight, DTensor):
+                    continue  # sharded by an earlier pipeline over this model
+                if id(weight) not in done:
+                    value = distribute_tensor(weight.detach(), mesh, [Shard(0)], src_data_rank=None)
+                    done[id(weight)] = nn.Parameter(value, weight.requires_grad)
+                module.register_parameter("weight", done[id(weight)])
+        self.holder = nn.Module()
+        _put(self.holder, layers.input, self.embedding)
+        _put(self.holder, layers.output, self.output)
+
+    def local(self, module: nn.Module) -> torch.Tensor:
+        """``module``'s weight rows held here, as a plain tensor."""
+        return local_tensor(_weight(module))
+
+    def add_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
+        """Add ``grad`` (this rank's rows) to ``module.weight.grad`` (a DTensor like the
+        weight where it is one)."""
+        weight = _weight(module)
+        if not weight.requires_grad:
+            return
+        if weight.grad is None:
+            if self.mesh is not None:
+                from torch.distributed.tensor import DTensor
+
+                weight.grad = DTensor.from_local(
+                    grad.to(weight.dtype).clone(), self.mesh, weight.placements,  # type: ignore[attr-defined]
+                    run_check=False, shape=weight.shape, stride=weight.stride(),
+                )  # fmt: skip
+            else:
+                weight.grad = grad.to(weight.dtype).clone()
+            return
+        local = local_tensor(weight.grad)
+        local.add_(grad.to(local.dtype))
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The layers' weights (a tied one once)."""
+        return list(self.holder.parameters())
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` held here: a DTensor's local tensor, else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _put(root: nn.Module, name: str, module: nn.Module) -> None:
+    *path, leaf = name.split(".")
+    node = root
+    for part in path:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]  # type: ignore[assignment]
+    node.add_module(leaf, module)
