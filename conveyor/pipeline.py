@@ -210,6 +210,13 @@ class Pipeline:
         return [parts.stages[s] for s in sorted(parts.stages)]
 
     @property
+    def vocab_layers(self) -> nn.Module | None:
+        """With ``vocab_parallel``: a module holding this rank's rows of the vocabulary
+        layers under their names in the model (None without)."""
+        shards = self._split("pipe.vocab_layers").vocab
+        return shards.holder if shards is not None else None
+
+    @property
     def held_stages(self) -> tuple[int, ...]:
         """The global indices of :attr:`stages` (all stages in a one-process world)."""
         return held_stages(self.schedule, self.context)

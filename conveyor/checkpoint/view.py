@@ -53,6 +53,9 @@ def view_of(target: Pipeline | nn.Module) -> View:
     elif is_pipeline(target):
         ctx = target.context
         stages = list(zip(target.held_stages, target.stages, strict=True))
+        rows = target.vocab_layers
+        if rows is not None:  # this rank's vocabulary rows, after every stage
+            stages.append((target.schedule.stages, rows))
         view = View(
             [],
             ctx.rank,
@@ -105,6 +108,8 @@ def _tied_links(pipe: Pipeline) -> dict[int, tuple[int, ...]]:
 
 def set_extra(target: Pipeline | nn.Module, entry: Entry, value: Any) -> None:
     stages = [target] if isinstance(target, nn.Module) else target.stages
+    if not isinstance(target, nn.Module) and target.vocab_layers is not None:
+        stages = [*stages, target.vocab_layers]
     for stage in stages:
         own = stage.state_dict(keep_vars=True)
         part = {n: value for _, _, n in entry.names if n in own}

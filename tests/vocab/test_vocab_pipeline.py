@@ -1,0 +1,304 @@
+"""Vocabulary parallelism (``Pipeline(vocab_parallel=...)``) against the unsplit model.
+
+The unsplit model's loss is the WHOLE batch's token cross-entropy (padded rows, -100
+targets, a sum over counted tokens over their count); each pipeline is compared on loss
+and every gradient (its rows of the vocabulary layers against the same rows of the
+unsplit model's), on 1F1B, ZB-H1 and V-Half, in one process and on 2 and 4 processes,
+tied and untied, for a torch.fx-traced GPT, a layer list and a transformers Llama with
+``loss_fn=None``. The 4-process world also runs pp2 x dp2 with replicas of different
+token counts and gradient accumulation over two steps, then a checkpoint that the unsplit
+model loads. What each rank posts is replayed under NCCL's rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.errors import ConfigError
+from conveyor.losses import TokenCrossEntropy
+from conveyor.schedules.vocab import vocab_collectives
+from conveyor.vocab.shards import chunk_rows
+from tests.support import distributed
+from tests.vocab.models import VOCAB, TinyGPT, layer_list, padded_batch, tiny_llama
+
+SCHEDULES = ("1f1b", "zb-h1", "v-half")
+LOSS = TokenCrossEntropy(shift=True)
+TOL = 1e-5
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def make(kind: str, tied: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return TinyGPT(tied)
+    if kind == "layers":
+        return layer_list()
+    return tiny_llama(tied)
+
+
+def reference(kind: str, tied: bool, batches: list[Any]) -> tuple[list[float], dict[str, Any]]:
+    """The unsplit model's loss of each whole batch and the gradients summed over them."""
+    model = make(kind, tied)
+    losses = []
+    for ids, targets in batches:
+        if kind == "llama":
+            loss = model(input_ids=ids, labels=targets).loss
+        else:
+            total, count = LOSS(model(ids), targets)
+            loss = total / count
+        loss.backward()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def grads_of(pipe: conveyor.Pipeline, pp: int, pp_rank: int) -> dict[str, Any]:
+    """This rank's gradients: (tensor, lo, hi) with the rows [lo, hi) of a split weight."""
+    out = {}
+    for name, p in pipe.named_parameters():
+        g = p.grad
+        if hasattr(g, "to_local"):
+            lo, hi = chunk_rows(p.shape[0], pp, pp_rank)
+            out[name] = (g.to_local().clone(), lo, hi)
+        else:
+            out[name] = (g.clone(), None, None)
+    return out
+
+
+def compare(results: list[tuple[list[float], dict[str, Any]]], want: Any, what: str) -> None:
+    """Every rank's losses equal the reference's and its gradients its rows', and every
+    parameter of the model has its gradient on some rank."""
+    losses, grads = want
+    seen = set()
+    for rank, (got_losses, got) in enumerate(results):
+        for a, b in zip(got_losses, losses, strict=True):
+            assert abs(a - b) <= TOL * abs(b), f"{what}: rank {rank} loss {a} != {b}"
+        for name, (g, lo, hi) in got.items():
+            w = grads[name] if lo is None else grads[name][lo:hi]
+            assert g.shape == w.shape, f"{what}: {name} shape {g.shape} != {w.shape}"
+            err = rel(g, w)
+            assert err < TOL, f"{what}: rank {rank} {name} relative error {err:.2e}"
+            seen.add(name)
+    assert seen == set(grads), f"{what}: no gradient for {sorted(set(grads) - seen)}"
+
+
+def train(pipe: conveyor.Pipeline, kind: str, batches: list[Any]) -> list[float]:
+    losses = []
+    for ids, targets in batches:
+        if kind == "llama":
+            losses.append(float(pipe.train_step({"input_ids": ids, "labels": targets})))
+        else:
+            losses.append(float(pipe.train_step(ids, targets)))
+    return losses
+
+
+CASES = [(kind, s, tied) for kind in ("gpt", "llama") for s in SCHEDULES for tied in (False, True)]
+
+
+# ------------------------------------------------------------------ one process
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_one_process_world_is_exact(schedule: str, tied: bool) -> None:
+    """pp=4 in one process (every stage here, the vocabulary whole): two accumulated
+    steps of padded batches, micro-batches of uneven rows."""
+    batches = [padded_batch(6, 9, seed=0), padded_batch(5, 7, seed=1)]
+    want = reference("gpt", tied, batches)
+    ctx = conveyor.init(pp=4)
+    pipe = conveyor.Pipeline(
+        make("gpt", tied), loss_fn=LOSS, microbatches=4, schedule=schedule, context=ctx,
+        vocab_parallel=True,
+    )  # fmt: skip
+    compare([(train(pipe, "gpt", batches), grads_of(pipe, 1, 0))], want, schedule)
+
+
+def test_one_process_layer_list_llama_eval_and_predict() -> None:
+    """A layer list (embedding first, output layer last) and a transformers Llama with its
+    own loss; eval_step gives the loss, predict the unsplit model's logits."""
+    batches = [padded_batch()]
+    ctx = conveyor.init(pp=2)
+    for kind in ("layers", "llama"):
+        want = reference(kind, False, batches)
+        pipe = conveyor.Pipeline(
+            make(kind, False), loss_fn=None if kind == "llama" else LOSS, microbatches=3,
+            context=ctx, vocab_parallel=True,
+        )  # fmt: skip
+        compare([(train(pipe, kind, batches), grads_of(pipe, 1, 0))], want, kind)
+    ids, targets = batches[0]
+    pipe = conveyor.Pipeline(make("gpt", True), loss_fn=LOSS, microbatches=3, context=ctx,
+                             vocab_parallel=True)  # fmt: skip
+    model = make("gpt", True)
+    total, count = LOSS(model(ids), targets)
+    assert abs(float(pipe.eval_step(ids, targets)) - float(total / count)) < 1e-6
+    assert all(p.grad is None for p in pipe.parameters())
+    logits = pipe.predict(ids)
+    assert logits.shape == (*ids.shape, VOCAB)
+    torch.testing.assert_close(logits, model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_recompute_and_the_names() -> None:
+    """Label smoothing (one more sum), recompute of every stage, the vocabulary layers
+    under their names in the model, and meta weights initialized like the unsplit model."""
+    ids, targets = padded_batch()
+    smooth = TokenCrossEntropy(shift=True, label_smoothing=0.1)
+    model = make("gpt", False)
+    total, count = smooth(model(ids), targets)
+    (total / count).backward()
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(make("gpt", False), loss_fn=smooth, microbatches=4, context=ctx,
+                             schedule="zb-h1", recompute=True, vocab_parallel=True)  # fmt: skip
+    loss = pipe.train_step(ids, targets)
+    assert abs(float(loss) - float(total / count)) < 1e-6
+    got = dict(pipe.named_parameters())
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert rel(got[name].grad, p.grad) < TOL, name
+    with conveyor.empty_weights():
+        meta = TinyGPT(tied=True)
+    pipe = conveyor.Pipeline(meta, loss_fn=LOSS, microbatches=2, context=ctx, init_seed=4,
+                             vocab_parallel=("wte", "head"))  # fmt: skip
+    with conveyor.empty_weights():
+        whole = TinyGPT(tied=True)
+    conveyor.materialize(whole, init_seed=4)
+    state = pipe.state_dict()
+    assert set(state) >= {"wte.weight", "blocks.0.0.weight"}
+    for name, value in state.items():
+        assert torch.equal(value, whole.state_dict()[name]), name
+
+
+def test_autocast_matches_the_unsplit_model_under_autocast() -> None:
+    ids, targets = padded_batch()
+    model = make("gpt", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, count = LOSS(model(ids), targets)
+    (total / count).backward()
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(make("gpt", False), loss_fn=LOSS, microbatches=3, context=ctx,
+                             autocast=torch.bfloat16, vocab_parallel=True)  # fmt: skip
+    loss = pipe.train_step(ids, targets)
+    assert abs(float(loss) - float(total / count)) < 2e-2 * float(total / count)
+    for name, p in pipe.named_parameters():
+        assert rel(p.grad, dict(model.named_parameters())[name].grad) < 5e-2, name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"loss_fn": nn.functional.cross_entropy}, "TokenCrossEntropy"),
+        ({"vocab_parallel": "nope"}, "not a module"),
+        ({"vocab_parallel": ("blocks.0.0", "head")}, "not a plain nn.Embedding"),
+        ({"vocab_parallel": 3}, "must be False, True"),
+        ({"fsdp": True}, "does not compose with fsdp"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_in_one_sentence(
+    kwargs: dict[str, Any], words: str
+) -> None:
+    options = {"loss_fn": LOSS, "vocab_parallel": True} | kwargs
+    with pytest.raises(ConfigError, match=words):
+        conveyor.Pipeline(make("gpt", False), microbatches=2, context=conveyor.init(pp=2),
+                          **options)  # fmt: skip
+
+
+def test_an_output_layer_with_a_bias_is_refused() -> None:
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Linear(8, VOCAB))
+    with pytest.raises(ConfigError, match="bias"):
+        conveyor.Pipeline(model, loss_fn=LOSS, microbatches=2, context=conveyor.init(pp=2),
+                          vocab_parallel=("0", "2"))  # fmt: skip
+
+
+# ------------------------------------------------------------------ processes
+def _world(rank: int, pp: int, dp: int, cases: list[tuple[str, str, bool]]) -> dict[str, Any]:
+    """Each case's two accumulated steps on this rank (a replica passes its own rows), and
+    the collectives it posted on the vocabulary group, in order."""
+    from conveyor.vocab import runner
+
+    ctx = conveyor.init(pp=pp, dp=dp)
+    posted: list[tuple[str, int]] = []
+    original = runner.VocabRunner._collective
+
+    def spy(self: Any, what: str, m: int, start: Any) -> None:
+        posted.append((what.split(" (")[0], m))
+        original(self, what, m, start)
+
+    runner.VocabRunner._collective = spy  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    for kind, schedule, tied in cases:
+        posted.clear()
+        pipe = conveyor.Pipeline(
+            make(kind, tied), loss_fn=None if kind == "llama" else LOSS, microbatches=4,
+            schedule=schedule, context=ctx, vocab_parallel=True,
+        )  # fmt: skip
+        mine = [(ids[ctx.dp_rank :: dp], t[ctx.dp_rank :: dp]) for ids, t in _steps(dp)]
+        losses = train(pipe, kind, mine)
+        out[f"{kind} {schedule} {tied}"] = (
+            losses, grads_of(pipe, pp, ctx.pp_rank), list(posted), vocab_collectives(pipe.schedule)
+        )
+    if dp > 1:
+        conveyor.save(pipe, _ckpt_dir(), step=1)
+    return out
+
+
+def _steps(dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two steps; with replicas, rows dealt round-robin, so their token counts differ."""
+    return [padded_batch(8 * dp - 1, 9, seed=0), padded_batch(4 * dp + 1, 6, seed=1)]
+
+
+def _ckpt_dir() -> str:
+    import os
+
+    return os.environ["VOCAB_TEST_CKPT"]
+
+
+def _check_world(results: list[dict[str, Any]], cases: list[Any], dp: int, pp: int) -> None:
+    for key in results[0]:
+        kind, _, tied = key.split()
+        want = reference(kind, tied == "True", _steps(dp))
+        compare([(r[key][0], r[key][1]) for r in results], want, f"pp{pp} dp{dp} {key}")
+        # Every rank posted the same collectives in the same order: the schedule's.
+        posted = [r[key][2] for r in results]
+        assert all(p == posted[0] for p in posted), key
+        kinds = [(COLLECTIVE[what], m) for what, m in posted[0]]
+        assert kinds == results[0][key][3] * 2, key  # two steps, each the schedule's order
+
+
+COLLECTIVE = {
+    "embedding sum": "reduce",
+    "hidden-state broadcast": "broadcast",
+    "statistics all-gather": "all_gather",
+    "hidden-state gradient sum": "reduce",
+    "embedding gradient broadcast": "broadcast",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_every_case_exact() -> None:
+    results = distributed.run(_world, 2, 2, 1, [*CASES, ("layers", "1f1b", False)], fork=True,
+                              timeout=400)  # fmt: skip
+    _check_world(results, CASES, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_four_processes_pp4_and_pp2_dp2(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [("gpt", s, tied) for s in SCHEDULES for tied in (False, True)]
+    results = distributed.run(_world, 4, 4, 1, cases, fork=True, timeout=400)
+    _check_world(results, cases, 1, 4)
+    monkeypatch.setenv("VOCAB_TEST_CKPT", str(tmp_path / "ckpt"))
+    dp_cases = [("gpt", "1f1b", True), ("llama", "v-half", False)]
+    results = distributed.run(_world, 4, 2, 2, dp_cases, fork=True, timeout=400)
+    _check_world(results, dp_cases, 2, 2)
+    # The checkpoint (the last case's pipeline: Llama, after two steps, no optimizer step)
+    # loads into the unsplit model: every tensor, the vocabulary layers whole.
+    state = conveyor.load_model_state(tmp_path / "ckpt")
+    model = make("llama", False)
+    assert set(state) == set(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
