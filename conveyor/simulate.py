@@ -4,7 +4,9 @@ Pure Python (no torch import). Each rank runs its program in order; an action st
 when its rank is free and its dependencies are done, plus ``comm`` for a dependency that
 ran on another rank. ``a2a`` adds the expert all-to-alls of a mixture-of-experts model:
 an action alone waits for its own, an overlapped forward / backward pair hides each one
-behind the other's compute (:func:`simulate`). The simulation itself is in
+behind the other's compute (:func:`simulate`). ``vocab`` gives the vocabulary passes of
+a schedule with vocabulary parallelism their durations: each is a barrier that occupies
+every rank. The simulation itself is in
 :mod:`conveyor.schedules.simulation` (schedules search with it, so it sits beside them);
 this module is its public face and draws its timeline as text.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from conveyor.schedules.core import Action, Schedule
+from conveyor.schedules.core import Action, Schedule, VocabAction
 from conveyor.schedules.simulation import (
     A2A,
     A2ASpec,
@@ -22,10 +24,14 @@ from conveyor.schedules.simulation import (
     CostSpec,
     Event,
     SimResult,
+    VocabCost,
+    VocabEvent,
+    VocabSpec,
     action_durations,
     is_per_stage,
     normalize_a2a,
     normalize_cost,
+    normalize_vocab,
     peak_activations,
     simulate,
 )
@@ -37,18 +43,25 @@ __all__ = [
     "CostSpec",
     "Event",
     "SimResult",
+    "VocabCost",
+    "VocabEvent",
+    "VocabSpec",
     "action_durations",
     "ascii_timeline",
     "is_per_stage",
     "normalize_a2a",
     "normalize_cost",
+    "normalize_vocab",
     "peak_activations",
     "simulate",
 ]
 
 
-def _label(action: Action, schedule: Schedule) -> str:
-    """``F3`` for micro-batch 3; with chunks, a letter for the chunk: ``F3a``, ``F3b``."""
+def _label(action: Action | VocabAction, schedule: Schedule) -> str:
+    """``F3`` for micro-batch 3; with chunks, a letter for the chunk: ``F3a``, ``F3b``; a
+    vocabulary pass as ``E3``, ``S3``, ``T3`` or ``G3``."""
+    if isinstance(action, VocabAction):
+        return str(action)
     label = f"{action.kind}{action.microbatch}"
     if schedule.chunks > 1:
         chunk = schedule.stages_of(schedule.placement[action.stage]).index(action.stage)
@@ -56,7 +69,7 @@ def _label(action: Action, schedule: Schedule) -> str:
     return label
 
 
-def _box(action: Action, schedule: Schedule, cells: int) -> str:
+def _box(action: Action | VocabAction, schedule: Schedule, cells: int) -> str:
     """One action's box: its label and a gap when they fit, else its kind letter."""
     label = _label(action, schedule)
     return label.ljust(cells) if len(label) < cells else action.kind * cells
@@ -79,7 +92,8 @@ def ascii_timeline(result: SimResult, width: int = 120, max_parts: int = 8) -> s
 
     Each action is a box starting with its label (kind and micro-batch, plus a chunk
     letter when ranks hold several chunks), or only its kind letter where the label does
-    not fit. Time is scaled so the shortest action fits its label; rows wider than
+    not fit; a vocabulary pass is a box on every rank, labelled ``E``, ``S``, ``T`` or
+    ``G`` and its micro-batch. Time is scaled so the shortest action fits its label; rows wider than
     ``width`` characters are cut into up to ``max_parts`` parts, one under the other
     (cut between boxes where possible). A timeline that would need more parts is
     squeezed into ``width`` instead, its short boxes losing their labels.
@@ -96,7 +110,8 @@ def ascii_timeline(result: SimResult, width: int = 120, max_parts: int = 8) -> s
         empty rank lines when no action takes time.
     """
     schedule = result.schedule
-    events = [e for e in result.events if e.end > e.start]
+    boxes: list[Event | VocabEvent] = [*result.events, *result.vocab_events]
+    events = [e for e in boxes if e.end > e.start]
     if not events:
         return "\n".join(f"rank {r:>2} ||" for r in range(schedule.ranks))
     origin = min(e.start for e in events)
@@ -119,6 +134,8 @@ def ascii_timeline(result: SimResult, width: int = 120, max_parts: int = 8) -> s
         for c in range(left + 1, min(right, cells)):
             inside[c] += 1
     legend = "F/B/W + micro-batch" + (", letter = chunk" if schedule.chunks > 1 else "")
+    if result.vocab_events:
+        legend += "; E/S/T/G = vocabulary passes (every rank)"
     lines = [f"one cell = {1 / scale:.3g} time units; {legend}; '.' = idle"]
     cuts = _cuts(inside, cells, room)
     for left, right in itertools.pairwise(cuts):

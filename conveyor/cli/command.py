@@ -68,6 +68,31 @@ def parse_a2a(text: str) -> tuple[float, float]:
     return (values[0], values[-1])
 
 
+def parse_vocab(text: str) -> tuple[float, float, float, float]:
+    """Parse ``--vocab``'s ``X`` (the same for every pass) or ``E,S,T,G``.
+
+    Args:
+        text: One number or four comma-separated ones, e.g. ``0.5`` or ``0.1,1,2,0.1``.
+
+    Returns:
+        The durations (E, S, T, G) as floats.
+
+    Raises:
+        ConfigError: Unless one or four finite numbers >= 0.
+    """
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 4) or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(
+            f"--vocab must be one number >= 0, or four as E,S,T,G (e.g. 0.1,1,2,0.1), got {text!r}"
+        )
+    if len(values) == 1:
+        return (values[0],) * 4
+    return (values[0], values[1], values[2], values[3])
+
+
 def _build_parser() -> Parser:
     """The ``conveyor`` parser: ``simulate`` and, for ``--help``, the forwarded commands."""
     from conveyor import __version__
@@ -129,6 +154,15 @@ def _build_parser() -> Parser:
         action="store_true",
         help="run the schedule's F+B pairs as separate actions (to compare, with --a2a)",
     )
+    simulate.add_argument(
+        "--vocab",
+        default=None,
+        metavar="X|E,S,T,G",
+        help="vocabulary parallelism: place the passes E (embedding), S (output forward, "
+        "loss), T (output backward) and G (embedding gradient) of every micro-batch, each "
+        "a barrier of every rank, with these durations on one rank's share of the "
+        "vocabulary layers (one for all four, or E,S,T,G)",
+    )
     simulate.add_argument("--json", action="store_true", help="print one JSON object instead")
     simulate.add_argument("--png", metavar="FILE", help="also draw the timeline to FILE")
     simulate.set_defaults(run=run_simulate)
@@ -171,30 +205,38 @@ def run_simulate(args: argparse.Namespace) -> int:
     """
     from conveyor.schedules import unpaired
     from conveyor.schedules.registry import get_schedule
+    from conveyor.schedules.vocab import with_vocab
     from conveyor.simulate import ascii_timeline, simulate
 
     cost = parse_cost(args.cost)
     a2a = parse_a2a(args.a2a)
+    vocab = None if args.vocab is None else parse_vocab(args.vocab)
     chunks = _check_simulate_args(args)
     schedule = get_schedule(args.schedule, args.ranks, args.microbatches, chunks)
     if args.no_overlap:
         schedule = unpaired(schedule)
-    result = simulate(schedule, cost=cost, comm=args.comm, a2a=a2a)
+    if vocab is not None:
+        schedule = with_vocab(schedule, cost)  # drops the pairs: passes run alone
+    result = simulate(schedule, cost=cost, comm=args.comm, a2a=a2a, vocab=vocab)
     moe = ""
     if any(a2a):
         pairs = "no-overlap" if args.no_overlap else f"{result.overlapped} F+B pairs overlapped"
         moe = f", a2a F,B = {a2a[0]:g},{a2a[1]:g} ({pairs})"
+    if vocab is not None:
+        moe += f", vocab E,S,T,G = {','.join(f'{v:g}' for v in vocab)}"
     if args.png:
         from conveyor.observe.pictures import draw_timeline
         from conveyor.runtime.timing import Timing
 
         title = (
             f"{schedule.name}: {schedule.ranks} ranks x {schedule.chunks} chunk(s), "
-            f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}{moe}, "
-            f"bubble {result.bubble:.1%}"
+            f"{schedule.microbatches} micro-batches, cost F,B,W = {args.cost}{moe}"
+            f"{chr(10) if vocab is not None else ', '}bubble {result.bubble:.1%}"
         )
+        passes = [Timing(e.rank, e.action.kind, -1, e.action.microbatch, e.start, e.end)
+                  for e in result.vocab_events]  # fmt: skip
         draw_timeline(
-            [Timing(e.rank, *e.action, e.start, e.end) for e in result.events],
+            [Timing(e.rank, *e.action, e.start, e.end) for e in result.events] + passes,
             args.png,
             title,
             unit="cost units",

@@ -13,7 +13,20 @@ from conveyor.runtime.timing import Timing
 WAIT = "wait"
 """The kind of an event that waited for a transfer (drawn grey, unlabelled)."""
 
-_COLOURS = {"F": "#4c78a8", "B": "#59a14f", "W": "#f28e2b", WAIT: "#b0b0b0"}
+VOCAB = ("E", "S", "T", "G")
+"""The kinds of the vocabulary passes (each drawn in its own colour, every chunk alike)."""
+
+_COLOURS = {
+    "F": "#4c78a8",
+    "B": "#59a14f",
+    "W": "#f28e2b",
+    "E": "#b07aa1",
+    "S": "#e15759",
+    "T": "#9c755f",
+    "G": "#76b7b2",
+    WAIT: "#b0b0b0",
+}
+_ORDER = ("F", "B", "W", *VOCAB, WAIT)  # the legend's order of kinds
 _FONT = 7  # points, for the micro-batch numbers in the boxes
 _DPI = 120
 
@@ -25,8 +38,19 @@ def _names(split_backward: bool) -> dict[str, str]:
         "F": "F: forward",
         "B": f"B: {backward}",
         "W": "W: weight gradient",
+        "E": "E: embedding (vocabulary pass)",
+        "S": "S: output forward and loss (vocabulary pass)",
+        "T": "T: output backward (vocabulary pass)",
+        "G": "G: embedding gradient (vocabulary pass)",
         WAIT: "waiting for a transfer",
     }
+
+
+def _alpha(kind: str, stage: int, ranks: int, chunks: int) -> float:
+    """A box's opacity: a rank's later chunks lighter; waits and passes solid."""
+    if kind == WAIT or kind in VOCAB:
+        return 1.0
+    return _shade(min(stage // ranks, chunks - 1), chunks)
 
 
 def _shade(chunk: int, chunks: int) -> float:
@@ -65,7 +89,9 @@ def draw_timeline(
     Args:
         events: Plain ``(rank, kind, stage, microbatch, start, end)`` tuples
             (:class:`~conveyor.runtime.timing.Timing`), so both simulated and measured
-            timelines can be drawn; kind :data:`WAIT` is a wait for a transfer.
+            timelines can be drawn; kind :data:`WAIT` is a wait for a transfer; kinds
+            ``E``, ``S``, ``T`` and ``G`` (:data:`VOCAB`) are vocabulary passes, one
+            event per rank (their stage is not used; -1 by convention).
         path: The PNG file to write.
         title: The picture's title; none when empty.
         unit: The unit of ``start`` and ``end``, for the time axis (``"ms"``,
@@ -87,12 +113,12 @@ def draw_timeline(
     _check_folder(path)
     rows = list(events)
     ranks = max((e[0] for e in rows), default=0) + 1
-    stages = max((e[2] for e in rows), default=0) + 1
+    stages = max((e[2] for e in rows if e[1] not in VOCAB), default=0) + 1
     chunks = max(1, stages // ranks)
     begin = min((e[4] for e in rows), default=0.0)
     finish = max((e[5] for e in rows), default=1.0)
     length = max(finish - begin, 1e-9)
-    kinds = sorted({e[1] for e in rows}, key=lambda k: ("F", "B", "W", WAIT, k).index(k))
+    kinds = sorted({e[1] for e in rows}, key=lambda k: (*_ORDER, k).index(k))
     names = _names("W" in kinds)
 
     figure = Figure(figsize=(min(max(8.0, 0.25 * len(rows) / ranks), 30.0), 1.2 + 0.5 * ranks))
@@ -105,7 +131,7 @@ def draw_timeline(
             left=start - begin,
             height=0.8,
             color=_COLOURS.get(kind, "#999999"),
-            alpha=1.0 if kind == WAIT else _shade(min(stage // ranks, chunks - 1), chunks),
+            alpha=_alpha(kind, stage, ranks, chunks),
             edgecolor="white",
             linewidth=0.5,
         )
@@ -136,7 +162,7 @@ def draw_timeline(
         label = str(microbatch)
         if kind == WAIT or not _label_fits(label, (end - start) / length * axes_px):
             continue
-        light = _shade(min(stage // ranks, chunks - 1), chunks) < 0.75
+        light = _alpha(kind, stage, ranks, chunks) < 0.75
         axes.text(
             start - begin + (end - start) / 2,
             rank,

@@ -5,7 +5,9 @@ when its rank is free and its dependencies are done, plus ``comm`` for a depende
 ran on another rank. With expert all-to-all time (``a2a``), an action alone waits for its
 all-to-all and an overlapped forward / backward pair
 (:attr:`~conveyor.schedules.core.Schedule.pairs`) hides each one's behind the other's
-compute (:func:`simulate`). It lives beside :class:`~conveyor.schedules.core.Schedule` because
+compute (:func:`simulate`). With vocabulary parallelism
+(:attr:`~conveyor.schedules.core.Schedule.vocab`) each pass is a barrier that occupies
+every rank (``vocab``). It lives beside :class:`~conveyor.schedules.core.Schedule` because
 schedules search with it (:func:`~conveyor.schedules.auto.zero_bubble_auto`);
 :mod:`conveyor.simulate` is its public face.
 """
@@ -20,11 +22,14 @@ from typing import NamedTuple, TypeGuard, cast
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import (
+    VOCAB_KINDS,
     Action,
     B,
     F,
     Kind,
     Schedule,
+    VocabAction,
+    VocabKind,
     W,
     dependencies,
     execution_order,
@@ -39,6 +44,11 @@ A2A = tuple[float, float]
 checked: finite floats >= 0."""
 A2ASpec = float | Sequence[float]
 """One all-to-all time for both F and B, or a pair (F, B)."""
+VocabCost = tuple[float, float, float, float]
+"""Durations (E, S, T, G) of the vocabulary passes of one micro-batch on one rank's share
+of the vocabulary layers, checked: finite floats >= 0."""
+VocabSpec = float | Sequence[float] | None
+"""One duration for all four passes, four (E, S, T, G), or None (no cost)."""
 
 
 class Event(NamedTuple):
@@ -53,6 +63,22 @@ class Event(NamedTuple):
 
     rank: int
     action: Action
+    start: float
+    end: float
+
+
+class VocabEvent(NamedTuple):
+    """One vocabulary pass as simulated on one rank: every rank runs each pass at once.
+
+    Attributes:
+        rank: The pipeline rank.
+        action: The pass (:class:`~conveyor.schedules.core.VocabAction`).
+        start: When it started on every rank, in cost units.
+        end: When it ended, in cost units.
+    """
+
+    rank: int
+    action: VocabAction
     start: float
     end: float
 
@@ -77,6 +103,11 @@ class SimResult:
         a2a: The expert all-to-all time (F, B) of one micro-batch through one rank's
             whole share, checked (:func:`normalize_a2a`); (0, 0): none, and the pairs
             were not simulated.
+        vocab: The durations (E, S, T, G) of the vocabulary passes, checked
+            (:func:`normalize_vocab`).
+        vocab_events: Per rank, one :class:`VocabEvent` per pass of
+            :attr:`~conveyor.schedules.core.Schedule.vocab`, grouped by rank in pass
+            order; empty when the schedule has no passes.
     """
 
     schedule: Schedule
@@ -88,13 +119,17 @@ class SimResult:
     bubble: float
     peak_activations: tuple[float, ...]
     a2a: A2A = (0.0, 0.0)
+    vocab: VocabCost = (0.0, 0.0, 0.0, 0.0)
+    vocab_events: tuple[VocabEvent, ...] = ()
 
     @property
     def overlapped(self) -> int:
         """How many overlapped forward / backward pairs were simulated as pairs: those of
         the schedule (:attr:`~conveyor.schedules.core.Schedule.pairs`) when there is
-        all-to-all time, else none."""
-        return sum(map(len, self.schedule.pairs)) if any(self.a2a) else 0
+        all-to-all time and no vocabulary pass, else none."""
+        if not any(self.a2a) or self.schedule.vocab:
+            return 0
+        return sum(map(len, self.schedule.pairs))
 
     def to_json_dict(self) -> dict[str, object]:
         """The ``conveyor simulate --json`` object (keys as in DESIGN.md).
@@ -103,22 +138,27 @@ class SimResult:
             ``schedule`` (its name), ``ranks``, ``chunks``, ``microbatches``, ``cost``,
             ``comm``, ``makespan``, ``span``, ``bubble`` (rounded to 4 places) and
             ``peak_activations``: plain JSON values. With all-to-all time, also ``a2a``
-            (``[F, B]``) and ``pairs`` (how many overlapped pairs ran); without, those two
-            keys are left out, so the object is exactly DESIGN.md's.
+            (``[F, B]``) and ``pairs`` (how many overlapped pairs ran); with vocabulary
+            passes, also ``vocab`` (``[E, S, T, G]``); without, those keys are left out,
+            so the object is exactly DESIGN.md's.
         """
         cost = [list(c) for c in self.cost] if is_per_stage(self.cost) else list(self.cost)
-        return {
-            "schedule": self.schedule.name,
-            "ranks": self.schedule.ranks,
-            "chunks": self.schedule.chunks,
-            "microbatches": self.schedule.microbatches,
-            "cost": cost,
-            "comm": self.comm,
-            "makespan": _tidy(self.makespan),
-            "span": _tidy(self.span),
-            "bubble": round(self.bubble, 4),
-            "peak_activations": [round(p, 4) for p in self.peak_activations],
-        } | ({"a2a": list(self.a2a), "pairs": self.overlapped} if any(self.a2a) else {})
+        return (
+            {
+                "schedule": self.schedule.name,
+                "ranks": self.schedule.ranks,
+                "chunks": self.schedule.chunks,
+                "microbatches": self.schedule.microbatches,
+                "cost": cost,
+                "comm": self.comm,
+                "makespan": _tidy(self.makespan),
+                "span": _tidy(self.span),
+                "bubble": round(self.bubble, 4),
+                "peak_activations": [round(p, 4) for p in self.peak_activations],
+            }
+            | ({"a2a": list(self.a2a), "pairs": self.overlapped} if any(self.a2a) else {})
+            | ({"vocab": list(self.vocab)} if self.schedule.vocab else {})
+        )
 
 
 def is_per_stage(cost: Cost | tuple[Cost, ...]) -> TypeGuard[tuple[Cost, ...]]:
@@ -171,6 +211,32 @@ def normalize_a2a(a2a: A2ASpec) -> A2A:
             f"a2a must be a finite number >= 0, or a pair (F, B) of them, got {a2a!r}"
         )
     return (pair[0], pair[-1])
+
+
+def normalize_vocab(vocab: VocabSpec) -> VocabCost:
+    """Check ``vocab`` and return it as four durations (E, S, T, G).
+
+    Args:
+        vocab: None (no cost), one number for all four passes, or four (E, S, T, G).
+
+    Returns:
+        The four durations, as floats.
+
+    Raises:
+        ConfigError: Unless None, one or four finite numbers >= 0.
+    """
+    if vocab is None:
+        return (0.0, 0.0, 0.0, 0.0)
+    values = vocab if isinstance(vocab, Sequence) else [vocab]
+    four = tuple(
+        float(v) for v in values if isinstance(v, numbers.Real) and not isinstance(v, bool)
+    )
+    in_range = all(math.isfinite(v) and v >= 0 for v in four)
+    if len(four) != len(values) or len(four) not in (1, 4) or not in_range:
+        raise ConfigError(
+            f"vocab must be a finite number >= 0, or four (E, S, T, G) of them, got {vocab!r}"
+        )
+    return (four[0], four[1], four[2], four[3]) if len(four) == 4 else (four[0],) * 4
 
 
 def normalize_cost(schedule: Schedule, cost: CostSpec) -> Cost | tuple[Cost, ...]:
@@ -227,7 +293,9 @@ def peak_activations(schedule: Schedule) -> tuple[float, ...]:
     """Per rank, the most micro-batch activations held at once.
 
     A (stage, micro-batch) is held from its F until the last of its B / W; one chunk
-    counts 1/V of a micro-batch through the rank's whole share.
+    counts 1/V of a micro-batch through the rank's whole share. Vocabulary passes are
+    not counted: they hold the logits of one micro-batch only from its S to its T, which
+    run back to back (:func:`~conveyor.schedules.vocab.with_vocab`).
 
     Args:
         schedule: The schedule.
@@ -274,6 +342,7 @@ def simulate(
     cost: CostSpec = (1.0, 1.0, 1.0),
     comm: float = 0.0,
     a2a: A2ASpec = 0.0,
+    vocab: VocabSpec = None,
 ) -> SimResult:
     """Run ``schedule`` in simulated time.
 
@@ -299,6 +368,18 @@ def simulate(
       pair ends (the two are interleaved to the end, and their outputs are sent
       together), and that is when the actions that need them may start.
 
+    A schedule with vocabulary passes (:attr:`~conveyor.schedules.core.Schedule.vocab`,
+    placed by :func:`~conveyor.schedules.vocab.with_vocab`) runs in the order of
+    :func:`~conveyor.schedules.vocab.merged_order`. Each pass is a barrier: it starts
+    when every rank has finished the actions before its slot (the pass's data is then
+    there too: the slots put E before stage 0's forward, S after the last stage's
+    forward, and so on), occupies every rank for its duration in ``vocab``, and the ranks
+    go on when it ends; its collectives take no time beyond that. Passes count as busy
+    time in makespan, span and bubble and are recorded in
+    :attr:`SimResult.vocab_events`. Overlapped pairs are not simulated there (each action
+    runs alone). Peak activations stay those of the actions: the logits a pass holds
+    live only from S to T of one micro-batch, which run back to back.
+
     Args:
         schedule: The schedule; not validated here (see
             :func:`~conveyor.schedules.core.validate`).
@@ -308,43 +389,75 @@ def simulate(
         a2a: The expert all-to-all time of one micro-batch through one rank's whole
             share, in the unit of ``cost``: one number for F and B, or a pair (F, B).
             Like a per-rank ``cost``, each of V chunks takes 1/V of it.
+        vocab: The durations (E, S, T, G) of the vocabulary passes of one micro-batch on
+            one rank's share of the vocabulary layers (the whole layers' cost divided by
+            the ranks), one number for all four, or None / 0 for no cost. Only for a
+            schedule with passes.
 
     Returns:
         The timeline and its summary.
 
     Raises:
         ScheduleError: If the schedule deadlocks.
-        ConfigError: For bad costs, a ``comm`` that is not a finite number >= 0, or an
-            ``a2a`` that is not one or two of them.
+        ConfigError: For bad costs, a ``comm`` that is not a finite number >= 0, an
+            ``a2a`` that is not one or two of them, a ``vocab`` that is not one or four
+            of them, or a ``vocab`` cost for a schedule without passes.
     """
     if not (math.isfinite(comm) and comm >= 0):
         raise ConfigError(f"comm must be a finite number >= 0, got {comm}")
     costs = normalize_cost(schedule, cost)
     exchange = normalize_a2a(a2a)
+    passes = normalize_vocab(vocab)
+    if any(passes) and not schedule.vocab:
+        raise ConfigError(
+            f"schedule {schedule.name!r} has no vocabulary passes to give the vocab cost "
+            f"{list(passes)}; place them with conveyor.schedules.vocab.with_vocab first"
+        )
     durations = action_durations(schedule, costs)
-    overlap = any(exchange)
+    overlap = any(exchange) and not schedule.vocab
     # Per kind, one chunk's all-to-all (W has none); all zero without all-to-all.
     a2a_of: dict[Kind, float] = {
         F: exchange[0] / schedule.chunks,
         B: exchange[1] / schedule.chunks,
         W: 0.0,
     }
+    pass_length: dict[VocabKind, float] = dict(zip(VOCAB_KINDS, passes, strict=True))
     pair_starts = [
         schedule.pair_starts(r) if overlap else frozenset[int]() for r in range(schedule.ranks)
     ]
     placement = schedule.placement
+    ranks = range(schedule.ranks)
     free = [0.0] * schedule.ranks
     first_start = [math.inf] * schedule.ranks
     position = [0] * schedule.ranks
     end: dict[Action, float] = {}
-    timed: list[list[Event]] = [[] for _ in range(schedule.ranks)]
-    order = execution_order(schedule)  # a pair's F and B come out together, in order
+    timed: list[list[Event]] = [[] for _ in ranks]
+    barriers: list[list[VocabEvent]] = [[] for _ in ranks]
+    order: Sequence[tuple[int | None, Action | VocabAction]]
+    if schedule.vocab:
+        from conveyor.schedules.vocab import merged_order
+
+        order = merged_order(schedule)
+    else:
+        order = execution_order(schedule)  # a pair's F and B come out together, in order
     k = 0
     while k < len(order):
-        rank, action = order[k]
+        rank, step = order[k]
+        if rank is None:
+            # A vocabulary pass: a barrier of every rank, busy on each for its length.
+            k += 1
+            v = cast(VocabAction, step)
+            start = max(free)
+            finish = start + pass_length[v.kind]
+            for r in ranks:
+                barriers[r].append(VocabEvent(r, v, start, finish))
+                free[r] = finish
+                first_start[r] = min(first_start[r], start)
+            continue
+        action = cast(Action, step)
         together = [action]
         if position[rank] in pair_starts[rank]:
-            together.append(order[k + 1][1])
+            together.append(cast(Action, order[k + 1][1]))
         k += len(together)
         position[rank] += len(together)
         start = free[rank]
@@ -368,12 +481,13 @@ def simulate(
         free[rank] = finish
         first_start[rank] = min(first_start[rank], start)
     events = tuple(e for rank_events in timed for e in rank_events)
-    active = [r for r in range(schedule.ranks) if timed[r]]
+    vocab_events = tuple(e for rank_events in barriers for e in rank_events)
+    active = [r for r in ranks if timed[r] or barriers[r]]
     first = min((first_start[r] for r in active), default=0.0)
     last = max((free[r] for r in active), default=0.0)
     makespan = last - first
     span = max((free[r] - first_start[r] for r in active), default=0.0)
-    busy = sum(e.end - e.start for e in events)
+    busy = sum(e.end - e.start for e in events) + sum(e.end - e.start for e in vocab_events)
     return SimResult(
         schedule=schedule,
         cost=costs,
@@ -384,4 +498,6 @@ def simulate(
         bubble=bubble(busy, first, last, schedule.ranks),
         peak_activations=peak_activations(schedule),
         a2a=exchange,
+        vocab=passes,
+        vocab_events=vocab_events,
     )
