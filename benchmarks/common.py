@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -69,3 +73,78 @@ def run_on_processes(
     worker(args)
     dist.destroy_process_group()
     return 0
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmHWM``: the peak resident set so far)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child(
+    rank: int,
+    procs: int,
+    port: int,
+    queue: Any,
+    fn: Callable[..., dict[str, Any]],
+    args: tuple[Any, ...],
+) -> None:
+    """One of ``procs`` processes: ``fn(*args)`` on gloo, its result or error to ``queue``."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(procs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:  # every failure goes to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def on_processes(
+    procs: int, fn: Callable[..., dict[str, Any]], *args: Any
+) -> list[dict[str, Any]]:
+    """``fn(*args)`` on ``procs`` processes forked from this one (which has imported torch,
+    transformers and conveyor already), gloo; the results by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    workers = [
+        ctx.Process(target=child, args=(r, procs, port, queue, fn, args)) for r in range(procs)
+    ]
+    for p in workers:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(procs):
+            rank, status, value = queue.get(timeout=900)
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+    finally:
+        for p in workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    return [results[r] for r in range(procs)]

@@ -60,20 +60,20 @@ median of ``--rounds`` x ``--steps`` is what the table gives.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import alternate, on_processes, status_kib, step_times  # noqa: E402
+
 PP, DP, EP = 2, 2, 2
 PROCS = PP * DP
 SCHEDULES = ("1f1b", "dualpipev")
@@ -88,14 +88,6 @@ QUICK = {"hidden": 32, "layers": 4, "experts": 8, "top_k": 2, "intermediate": 64
 SIM_RANKS, SIM_MICRO = 4, 10
 
 Step = Callable[[], None]
-
-
-def status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmHWM``: the peak resident set so far)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def mixtral(shape: dict[str, int]) -> Any:
@@ -200,9 +192,6 @@ def time_rank(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, Any]
     """All six runs in these processes, alternated; this rank's numbers."""
     import conveyor
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import alternate, step_times
-
     contexts = {1: conveyor.init(pp=PP, dp=DP), EP: conveyor.init(pp=PP, dp=DP, ep=EP)}
     ctx = contexts[EP]
     runs: dict[tuple[str, str], Step] = {}
@@ -254,64 +243,6 @@ def memory_rank(args: argparse.Namespace, shape: dict[str, int], key: str) -> di
         opt.step()
         opt.zero_grad()
     return {"rank": ctx.rank, "before": before * 1024, "peak": status_kib("VmHWM") * 1024}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def child(
-    rank: int, port: int, queue: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]
-) -> None:
-    """One of the 4 processes: ``fn(*args)`` on gloo, its result or error to ``queue``."""
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(PROCS),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, "ok", fn(*args)))
-    except BaseException:  # every failure goes to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-
-def on_processes(fn: Callable[..., dict[str, Any]], *args: Any) -> list[dict[str, Any]]:
-    """``fn(*args)`` on 4 processes forked from this one (which has imported torch,
-    transformers and conveyor already), gloo; the results by rank."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=child, args=(r, port, queue, fn, args)) for r in range(PROCS)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    errors: dict[int, str] = {}
-    try:
-        for _ in range(PROCS):
-            rank, status, value = queue.get(timeout=900)
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
-    return [results[r] for r in range(PROCS)]
 
 
 def simulations(measured: dict[str, float] | None, micro: int) -> list[dict[str, Any]]:
@@ -381,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     shape = QUICK if args.quick else FULL
     t0 = time.perf_counter()
-    timing = on_processes(time_rank, args, shape)
+    timing = on_processes(PROCS, time_rank, args, shape)
     timed_s = time.perf_counter() - t0
     peaks = {
-        f"{name}/{variant}": on_processes(memory_rank, args, shape, f"{name}/{variant}")
+        f"{name}/{variant}": on_processes(PROCS, memory_rank, args, shape, f"{name}/{variant}")
         for name in args.schedules
         for variant in VARIANTS
     }

@@ -96,7 +96,16 @@ def find_vocab_layers(model: nn.Module, spec: VocabSpec) -> VocabLayers:
         head = model.get_output_embeddings()  # type: ignore[operator]
         inp = inp or names.get(id(emb))
         out = out or (names.get(id(head)) if head is not None else None)
-    inp = inp or next((n for n, m in modules.items() if isinstance(m, nn.Embedding)), None)
+    if inp is None:
+        # The embedding of the output layer's rows (a position embedding may come first).
+        sizes = {m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)}
+        out = out or _last_output(modules, sizes)
+        rows = _linear_rows(modules[out]) if out is not None else None
+        inp = next(
+            (n for n, m in modules.items()
+             if isinstance(m, nn.Embedding) and rows in (None, m.num_embeddings)),
+            None,
+        )  # fmt: skip
     if inp is None:
         raise ConfigError(
             "vocab_parallel=True found no nn.Embedding in the model; name the vocabulary "
@@ -106,13 +115,7 @@ def find_vocab_layers(model: nn.Module, spec: VocabSpec) -> VocabLayers:
     _check_embedding(inp, emb)
     rows = emb.num_embeddings
     if out is None:
-        out = next(
-            (
-                n for n, m in reversed(list(modules.items()))
-                if isinstance(m, nn.Linear) and m.bias is None and m.out_features == rows
-            ),
-            None,
-        )  # fmt: skip
+        out = _last_output(modules, {rows})
     if out is None:
         raise ConfigError(
             f"vocab_parallel=True found no bias-free nn.Linear with {rows} outputs (the "
@@ -133,6 +136,18 @@ def find_vocab_layers(model: nn.Module, spec: VocabSpec) -> VocabLayers:
                 )
     tied = emb.weight is head.weight
     return VocabLayers(inp, out, tied, hf, rows, emb.embedding_dim)
+
+
+def _linear_rows(module: nn.Module) -> int | None:
+    return module.out_features if isinstance(module, nn.Linear) else None
+
+
+def _last_output(modules: dict[str, nn.Module], rows: set[int]) -> str | None:
+    """The last bias-free ``nn.Linear`` whose outputs are one of ``rows``."""
+    for name, m in reversed(list(modules.items())):
+        if isinstance(m, nn.Linear) and m.bias is None and m.out_features in rows:
+            return name
+    return None
 
 
 def _check_embedding(name: str, module: nn.Module) -> None:

@@ -302,3 +302,54 @@ def test_four_processes_pp4_and_pp2_dp2(tmp_path: Any, monkeypatch: pytest.Monke
     assert set(state) == set(model.state_dict())
     for name, value in model.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+# ------------------------------------------------------------------ NCCL's rules
+def _record(rank: int, pp: int, names: list[str]) -> dict[str, Any]:
+    """Each schedule with vocabulary passes: construction, two training steps of other
+    shapes, an eval and a predict step, as this rank posted them."""
+    from conveyor.schedules import default_chunks
+    from tests.support.nccl_record import recording
+
+    ctx = conveyor.init(pp=pp, timeout=60)
+    out: dict[str, Any] = {}
+    for name in names:
+        with recording(functional=False) as trace:
+            pipe = conveyor.Pipeline(
+                make("gpt", True), loss_fn=LOSS, microbatches=2 * pp, schedule=name,
+                chunks=default_chunks(name), context=ctx, vocab_parallel=True,
+            )  # fmt: skip
+            for rows, length in ((4 * pp, 9), (2 * pp + 1, 6), (2 * pp + 1, 6)):
+                pipe.train_step(*padded_batch(rows, length))
+            ids, targets = padded_batch(2 * pp, 5)
+            pipe.eval_step(ids, targets)
+            pipe.predict(ids)
+        out[name] = [r.to_dict() for r in trace]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("pp", [2, 4])
+def test_what_every_rank_posts_replays_under_nccl_rules(pp: int) -> None:
+    """The passes' collectives (on the vocabulary group) and the transfers replay without
+    deadlock under NCCL's rules (order matching, one stream per communicator, blocking or
+    buffered sends): every schedule on 2 ranks, one of each family on 4."""
+    from conveyor.schedules import SCHEDULE_NAMES
+    from tests.support.nccl_model import Record, check
+
+    names = [n for n in SCHEDULE_NAMES if n != "auto"] if pp == 2 else [
+        "1f1b", "zb-h1", "interleaved-1f1b", "v-half", "dualpipev"
+    ]  # fmt: skip
+    results = distributed.run(_record, pp, pp, names, fork=True, timeout=600)
+    for name in results[0]:
+        traces = {r: [Record.from_dict(x) for x in run[name]] for r, run in enumerate(results)}
+        posted = [x for t in traces.values() for x in t]
+        p2p = {x.group for x in posted if x.kind in ("send", "recv")}
+        passes = {x.group for x in posted if x.kind == "collective" and x.name in
+                  ("reduce", "all_gather")}  # fmt: skip
+        assert passes and not passes & p2p, name  # the passes' communicator is their own
+        try:
+            check(traces)
+        except AssertionError as exc:
+            raise AssertionError(f"pp{pp} {name}:\n{exc}") from None
