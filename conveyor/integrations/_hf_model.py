@@ -24,6 +24,8 @@ class Stages(nn.Module):
     def __init__(self, pipe: Pipeline, model: nn.Module) -> None:
         super().__init__()
         self.stages = nn.ModuleList(pipe.stages)
+        # This rank's vocabulary rows (vocab_parallel): zeroed and clipped with the stages.
+        self.vocab = pipe.vocab_layers
         self.__dict__["original"] = model  # not a submodule: its parameters are not ours
 
     def train(self, mode: bool = True) -> Stages:

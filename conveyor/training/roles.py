@@ -22,8 +22,9 @@ def needs(pipe: Pipeline, evaluating: bool) -> Needs:
         This rank's needs.
     """
     ctx, placement = pipe.context, pipe.schedule.placement
-    first = not ctx.distributed or placement[0] == ctx.pp_rank
-    last = not ctx.distributed or placement[-1] == ctx.pp_rank
+    every = bool(pipe.schedule.vocab)  # vocabulary passes: every rank embeds and scores
+    first = every or not ctx.distributed or placement[0] == ctx.pp_rank
+    last = every or not ctx.distributed or placement[-1] == ctx.pp_rank
     mode = "metrics" if evaluating else "train"
     return microbatch.needs(first, last, mode, pipe.loss_fn is not None)
 

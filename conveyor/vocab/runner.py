@@ -43,13 +43,15 @@ from conveyor.vocab.shards import VocabInput, VocabShards
 @dataclass(frozen=True)
 class VocabLoss:
     """The token cross-entropy computed from the shards: ``ignore_index``,
-    ``label_smoothing``, ``shift`` (position i predicts target i + 1), and whether the
-    targets are the ``labels`` of the inputs (a transformers model's own loss)."""
+    ``label_smoothing``, ``shift`` (position i predicts target i + 1), whether the targets
+    are the ``labels`` of the inputs (a transformers model's own loss), and what counts a
+    micro-batch's items (None: its counted tokens)."""
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
     shift: bool = False
     labels_in_inputs: bool = False
+    counter: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -272,9 +274,8 @@ class VocabRunner:
             self._gather_logits(m, logits, ids)
             return
         loss = self.loss
-        targets = local_targets(
-            self._labels(m).to(self.device), loss.ignore_index, loss.shift, shards.lo, shards.hi
-        )
+        labels = self._labels(m).to(self.device)
+        targets = local_targets(labels, loss.ignore_index, loss.shift, shards.lo, shards.hi)
         stats = shard_stats(logits, targets)
         ranks = 1 if g.group is None else g.group().size()
         gathered = torch.empty((ranks, *stats.shape), dtype=stats.dtype, device=stats.device)
@@ -291,7 +292,8 @@ class VocabRunner:
             total = (combined.loss * weight_tok).sum()
             if state.loss is None:
                 state.loss = StepLoss()
-            state.loss.add(LossTerm(total, 1, targets.valid.sum(), True), state.sizes[m])
+            items = loss.counter(labels) if loss.counter is not None else targets.valid.sum()
+            state.loss.add(LossTerm(total, 1, items, True), state.sizes[m])
         if state.train:
             self._kept[m] = (flat, logits, targets, combined.lse)
 
@@ -339,11 +341,9 @@ class VocabRunner:
         padding = shards.embedding.padding_idx
         if padding is not None:
             held &= ids.reshape(-1).ne(padding)
-        rows = grad.reshape(-1, grad.shape[-1]) * held[:, None].to(grad.dtype)
-        local = torch.zeros_like(weight)
-        local.index_add_(0, index.clamp(0, max(weight.shape[0] - 1, 0)), rows)
         if weight.shape[0]:
-            shards.add_grad(shards.embedding, local)
+            rows = grad.reshape(-1, grad.shape[-1]) * held[:, None].to(grad.dtype)
+            shards.add_rows(shards.embedding, index.clamp(0, weight.shape[0] - 1), rows)
 
     def _gather_logits(self, m: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """A predict step's output: every rank's logits, concatenated on the last stage's."""

@@ -15,7 +15,7 @@ from torch import nn
 from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.errors import ConfigError
-from conveyor.losses import TokenCrossEntropy
+from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import collective
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
@@ -48,10 +48,18 @@ def vocab_loss(loss_fn: Any, layers: VocabLayers) -> VocabLoss:
     """
     if isinstance(loss_fn, TokenCrossEntropy):
         return VocabLoss(loss_fn.ignore_index, loss_fn.label_smoothing, loss_fn.shift)
+    if isinstance(loss_fn, ModelTokenLoss) and layers.transformers:
+        # transformers' Trainer: the labels are the targets, counted as it counts them; the
+        # loss shifts them as the model's own loss function does.
+        own = model_token_loss(loss_fn.model)
+        shift = own.shifts if own is not None else True
+        return VocabLoss(-100, 0.0, shift, counter=loss_fn.count)
     if loss_fn is None and layers.transformers:
         return VocabLoss(-100, 0.0, True, labels_in_inputs=True)
-    what = "loss_fn=None on a model that is not a transformers causal LM" if loss_fn is None else (
-        f"loss_fn={loss_fn!r}"
+    what = (
+        "loss_fn=None on a model that is not a transformers causal LM"
+        if loss_fn is None
+        else f"loss_fn={loss_fn!r}"
     )
     raise ConfigError(
         f"vocab_parallel computes the token cross-entropy from the vocabulary shards, not "

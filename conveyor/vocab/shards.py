@@ -147,6 +147,17 @@ class VocabShards:
         local = local_tensor(weight.grad)
         local.add_(grad.to(local.dtype))
 
+    def add_rows(self, module: nn.Module, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add ``rows[i]`` to row ``index[i]`` of ``module.weight.grad`` (this rank's rows),
+        in place: no whole-size temporary per micro-batch."""
+        weight = _weight(module)
+        if not weight.requires_grad:
+            return
+        if weight.grad is None:
+            self.add_grad(module, torch.zeros_like(local_tensor(weight)))
+        assert weight.grad is not None
+        local_tensor(weight.grad).index_add_(0, index, rows.to(weight.dtype))
+
     def parameters(self) -> list[nn.Parameter]:
         """The layers' weights (a tied one once)."""
         return list(self.holder.parameters())

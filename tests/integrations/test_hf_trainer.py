@@ -168,7 +168,7 @@ def test_unknown_pipeline_options_are_one_sentence(tmp_path: Path) -> None:
     assert str(e.value).endswith(
         "or conveyor.Pipeline's ['microbatches', 'schedule', 'chunks', 'balance', 'fsdp', "
         "'tp_plan', 'memory_limit', 'recompute', 'track_memory', 'compile', 'weights', "
-        "'init_seed', 'ep_plan']"
+        "'init_seed', 'ep_plan', 'vocab_parallel']"
     )
 
 
