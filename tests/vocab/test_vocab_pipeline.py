@@ -353,3 +353,49 @@ def test_what_every_rank_posts_replays_under_nccl_rules(pp: int) -> None:
             check(traces)
         except AssertionError as exc:
             raise AssertionError(f"pp{pp} {name}:\n{exc}") from None
+
+
+def test_another_ignore_index_and_dropout_with_recompute() -> None:
+    """``ignore_index=0`` (the padding id) with no shift counts what the unsplit loss
+    counts; with dropout, recomputing every stage gives what keeping activations gives
+    (the same masks: the passes draw no random numbers). Each row starts with the
+    padding id, whose embedding row gets no gradient (``padding_idx``) though its output
+    counts."""
+    ids, targets = padded_batch()
+    targets = targets.masked_fill(targets.eq(-100), 0)
+    ids[:, 0] = 0
+    loss = TokenCrossEntropy(ignore_index=0)
+    model = make("gpt", False)
+    total, count = loss(model(ids), targets)
+    (total / count).backward()
+    assert float(model.wte.weight.grad[0].abs().max()) == 0.0
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(make("gpt", False), loss_fn=loss, microbatches=4, context=ctx,
+                             vocab_parallel=True)  # fmt: skip
+    assert abs(float(pipe.train_step(ids, targets)) - float(total / count)) < 1e-6
+    for name, p in model.named_parameters():
+        assert rel(dict(pipe.named_parameters())[name].grad, p.grad) < TOL, name
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        dropping = TinyGPT(tied=True, dropout=0.3)
+        pipe = conveyor.Pipeline(dropping, loss_fn=LOSS, microbatches=3, context=ctx,
+                                 recompute=recompute, vocab_parallel=True)  # fmt: skip
+        torch.manual_seed(1)
+        pipe.train_step(*padded_batch())
+        grads.append({n: p.grad.clone() for n, p in pipe.named_parameters()})
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_each_rank_rows_are_torch_chunks(ranks: int) -> None:
+    """The rows of each rank are DTensor Shard(0)'s: torch.chunk's, the last ones fewer or
+    none, covering the vocabulary once."""
+    for rows in (1, 7, 36, 37, 100):
+        chunks = torch.arange(rows).chunk(ranks)
+        got = [chunk_rows(rows, ranks, r) for r in range(ranks)]
+        want = [(int(c[0]), int(c[-1]) + 1) for c in chunks] + [(rows, rows)] * (
+            ranks - len(chunks)
+        )
+        assert got == want, (rows, ranks)
