@@ -36,6 +36,7 @@ from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Schedule
+from conveyor.vocab.fsdp import VocabSharded
 from conveyor.vocab.setup import VocabReplicas, make_vocab_replicas_equal, prepare
 from conveyor.vocab.shards import VocabShards
 from conveyor.weights import Pending, has_meta
@@ -208,9 +209,12 @@ def build(
             stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard",
             experts=_experts_fsdp(stages, experts, ctx),
         )  # fmt: skip
+    vocab_sharded: list[StepSync] = []
+    if options.fsdp and vocab is not None:  # its rows too, one unit over dp (vocab/fsdp.py)
+        vocab_sharded.append(VocabSharded(vocab.shards, vocab.runner, ctx))
     if pending is not None and sharding:
         owned = meta and bool(options.fsdp)  # FSDP allocates its shards' storage itself
-        allocate = (lambda: allocate_sharded(stages.values(), ctx.device)) if owned else None
+        allocate = (lambda: allocate_sharded(own, ctx.device)) if owned else None
         pending.give(ctx.device, allocate)
     if sharding:
         shared.rebind(stages)
@@ -251,7 +255,7 @@ def build(
         every_rank_reads=vocab is not None,
         counter=token_loss.count if token_loss is not None else None,
         reductions=reductions,
-        gathers=gathers,
+        gathers=[*gathers, *vocab_sharded],
         grads=StepGradients(params),
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )

@@ -96,7 +96,6 @@ class Options:
         if not spec:
             return
         refused = [
-            (bool(self.fsdp), "fsdp"),
             (self.tp_plan is not None, "tp_plan"),
             (self.ep_plan is not None, "ep_plan"),
         ]

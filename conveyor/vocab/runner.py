@@ -85,6 +85,8 @@ class VocabRunner:
         self.autocast = autocast
         self.transformers = shards.layers.transformers
         self.current = -1
+        # Waits for the rows' gather before a pass (FSDP over the replicas), else None.
+        self.ready: Callable[[], None] | None = None
         stand_in.source = self._embedded_now
         self._state = StepState("train")
         self._inputs: list[Any] = []
@@ -213,6 +215,8 @@ class VocabRunner:
     # ------------------------------------------------------------ the passes
     def run(self, action: VocabAction) -> None:
         """Run pass ``action`` on this rank's rows."""
+        if self.ready is not None:
+            self.ready()
         m = action.microbatch
         if action.kind == "E":
             self._embed(m)
