@@ -3,12 +3,11 @@ and each rank's gradient. The full logits exist nowhere; the result is
 ``F.cross_entropy``'s (sum over the tokens whose target is not ``ignore_index``, with its
 label smoothing) up to float rounding.
 
-With ``p`` ranks holding logit columns ``Y_r`` of each token: ``m_r = max Y_r``,
-``s_r = sum exp(Y_r - m_r)``, ``t_r`` the target's logit where rank r holds the target
-(else 0) and ``z_r = sum Y_r`` (for label smoothing). Gathered: ``m = max m_r``,
-``lse = m + log(sum s_r exp(m_r - m))``, and the token's loss is
-``(1 - e)(lse - t) + e(lse - z / V)``. Its gradient in ``Y_r`` is
-``softmax - (1 - e) onehot - e / V``.
+With ``p`` ranks holding logit columns ``Y_r`` of each token: ``l_r = logsumexp Y_r``
+(``-inf`` for no columns), ``t_r`` the target's logit where rank r holds the target (else
+0) and ``z_r = sum Y_r`` (for label smoothing only). Gathered: ``lse = logsumexp_r l_r``,
+``t = sum t_r``, ``z = sum z_r``, and the token's loss is ``(1 - e)(lse - t) + e(lse - z /
+V)``. Its gradient in ``Y_r`` is ``softmax - (1 - e) onehot - e / V``.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-STATS = 4
-"""Statistics per token a rank contributes: max, sum of exponentials, target logit, sum."""
+STATS = 3
+"""Statistics per token a rank contributes: log-sum-exp, target logit, sum."""
 
 
 class Targets(NamedTuple):
@@ -44,22 +43,21 @@ def local_targets(
     return Targets(valid, column)
 
 
-def shard_stats(logits: torch.Tensor, targets: Targets) -> torch.Tensor:
+def shard_stats(logits: torch.Tensor, targets: Targets, smoothing: float) -> torch.Tensor:
     """This rank's statistics ``[STATS, tokens]`` (float32) of its logit columns
-    ``logits`` ``[tokens, columns]`` (module doc)."""
+    ``logits`` ``[tokens, columns]`` (module doc; the sum only with ``smoothing``)."""
     tokens, columns = logits.shape
     out = logits.new_zeros((STATS, tokens), dtype=torch.float32)
     if columns == 0:
         out[0] = float("-inf")
         return out
     wide = logits.float()
-    top = wide.amax(dim=1)
-    out[0] = top
-    out[1] = torch.exp(wide - top[:, None]).sum(dim=1)
+    out[0] = torch.logsumexp(wide, dim=1)
     held = targets.column >= 0
     picked = wide.gather(1, targets.column.clamp(min=0)[:, None])[:, 0]
-    out[2] = torch.where(held, picked, torch.zeros_like(picked))
-    out[3] = wide.sum(dim=1)
+    out[1] = torch.where(held, picked, torch.zeros_like(picked))
+    if smoothing:
+        out[2] = wide.sum(dim=1)
     return out
 
 
@@ -72,13 +70,10 @@ class Combined(NamedTuple):
 
 def combine(gathered: torch.Tensor, rows: int, smoothing: float) -> Combined:
     """Every rank's statistics ``[ranks, STATS, tokens]`` combined (module doc)."""
-    top = gathered[:, 0].amax(dim=0)
-    scaled = gathered[:, 1] * torch.exp(gathered[:, 0] - top)
-    lse = top + torch.log(scaled.sum(dim=0))
-    target = gathered[:, 2].sum(dim=0)
-    loss = lse - target
+    lse = torch.logsumexp(gathered[:, 0], dim=0)
+    loss = lse - gathered[:, 1].sum(dim=0)
     if smoothing:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - gathered[:, 3].sum(dim=0) / rows)
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - gathered[:, 2].sum(dim=0) / rows)
     return Combined(lse, loss)
 
 
@@ -91,10 +86,12 @@ def shard_grad(
     smoothing: float,
 ) -> torch.Tensor:
     """The gradient (float32) of ``sum(weight * loss)`` in this rank's logit columns:
-    ``weight`` per token (0 where it does not count)."""
-    grad = torch.exp(logits.float() - lse[:, None])
+    ``weight`` per token (0 where it does not count). Computed in ``logits``' memory when
+    it is float32 (the logits are not needed after it)."""
+    grad = logits if logits.dtype == torch.float32 else logits.float()
+    grad = torch.sub(grad, lse[:, None], out=grad).exp_()
     if smoothing:
         grad -= smoothing / rows
     held = (targets.column >= 0).to(grad.dtype)[:, None]
     grad.scatter_add_(1, targets.column.clamp(min=0)[:, None], held * (smoothing - 1.0))
-    return grad * weight[:, None]
+    return grad.mul_(weight[:, None])

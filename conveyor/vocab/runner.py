@@ -280,7 +280,7 @@ class VocabRunner:
         loss = self.loss
         labels = self._labels(m).to(self.device)
         targets = local_targets(labels, loss.ignore_index, loss.shift, shards.lo, shards.hi)
-        stats = shard_stats(logits, targets)
+        stats = shard_stats(logits, targets, loss.label_smoothing)
         ranks = 1 if g.group is None else g.group().size()
         gathered = torch.empty((ranks, *stats.shape), dtype=stats.dtype, device=stats.device)
         if g.group is None:
