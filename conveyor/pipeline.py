@@ -147,9 +147,11 @@ class Pipeline:
             self.plan = plan_pipeline(model, ctx, options, memory_limit)
             schedule = self.plan.built
             recompute = self.plan.recompute or options.recompute  # where nothing else fits
+            vocab = options.vocab_parallel or self.plan.vocab_parallel  # where it wins
             options = dataclasses.replace(
-                options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute
-            )
+                options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute,
+                vocab_parallel=vocab,
+            )  # fmt: skip
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         if options.vocab_parallel and not self.schedule.vocab:

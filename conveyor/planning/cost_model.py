@@ -53,6 +53,8 @@ class Candidate:
         peak_memory: Bytes per rank, as the module docstring counts them.
         fits: Whether every rank is within the memory limit.
         recompute: Whether every stage recomputes its forward at B.
+        vocab: Whether the vocabulary layers are split over every rank
+            (``vocab_parallel``; :mod:`~conveyor.planning.vocab`).
     """
 
     schedule: str
@@ -63,6 +65,7 @@ class Candidate:
     peak_memory: tuple[int, ...]
     fits: bool
     recompute: bool = False
+    vocab: bool = False
 
 
 def stage_inputs(prof: Profile, balance: Sequence[int]) -> list[int]:

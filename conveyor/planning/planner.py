@@ -41,6 +41,7 @@ from conveyor.planning.cost_model import Candidate, evaluate
 from conveyor.planning.profile_data import Profile
 from conveyor.planning.profiler import profile, units
 from conveyor.planning.unit_profile import LossFn
+from conveyor.planning.vocab import evaluate_vocab, vocab_units
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
 from conveyor.schedules.auto import zero_bubble_auto
@@ -78,6 +79,8 @@ class Plan:
         calibration: Of the chosen schedule's family, if calibration ran.
         recompute: Whether the plan recomputes every stage's forward at B (chosen only
             when nothing fits without): pass it as ``Pipeline(recompute=...)``.
+        vocab_parallel: Whether the plan splits the vocabulary layers over every rank:
+            pass it as ``Pipeline(vocab_parallel=...)``.
         basis: One sentence on what the times were measured on: each unit alone, and
             whether real steps calibrated them; always eager stages, and it says so when
             the options asked for ``compile=``, which planning does not apply.
@@ -96,6 +99,7 @@ class Plan:
     calibration: Calibration | None = None
     recompute: bool = False
     basis: str = ""
+    vocab_parallel: bool = False
 
     def table(self) -> str:
         """The ranked alternatives as a markdown table.
@@ -109,11 +113,15 @@ class Plan:
             "| chosen |",
             "|---:|---|---:|---:|---|---:|---|---|---|",
         ]
-        mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance), self.recompute)
+        mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance),
+                self.recompute, self.vocab_parallel)  # fmt: skip
         for i, c in enumerate(self.alternatives, 1):
             peak = ", ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
-            chosen = (c.schedule, c.chunks, c.microbatches, c.balance, c.recompute) == mine
-            name = f"{c.schedule} + recompute" if c.recompute else c.schedule
+            chosen = (c.schedule, c.chunks, c.microbatches, c.balance, c.recompute,
+                      c.vocab) == mine  # fmt: skip
+            name = c.schedule + (" + recompute" if c.recompute else "") + (
+                " + vocab parallel" if c.vocab else ""
+            )
             lines.append(
                 f"| {i} | {name} | {c.chunks} | {c.microbatches} | "
                 f"{list(c.balance)} | {c.predicted_step * 1e3:.2f} | {peak} | "
@@ -137,6 +145,7 @@ def plan(
     param_shards: int = 1,
     options: Options | None = None,
     device: torch.device | str | None = None,
+    vocab: bool | None = None,
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks within ``memory_limit``.
 
@@ -173,6 +182,9 @@ def plan(
             model's units get the values its ``weights`` / ``init_seed`` give.
         device: Where a model on the meta device is profiled, one unit at a time (see
             :func:`~conveyor.planning.profiler.profile`).
+        vocab: Also predict each schedule with the vocabulary layers split over every rank
+            (``vocab_parallel``, :mod:`~conveyor.planning.vocab`); None: where the model
+            has them and the loss is a token cross-entropy; False: never.
 
     Returns:
         The chosen configuration and every candidate, ranked.
@@ -183,7 +195,15 @@ def plan(
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     batch = microbatch.batch_size(inputs, "inputs")
-    n_units = len(units(model, microbatch.divide(inputs, min(batch, ranks), "inputs")[0]))
+    cut = units(model, microbatch.divide(inputs, min(batch, ranks), "inputs")[0])
+    n_units = len(cut)
+    found = vocab_units(model, cut, loss_fn) if vocab is not False and ranks > 1 else None
+    if vocab and found is None:
+        raise ConfigError(
+            "the plan was asked for vocabulary parallelism, but it needs a model with an "
+            "input embedding and a bias-free output layer onto its rows and a "
+            "TokenCrossEntropy loss"
+        )
     counts = (
         sorted({min(k * ranks, batch) for k in (1, 2, 4, 8)})
         if microbatch_counts is None
@@ -242,6 +262,9 @@ def plan(
             overhead = cal.overhead if cal else 0.0
             cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
             rows.append((cand, built, fitted, cal))
+            if found is not None and name != "zb-auto" and not recomputes:
+                cand = evaluate_vocab(built, fitted, found, memory_limit, overhead)
+                rows.append((cand, built, fitted, cal))
     if rows and not recomputes and memory_limit is not None and not any(r[0].fits for r in rows):
         rows += _with_recompute(rows, memory_limit)
     if not rows:
@@ -273,6 +296,7 @@ def plan(
         calibration=best_cal,
         recompute=best.recompute,
         basis=_basis(best_cal, real, options),
+        vocab_parallel=best.vocab,
     )
 
 
@@ -299,7 +323,7 @@ def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
     """Every candidate again with recompute (zb-auto's, fitted to no limit, left out)."""
     out = []
     for cand, built, prof, cal in rows:
-        if cand.schedule == "zb-auto":
+        if cand.schedule == "zb-auto" or cand.vocab:
             continue
         overhead = cal.overhead if cal else 0.0
         again = evaluate(built, prof, limit, overhead, recompute=True)
@@ -338,6 +362,7 @@ def plan_pipeline(
         param_shards=shards,
         options=options,
         device=ctx.device,
+        vocab=True if options.vocab_parallel else None,
     )
 
 
@@ -377,8 +402,8 @@ def _outliers(profiles: dict[int, Profile], counts: Sequence[int]) -> list[int]:
 
 def _simplest_of_the_fastest(rows: list[Row], names: Sequence[str]) -> Row:
     """Among the fitting candidates within :data:`TIE` of the fastest (``rows`` are sorted
-    fastest first), the one with the fewest actions per step, then the fewest chunks, then
-    the first in ``names``."""
+    fastest first), the one without vocabulary parallelism, with the fewest actions per
+    step, then the fewest chunks, then the first in ``names``."""
     first = rows[0][0]
     if not first.fits:
         return rows[0]
@@ -388,6 +413,7 @@ def _simplest_of_the_fastest(rows: list[Row], names: Sequence[str]) -> Row:
     return min(
         close,
         key=lambda r: (
+            r[0].vocab,
             r[0].microbatches * r[0].chunks,
             r[0].chunks,
             order.get(r[0].schedule, len(order)),

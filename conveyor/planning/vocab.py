@@ -1,0 +1,125 @@
+"""Vocabulary parallelism as a planner candidate: a schedule whose vocabulary layers are
+split over every rank (``Pipeline(vocab_parallel=True)``), predicted from the same profile
+as the layer splits it competes with.
+
+The units that hold the vocabulary layers cost nothing in the stages (the split model has
+stand-ins there, so balances count the same units); their time moves to the vocabulary
+passes, each rank running ``1/p`` of it (E and G from the embedding's unit, S and T from
+the output layer's), and their parameters to every rank, ``1/p`` each (a tied weight once),
+with their gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.errors import ConfigError
+from conveyor.planning.cost_model import ACTION_OVERHEAD, Candidate, balanced, peak_memory
+from conveyor.planning.profile_data import LayerProfile, Profile
+from conveyor.schedules import Schedule
+from conveyor.schedules.simulation import simulate
+from conveyor.schedules.vocab import with_vocab
+from conveyor.vocab.layers import find_vocab_layers
+
+
+@dataclass(frozen=True)
+class VocabUnits:
+    """Which profiled units hold the vocabulary layers, and their parameters' bytes."""
+
+    embedding: int
+    output: int
+    parameter_bytes: int
+
+
+def vocab_units(model: Any, units: Sequence[nn.Module], loss_fn: Any) -> VocabUnits | None:
+    """The units of ``model`` holding its vocabulary layers, when vocabulary parallelism
+    can run it (a token cross-entropy, layers :func:`find_vocab_layers` finds); else None."""
+    from conveyor.losses import TokenCrossEntropy
+
+    if not isinstance(model, nn.Module) or not isinstance(loss_fn, TokenCrossEntropy):
+        return None
+    try:
+        layers = find_vocab_layers(model, True)
+    except ConfigError:
+        return None
+    emb = _weight(model.get_submodule(layers.input))
+    out = _weight(model.get_submodule(layers.output))
+    holding = [{id(p) for p in unit.parameters()} for unit in units]
+    first = [i for i, ids in enumerate(holding) if id(emb) in ids]
+    last = [i for i, ids in enumerate(holding) if id(out) in ids]
+    if not first or not last:
+        return None
+    weights = {id(emb): emb, id(out): out}
+    size = sum(w.numel() * w.element_size() for w in weights.values())
+    return VocabUnits(first[0], last[-1], size)
+
+
+def evaluate_vocab(
+    schedule: Schedule,
+    prof: Profile,
+    found: VocabUnits,
+    limit: float | None,
+    overhead: float = 0.0,
+) -> Candidate:
+    """``schedule`` with vocabulary passes: balanced and predicted (see the module doc)."""
+    ranks = schedule.ranks
+    emb, out = prof.layers[found.embedding], prof.layers[found.output]
+    split = schedule.split_backward
+    layers = list(prof.layers)
+    for i in {found.embedding, found.output}:
+        u = layers[i]
+        layers[i] = LayerProfile(u.name, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, u.output)
+    stripped = Profile(tuple(layers), prof.microbatches, prof.microbatch_size, prof.latency,
+                       prof.bandwidth)  # fmt: skip
+    bal = balanced(schedule, stripped, None)
+    passes = (
+        _forward(emb, split) / ranks,
+        _forward(out, split) / ranks,
+        _backward(out, split) / ranks,
+        _backward(emb, split) / ranks,
+    )
+    costs = [
+        (a + ACTION_OVERHEAD, c + ACTION_OVERHEAD, w) for a, c, w in stripped.costs(bal, split)
+    ]
+    placed = with_vocab(schedule, _per_rank(costs, schedule))
+    step = simulate(placed, costs, stripped.comm(bal), vocab=passes).makespan + overhead
+    shared = 2 * -(-found.parameter_bytes // ranks)  # the rows and their gradients
+    peaks = [p + shared for p in peak_memory(schedule, stripped, bal)]
+    return Candidate(
+        schedule=schedule.name,
+        chunks=schedule.chunks,
+        microbatches=schedule.microbatches,
+        balance=tuple(bal),
+        predicted_step=step,
+        peak_memory=tuple(peaks),
+        fits=limit is None or max(peaks) <= limit,
+        vocab=True,
+    )
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def _forward(u: LayerProfile, split: bool) -> float:
+    return u.forward if split else u.forward_plain
+
+
+def _backward(u: LayerProfile, split: bool) -> float:
+    return u.backward_input + u.backward_weight if split else u.backward
+
+
+def _per_rank(costs: Sequence[tuple[float, float, float]], schedule: Schedule) -> tuple[float, ...]:
+    """One rank's share (F, B, W) from per-stage costs: what places the passes."""
+    share = [0.0, 0.0, 0.0]
+    for s in schedule.stages_of(0):
+        for k in range(3):
+            share[k] += costs[s][k]
+    return tuple(share)

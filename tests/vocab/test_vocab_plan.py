@@ -1,0 +1,71 @@
+"""The planner weighs vocabulary parallelism against every layer split: it shows both and
+picks the vocabulary split where the output layer dwarfs the blocks, the plain one where
+it does not; ``Pipeline(schedule="auto")`` then builds what it picked."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.losses import TokenCrossEntropy
+from tests.support.helpers import assert_close_to_largest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt
+
+SCHEDULES = ["1f1b", "zb-h1"]
+
+
+def _model_and_batch(vocab: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = gpt.GPT(vocab, 32, 64, 4, 4)
+    ids = torch.randint(0, vocab, (8, 33))
+    return model, ids[:, :-1], ids[:, 1:].clone()
+
+
+@pytest.mark.slow
+def test_the_plan_picks_vocabulary_parallelism_where_it_wins() -> None:
+    picked = {}
+    for vocab in (256, 32768):
+        model, x, y = _model_and_batch(vocab)
+        plan = conveyor.plan(model, x, y, TokenCrossEntropy(), ranks=2, microbatch_counts=[4],
+                             schedules=SCHEDULES, calibrate=False)  # fmt: skip
+        kinds = {(c.schedule, c.vocab) for c in plan.alternatives}
+        assert kinds == {(s, v) for s in SCHEDULES for v in (False, True)}
+        assert "1f1b + vocab parallel" in plan.table()
+        picked[vocab] = plan.vocab_parallel
+        vocab_rows = [c for c in plan.alternatives if c.vocab]
+        plain_rows = [c for c in plan.alternatives if not c.vocab]
+        # The split rows spread the vocabulary weight: every rank holds about half of it.
+        if vocab == 32768:
+            weight = vocab * 64 * 4
+            assert max(max(c.peak_memory) for c in vocab_rows) < min(
+                max(c.peak_memory) for c in plain_rows
+            )
+            assert min(min(c.peak_memory) for c in vocab_rows) > weight  # rows + gradients
+    assert picked == {256: False, 32768: True}
+
+
+@pytest.mark.slow
+def test_schedule_auto_builds_the_vocabulary_split_it_picked() -> None:
+    model, x, y = _model_and_batch(32768)
+    reference, _, _ = _model_and_batch(32768)
+    total, count = TokenCrossEntropy()(reference(x), y)
+    (total / count).backward()
+    total, count = total.detach(), count
+    pipe = conveyor.Pipeline(model, loss_fn=TokenCrossEntropy(), microbatches=4, schedule="auto",
+                             sample=(x, y), context=conveyor.init(pp=2))  # fmt: skip
+    assert pipe.plan is not None and pipe.plan.vocab_parallel
+    assert pipe.schedule.vocab  # the passes are in the schedule
+    loss = pipe.train_step(x, y)
+    assert abs(float(loss) - float(total / count)) < 1e-5 * float(total / count)
+    # (attention's key bias has a zero gradient up to rounding: measured against the largest)
+    assert_close_to_largest(
+        {n: p.grad for n, p in pipe.named_parameters()},
+        {n: p.grad for n, p in reference.named_parameters()},
+        "schedule='auto' with vocabulary parallelism",
+    )
