@@ -6,7 +6,8 @@ The units that hold the vocabulary layers cost nothing in the stages (the split 
 stand-ins there, so balances count the same units); their time moves to the vocabulary
 passes, each rank running ``1/p`` of it (E and G from the embedding's unit, S and T from
 the output layer's), and their parameters to every rank, ``1/p`` each (a tied weight once),
-with their gradients.
+with their gradients; each rank also holds one micro-batch's logits of its rows (from S
+to T).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from conveyor.vocab.layers import find_vocab_layers
 
 @dataclass(frozen=True)
 class VocabUnits:
-    """Which profiled units hold the vocabulary layers, and their parameters' bytes."""
+    """Which profiled units hold the vocabulary layers, their parameters' bytes, and the
+    vocabulary's rows over the hidden size (a logit's bytes per embedding byte)."""
 
     embedding: int
     output: int
     parameter_bytes: int
+    widening: float
 
 
 def vocab_units(model: Any, units: Sequence[nn.Module], loss_fn: Any) -> VocabUnits | None:
@@ -56,7 +59,7 @@ def vocab_units(model: Any, units: Sequence[nn.Module], loss_fn: Any) -> VocabUn
         return None
     weights = {id(emb): emb, id(out): out}
     size = sum(w.numel() * w.element_size() for w in weights.values())
-    return VocabUnits(first[0], last[-1], size)
+    return VocabUnits(first[0], last[-1], size, layers.rows / layers.hidden)
 
 
 def evaluate_vocab(
@@ -88,7 +91,9 @@ def evaluate_vocab(
     ]
     placed = with_vocab(schedule, _per_rank(costs, schedule))
     step = simulate(placed, costs, stripped.comm(bal), vocab=passes).makespan + overhead
-    shared = 2 * -(-found.parameter_bytes // ranks)  # the rows and their gradients
+    # The rows and their gradients, and one micro-batch's logits (held from S to T).
+    logits = int(emb.output * found.widening / ranks)  # as many tokens as the embedding's
+    shared = 2 * -(-found.parameter_bytes // ranks) + logits
     peaks = [p + shared for p in peak_memory(schedule, stripped, bal)]
     return Candidate(
         schedule=schedule.name,

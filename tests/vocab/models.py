@@ -12,15 +12,17 @@ VOCAB, HIDDEN = 37, 16  # 37 rows: uneven over 2 (19, 18) and 4 ranks (10, 10, 1
 class TinyGPT(nn.Module):
     """Embedding, residual blocks, norm, bias-free output layer (tied or not)."""
 
-    def __init__(self, tied: bool = False, blocks: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self, tied: bool = False, blocks: int = 4, dropout: float = 0.0, vocab: int = VOCAB
+    ) -> None:
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, HIDDEN, padding_idx=0)
+        self.wte = nn.Embedding(vocab, HIDDEN, padding_idx=0)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Dropout(dropout))
             for _ in range(blocks)
         )
         self.ln = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head = nn.Linear(HIDDEN, vocab, bias=False)
         if tied:
             self.head.weight = self.wte.weight
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import conveyor
 from conveyor.losses import TokenCrossEntropy
+from conveyor.vocab.shards import local_tensor
+from tests.support import distributed
 from tests.support.helpers import assert_close_to_largest
+from tests.vocab.models import TinyGPT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt
@@ -69,3 +73,30 @@ def test_schedule_auto_builds_the_vocabulary_split_it_picked() -> None:
         {n: p.grad for n, p in reference.named_parameters()},
         "schedule='auto' with vocabulary parallelism",
     )
+
+
+def _measured(rank: int) -> tuple[Any, ...]:
+    """The planner's peak for the vocabulary split on this rank, and what the rank holds:
+    its parameters and gradients, the activations autograd kept at the step's peak
+    (track_memory), and one micro-batch's logits of its rows."""
+    ctx = conveyor.init(pp=2)
+    vocab, loss = 4096, TokenCrossEntropy(shift=True)
+    torch.manual_seed(0)
+    ids = torch.randint(1, vocab, (8, 16))
+    plan = conveyor.plan(TinyGPT(vocab=vocab), ids, ids, loss, ranks=2, microbatch_counts=[4],
+                         schedules=["1f1b"], calibrate=False, vocab=True)  # fmt: skip
+    cand = next(c for c in plan.alternatives if c.vocab)
+    pipe = conveyor.Pipeline(TinyGPT(vocab=vocab), loss_fn=loss, microbatches=4,
+                             balance=list(cand.balance), vocab_parallel=True,
+                             track_memory=True)  # fmt: skip
+    pipe.train_step(ids, ids)
+    held = sum(4 * local_tensor(p).numel() for p in pipe.parameters())
+    logits = 2 * 16 * (vocab // 2) * 4  # 2 rows of 16 tokens, this rank's 2048 columns
+    return cand.peak_memory[ctx.pp_rank], 2 * held, pipe.last_step_memory().peak, logits
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_memory_model_per_rank_is_what_each_rank_holds() -> None:
+    for predicted, params, activations, logits in distributed.run(_measured, 2, fork=True):
+        assert predicted == params + activations + logits
