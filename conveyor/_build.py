@@ -37,7 +37,12 @@ from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Schedule
 from conveyor.vocab.fsdp import VocabSharded
-from conveyor.vocab.setup import VocabReplicas, make_vocab_replicas_equal, prepare
+from conveyor.vocab.setup import (
+    VocabReplicas,
+    check_traceable,
+    make_vocab_replicas_equal,
+    prepare,
+)
 from conveyor.vocab.shards import VocabShards
 from conveyor.weights import Pending, has_meta
 from conveyor.weights.allocate import allocate_sharded
@@ -145,6 +150,8 @@ def build(
                         schedule.placement[0], last)  # fmt: skip
         sample = vocab.runner.sample(sample) if sample is not None else None
     cut_from = vocab.model if vocab is not None else model
+    if vocab is not None and not vocab.layers.transformers:
+        check_traceable(cut_from)
     all_stages = split_model(cut_from, schedule.stages, options.balance, sample, schedule.placement)
     if options.balance is None and annotated_stages(model) is None:
         _check_every_rank_trains(schedule, all_stages)
@@ -161,6 +168,7 @@ def build(
     if pending is not None and not sharding:
         pending.give(ctx.device)
     description = describe_split(model, all_stages, schedule.placement)
+
     # Tied weights on several ranks: copies start equal and their gradients are summed.
     ties = [
         ({s: _name_of(all_stages[s], all_stages[group[0]], name) for s in group}, group)

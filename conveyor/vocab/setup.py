@@ -102,6 +102,28 @@ def prepare(
     return VocabSetup(layers, cut_from, shards, runner)
 
 
+def check_traceable(model: nn.Module) -> None:
+    """A model cut with vocabulary parallelism must be a layer list or torch.fx-traceable
+    (torch.export would trace through the embedding's stand-in and keep one batch's values;
+    transformers models take their embedding as ``inputs_embeds`` instead).
+
+    Raises:
+        ConfigError: fx cannot trace ``model``.
+    """
+    from conveyor.partition.capture import NeedsSample, capture
+
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return
+    try:
+        capture(model)
+    except NeedsSample as error:
+        raise ConfigError(
+            f"vocab_parallel splits a layer list, a model torch.fx traces or a transformers "
+            f"model, but {type(model).__name__} needs torch.export ({error}); make it "
+            f"fx-traceable or train it without vocab_parallel"
+        ) from None
+
+
 def _vocab_group(ctx: Context) -> Any:
     """This pipeline's vocabulary group: a communicator of its own over its pipeline
     ranks (the passes' collectives then never queue behind point-to-point transfers)."""

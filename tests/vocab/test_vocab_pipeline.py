@@ -399,3 +399,35 @@ def test_each_rank_rows_are_torch_chunks(ranks: int) -> None:
             ranks - len(chunks)
         )
         assert got == want, (rows, ranks)
+
+
+@pytest.mark.slow
+def test_compiled_stages_are_exact() -> None:
+    """compile= (aot_eager: the graphs dynamo and AOTAutograd make, without inductor's
+    rounding): the stages compiled, the passes eager around them."""
+    ids, targets = padded_batch()
+    model = make("gpt", True)
+    total, count = LOSS(model(ids), targets)
+    (total / count).backward()
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(make("gpt", True), loss_fn=LOSS, microbatches=3, context=ctx,
+                             schedule="zb-h1", compile={"backend": "aot_eager"},
+                             vocab_parallel=True)  # fmt: skip
+    loss = pipe.train_step(ids, targets)
+    assert abs(float(loss) - float(total / count)) < 1e-5 * float(total / count)
+    for name, p in model.named_parameters():
+        assert rel(dict(pipe.named_parameters())[name].grad, p.grad) < TOL, name
+
+
+def test_a_model_only_export_captures_is_refused() -> None:
+    class Branchy(TinyGPT):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte(idx)
+            if x.sum() > -1e9:  # data-dependent control flow: fx cannot trace it
+                x = x + self.blocks[0](x)
+            return self.head(self.ln(x))  # type: ignore[no-any-return]
+
+    ids, targets = padded_batch()
+    with pytest.raises(ConfigError, match="needs torch.export"):
+        conveyor.Pipeline(Branchy(), loss_fn=LOSS, microbatches=2, context=conveyor.init(pp=2),
+                          sample=(ids, targets), vocab_parallel=True)  # fmt: skip
