@@ -31,7 +31,9 @@ once, a split one by its local rows) over an equal share of the model's.
 The simulation: ``conveyor.simulate`` of the same runs from costs measured in this
 process, one micro-batch at a time: a block's forward and backward, the output layer with
 the loss, the embeddings; the vocabulary passes cost the output layer's (and
-embedding's) time over the ranks.
+embedding's) time over the ranks. It also gives 4 ranks (simulated only: 4 busy processes
+on 2 cores would time nothing): the best split of the blocks against vocabulary
+parallelism with the blocks spread evenly.
 """
 
 from __future__ import annotations
@@ -218,6 +220,35 @@ def simulated(shape: dict[str, Any], c: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def simulated_p4(shape: dict[str, Any], c: dict[str, float]) -> tuple[str, float, float]:
+    """On 4 ranks (simulated only: 4 busy processes on 2 cores time nothing): the best
+    split of the blocks without vocabulary parallelism, its makespan, and vocabulary
+    parallelism's (blocks spread evenly) per step."""
+    import itertools
+
+    from conveyor.schedules import get_schedule
+    from conveyor.schedules.vocab import with_vocab
+    from conveyor.simulate import simulate
+
+    ranks, layers, m = 4, shape["layers"], shape["microbatches"]
+    sched = get_schedule("1f1b", ranks, m)
+    bf, bb = c["blockF"], c["blockB"]
+    best = ("", float("inf"))
+    for cuts in itertools.combinations_with_replacement(range(layers + 1), ranks - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, layers), strict=True)]
+        costs = [(k * bf, k * bb, 0.0) for k in sizes]
+        costs[0] = (costs[0][0] + c["embedF"], costs[0][1] + c["embedB"], 0.0)
+        costs[-1] = (costs[-1][0] + c["outputF"], costs[-1][1] + c["outputB"], 0.0)
+        span = simulate(sched, costs).makespan
+        if span < best[1]:
+            best = ("|".join(map(str, sizes)), span)
+    even = [layers // ranks + (r < layers % ranks) for r in range(ranks)]
+    costs = [(k * bf, k * bb, 0.0) for k in even]
+    passes = (c["embedF"] / ranks, c["outputF"] / ranks, c["outputB"] / ranks, c["embedB"] / ranks)
+    placed = with_vocab(sched, costs[0])
+    return best[0], best[1], simulate(placed, costs, vocab=passes).makespan
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table (and write ``--json``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -247,12 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         c = costs(shape, vocab, 2 if args.quick else 3)
         sim = simulated(shape, c)
         sim_best = min((r for r in sim if r != VOCAB), key=lambda r: sim[r])
+        p4 = simulated_p4(shape, c)
         results["vocabs"][str(vocab)] = {
             "medians": medians, "best": best, "times": ranks[0]["times"],
             "shares": [r["shares"] for r in ranks], "memory": memory, "costs": c,
-            "simulated": sim, "simulated_best": sim_best,
+            "simulated": sim, "simulated_best": sim_best, "simulated_p4": p4,
         }  # fmt: skip
         print(table(vocab, medians, best, ranks, memory, sim, sim_best))
+        print(f"4 ranks, simulated: best split {p4[0]}, vocab parallel {p4[2] / p4[1]:.2f}x it")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
