@@ -111,7 +111,8 @@ def _devices_of_inputs(graph: fx.Graph, args: Any, kwargs: Any) -> None:
     its metadata checks). The stages run where the inputs are, as for a real model:
     each ``meta`` the graph names becomes the inputs' device."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
+    # (a vocabulary-parallel sample's inputs_embeds are meta too: the others say where)
+    device = next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
     def real(value: Any) -> Any:
         return device if isinstance(value, torch.device) and value.type == "meta" else value

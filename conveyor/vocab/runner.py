@@ -161,10 +161,12 @@ class VocabRunner:
         if not self.transformers or not isinstance(value, dict) or "input_ids" not in value:
             return value
         ids = value["input_ids"]
-        weight = self.shards.embedding.weight
+        weight = self.shards.local(self.shards.embedding)
         out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
+        # On the meta device for a meta model: export then records the model there.
+        where = weight.device if weight.is_meta else ids.device
         out["inputs_embeds"] = torch.zeros(
-            (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=ids.device
+            (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=where
         )
         return out
 

@@ -431,3 +431,49 @@ def test_a_model_only_export_captures_is_refused() -> None:
     with pytest.raises(ConfigError, match="needs torch.export"):
         conveyor.Pipeline(Branchy(), loss_fn=LOSS, microbatches=2, context=conveyor.init(pp=2),
                           sample=(ids, targets), vocab_parallel=True)  # fmt: skip
+
+
+def _loads(rank: int, where: str) -> dict[str, Any]:
+    """Checkpoints into a vocabulary-parallel pipeline on 2 processes: conveyor.load of one
+    the unsplit model saved, and weights= of a transformers save_pretrained directory;
+    this rank's state after each (its rows of the vocabulary layers)."""
+    ctx = conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(TinyGPT(tied=True), loss_fn=LOSS, microbatches=2, context=ctx,
+                             vocab_parallel=True)  # fmt: skip
+    conveyor.load(pipe, f"{where}/gpt")
+    out = {"gpt": {n: local(v) for n, v in pipe.state_dict().items()}}
+    with conveyor.empty_weights():
+        llama = tiny_llama(tied=False)
+    ids, labels = padded_batch(4, 6)
+    pipe = conveyor.Pipeline(llama, loss_fn=None, microbatches=2, context=ctx,
+                             weights=f"{where}/llama", vocab_parallel=True,
+                             sample=({"input_ids": ids, "labels": labels}, None))  # fmt: skip
+    out["llama"] = {n: local(v) for n, v in pipe.state_dict().items()}
+    out["rows"] = chunk_rows(VOCAB, 2, ctx.pp_rank)
+    return out
+
+
+def local(value: Any) -> Any:
+    return value.to_local().clone() if hasattr(value, "to_local") else value.clone()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_checkpoints_of_the_unsplit_model_load_into_the_rows(tmp_path: Any) -> None:
+    torch.manual_seed(5)
+    gpt = TinyGPT(tied=True)
+    conveyor.save(gpt, tmp_path / "gpt")
+    llama = make("llama", False)
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.add_(torch.randn_like(p))  # not what initialization would give
+    llama.save_pretrained(tmp_path / "llama")
+    for got in distributed.run(_loads, 2, str(tmp_path), fork=True, timeout=300):
+        lo, hi = got["rows"]
+        for kind, model in (("gpt", gpt), ("llama", llama)):
+            whole = model.state_dict()
+            for name, value in got[kind].items():
+                want = whole[name]
+                if value.shape != want.shape:  # a vocabulary layer: this rank's rows
+                    want = want[lo:hi]
+                assert torch.equal(value, want), (kind, name)
