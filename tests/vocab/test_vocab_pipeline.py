@@ -428,7 +428,7 @@ def test_a_model_only_export_captures_is_refused() -> None:
             return self.head(self.ln(x))  # type: ignore[no-any-return]
 
     ids, targets = padded_batch()
-    with pytest.raises(ConfigError, match="needs torch.export"):
+    with pytest.raises(ConfigError, match=r"needs torch\.export"):
         conveyor.Pipeline(Branchy(), loss_fn=LOSS, microbatches=2, context=conveyor.init(pp=2),
                           sample=(ids, targets), vocab_parallel=True)  # fmt: skip
 
