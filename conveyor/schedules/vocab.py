@@ -9,23 +9,28 @@ runs at once (:data:`~conveyor.schedules.core.VocabKind`): ``E`` (embedding), ``
 the passes in one order (:attr:`Schedule.vocab`) and each rank's program says where
 (:attr:`Schedule.vocab_slots`).
 
-:func:`with_vocab` places them by one rule for every schedule: each pass at the time the
-schedule, simulated without passes, first needs it (``E`` as stage 0's forward starts,
-``S`` and ``T`` as the last stage's forward ends, ``G`` as stage 0's backward ends) and on
-each rank before the first action that starts at that time or later. Every dependency
-then runs forward in one total order (time, then passes before actions), so the programs
-cannot deadlock, and ``S`` and ``T`` run back to back: the logits of one micro-batch are
-alive only between them (at most one extra micro-batch of activations, the paper's
-one-barrier rule). On 1F1B that is the paper's placement of the output passes right after
-the last stage's forward; on V-Half and V-Min, whose first and last stages share rank 0,
-the passes take a common slot on every rank.
+:func:`with_vocab` places them by one rule for every schedule, from the schedule
+simulated without passes: ``S`` and ``T`` of micro-batch ``m`` as the last stage's forward
+of ``m`` ends (where every rank meets), ``E`` of ``m`` at the last such meeting before
+stage 0's forward of ``m`` starts (or at the step's start), ``G`` of ``m`` at the first
+one after stage 0's backward of ``m`` ends (or at the step's end): one meeting of the
+ranks per micro-batch instead of three. On each rank a pass goes before the first action
+that starts at its time or later. Every dependency then runs forward in one total order
+(time, then passes before actions), so the programs cannot deadlock, and ``S`` and ``T``
+run back to back: the logits of one micro-batch are alive only between them (at most one
+extra micro-batch of activations, the paper's one-barrier rule). On 1F1B that is the
+paper's placement of the output passes right after the last stage's forward; on V-Half
+and V-Min, whose first and last stages share rank 0, the passes take a common slot on
+every rank.
 
 Pure Python (no torch import).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from conveyor.errors import ScheduleError
@@ -65,14 +70,22 @@ def with_vocab(schedule: Schedule, cost: Sequence[float] = (1.0, 1.0, 1.0)) -> S
     start = {e.action: e.start for e in timed.events}
     end = {e.action: e.end for e in timed.events}
     last = schedule.stages - 1
+    m_all = range(schedule.microbatches)
+    # Where every rank meets anyway: the output passes, as the last stage's forwards end.
+    meets = sorted(end[Action(F, last, m)] for m in m_all)
     when: list[tuple[float, int, int, VocabAction]] = []
-    for m in range(schedule.microbatches):
+    for m in m_all:
         out = end[Action(F, last, m)]
+        # E at the last meeting before stage 0's forward starts (or at the step's start),
+        # G at the first one after stage 0's backward ends (or at its end): one meeting
+        # of the ranks per micro-batch instead of three.
+        before = bisect.bisect_right(meets, start[Action(F, 0, m)]) - 1
+        after = bisect.bisect_left(meets, end[Action(B, 0, m)])
         for kind, at in (
-            ("E", start[Action(F, 0, m)]),
+            ("E", meets[before] if before >= 0 else 0.0),
             ("S", out),
             ("T", out),
-            ("G", end[Action(B, 0, m)]),
+            ("G", meets[after] if after < len(meets) else math.inf),
         ):
             when.append((at, VOCAB_KINDS.index(kind), m, VocabAction(kind, m)))  # type: ignore[arg-type]
     when.sort()

