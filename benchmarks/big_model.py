@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import status_kib
+
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("whole", "init", "load")
 MIB = 2**20
@@ -52,14 +55,6 @@ QUICK = {"hidden": 512, "layers": 2, "intermediate": 1376, "vocab": 32000, "head
          "batch": 2, "tokens": 16, "microbatches": 2}  # fmt: skip
 FULL = {"hidden": 1024, "layers": 20, "intermediate": 2816, "vocab": 32000, "heads": 16,
         "batch": 4, "tokens": 64, "microbatches": 4}  # fmt: skip
-
-
-def status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmHWM``: the peak resident set so far)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def since_start() -> float:

@@ -20,6 +20,19 @@ from conveyor.context import in_torchrun
 Step = Callable[[], None]
 
 
+def timing_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The flags every timing benchmark takes: ``--rounds`` (default ``rounds``),
+    ``--steps``, ``--warmup``, ``--quick`` and ``--json``; described by ``doc``'s first
+    line."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run per round")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round of 1 step")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    return p
+
+
 def step_times(step: Callable[[], Any], steps: int, warmup: int) -> list[float]:
     """Seconds of each of ``steps`` calls of ``step`` between two barriers, after
     ``warmup`` untimed calls."""

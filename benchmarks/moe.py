@@ -72,7 +72,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import alternate, on_processes, status_kib, step_times  # noqa: E402
+from common import alternate, on_processes, status_kib, step_times, timing_parser  # noqa: E402
 
 PP, DP, EP = 2, 2, 2
 PROCS = PP * DP
@@ -284,12 +284,7 @@ def ranks_cell(values: list[float], fmt: str = "{:.1f}") -> str:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags; outside torchrun, run the phases on 4 processes and print the tables."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run per round")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run per round")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round of 1 step")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p = timing_parser(__doc__, rounds=3)
     p.add_argument(
         "--schedules", default=",".join(SCHEDULES), help="comma-separated (default: %(default)s)"
     )

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
-from common import alternate, on_processes, status_kib, step_times  # noqa: E402
+from common import alternate, on_processes, status_kib, step_times, timing_parser  # noqa: E402
 
 PP = 2
 MIB = 2**20
@@ -251,12 +251,7 @@ def simulated_p4(shape: dict[str, Any], c: dict[str, float]) -> tuple[str, float
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table (and write ``--json``)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run per round")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per run per round")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 round of 1 step")
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p = timing_parser(__doc__, rounds=2)
     args = p.parse_args(argv)
     shape = QUICK if args.quick else FULL
     if args.quick:

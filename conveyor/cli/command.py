@@ -47,6 +47,18 @@ def parse_cost(text: str) -> tuple[float, float, float]:
     return (values[0], values[1], values[2])
 
 
+def _numbers(text: str, counts: tuple[int, ...], option: str, form: str) -> tuple[float, ...]:
+    """``text``'s comma-separated numbers, as many as one of ``counts``, each finite and
+    >= 0; else a ConfigError saying ``option`` takes one number or ``form``."""
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in counts or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"{option} must be one number >= 0, or {form}, got {text!r}")
+    return values
+
+
 def parse_a2a(text: str) -> tuple[float, float]:
     """Parse ``--a2a``'s ``X`` (the same for F and B) or ``F,B``.
 
@@ -59,12 +71,7 @@ def parse_a2a(text: str) -> tuple[float, float]:
     Raises:
         ConfigError: Unless one or two finite numbers >= 0.
     """
-    try:
-        values = tuple(float(p) for p in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) not in (1, 2) or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(f"--a2a must be one number >= 0, or two as F,B (e.g. 1,2), got {text!r}")
+    values = _numbers(text, (1, 2), "--a2a", "two as F,B (e.g. 1,2)")
     return (values[0], values[-1])
 
 
@@ -80,17 +87,9 @@ def parse_vocab(text: str) -> tuple[float, float, float, float]:
     Raises:
         ConfigError: Unless one or four finite numbers >= 0.
     """
-    try:
-        values = tuple(float(p) for p in text.split(","))
-    except ValueError:
-        values = ()
-    if len(values) not in (1, 4) or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(
-            f"--vocab must be one number >= 0, or four as E,S,T,G (e.g. 0.1,1,2,0.1), got {text!r}"
-        )
-    if len(values) == 1:
-        return (values[0],) * 4
-    return (values[0], values[1], values[2], values[3])
+    values = _numbers(text, (1, 4), "--vocab", "four as E,S,T,G (e.g. 0.1,1,2,0.1)")
+    e, s, t, g = values * 4 if len(values) == 1 else values
+    return (e, s, t, g)
 
 
 def _build_parser() -> Parser:
