@@ -198,7 +198,21 @@ class Pipeline:
         )
         if self._parts is None:
             return head + "\nnot split yet: the model is captured on the first batch"
-        return head + "\n" + str(self.describe()) + self._parts.compile_note()
+        return head + "\n" + str(self.describe()) + self._vocab_note() + self._parts.compile_note()
+
+    def _vocab_note(self) -> str:
+        """With ``vocab_parallel``: which layers are split over the ranks, and how."""
+        shards = self._parts.vocab if self._parts is not None else None
+        if shards is None:
+            return ""
+        layers, ranks = shards.layers, self.schedule.ranks
+        rows = -(-layers.rows // ranks)
+        tied = ", tied" if layers.tied else ""
+        return (
+            f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "
+            f"split over {ranks} ranks ({rows} each, the last ones fewer), "
+            f"{len(self.schedule.vocab)} passes (E, S, T, G per micro-batch)"
+        )
 
     @property
     def compile_stats(self) -> CompileStats | None:
