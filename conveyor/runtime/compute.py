@@ -22,6 +22,7 @@ from conveyor.runtime.call import StageCaller
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.memory import ActivationMeter
+from conveyor.runtime.passes import Passes
 from conveyor.runtime.recompute import (
     discard_saved,
     replay_rng,
@@ -39,7 +40,6 @@ from conveyor.runtime.step_loss import (
 from conveyor.runtime.step_state import StepState
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
-from conveyor.vocab.runner import VocabRunner
 
 LossFn = Callable[[Any, Any], Any]
 """``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
@@ -114,7 +114,7 @@ class StageCompute:
         )
         self._call = StageCaller()
         # Vocabulary parallelism: the passes around the first and last stages (None: off).
-        self.vocab: VocabRunner | None = None
+        self.vocab: Passes | None = None
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
         self.step = StepState("train")

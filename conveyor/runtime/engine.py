@@ -26,6 +26,7 @@ from conveyor.runtime.compute import LossFn, StageCompute, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.overlap import Pair, Spans, record
+from conveyor.runtime.passes import Passes
 from conveyor.runtime.program import (
     RankProgram,
     Tick,
@@ -38,7 +39,6 @@ from conveyor.runtime.step_state import Mode, StepRecord, StepState
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, F, Schedule, W
-from conveyor.vocab.runner import VocabRunner
 
 __all__ = ["Engine", "Header", "LossFn", "model_loss"]
 
@@ -69,7 +69,7 @@ class Engine:
         compiled: CompileStats | None = None,
         modules: Mapping[int, str] | None = None,
         pairs: bool = False,
-        vocab: VocabRunner | None = None,
+        vocab: Passes | None = None,
     ) -> None:
         """``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under

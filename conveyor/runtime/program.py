@@ -67,8 +67,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from conveyor.schedules import Action, B, F, Schedule, execution_order
-from conveyor.schedules.core import VocabAction
-from conveyor.schedules.vocab import merged_order
+from conveyor.schedules.core import VocabAction, merged_order
 
 
 @dataclass(frozen=True)

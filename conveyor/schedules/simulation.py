@@ -32,7 +32,7 @@ from conveyor.schedules.core import (
     VocabKind,
     W,
     dependencies,
-    execution_order,
+    merged_order,
 )
 
 Cost = tuple[float, float, float]
@@ -434,12 +434,8 @@ def simulate(
     timed: list[list[Event]] = [[] for _ in ranks]
     barriers: list[list[VocabEvent]] = [[] for _ in ranks]
     order: Sequence[tuple[int | None, Action | VocabAction]]
-    if schedule.vocab:
-        from conveyor.schedules.vocab import merged_order
-
-        order = merged_order(schedule)
-    else:
-        order = execution_order(schedule)  # a pair's F and B come out together, in order
+    # With passes, in their order; without, execution_order's (a pair's F and B together).
+    order = merged_order(schedule)
     k = 0
     while k < len(order):
         rank, step = order[k]

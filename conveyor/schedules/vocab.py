@@ -23,6 +23,9 @@ paper's placement of the output passes right after the last stage's forward; on 
 and V-Min, whose first and last stages share rank 0, the passes take a common slot on
 every rank.
 
+:func:`merged_order` and :func:`check_vocab` (which :func:`validate` runs) live in
+:mod:`conveyor.schedules.core` beside the other checks, and are exported here too.
+
 Pure Python (no torch import).
 """
 
@@ -33,21 +36,19 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from conveyor.errors import ScheduleError
 from conveyor.schedules.core import (
     VOCAB_KINDS,
     Action,
     B,
     F,
     Schedule,
+    Step,
     VocabAction,
-    dependencies,
-    execution_order,
+    check_vocab,
+    merged_order,
 )
 
-Step = tuple[int, Action] | tuple[None, VocabAction]
-"""One entry of :func:`merged_order`: ``(rank, action)``, or ``(None, pass)`` for a
-vocabulary pass that every rank runs."""
+__all__ = ["Step", "check_vocab", "merged_order", "vocab_collectives", "with_vocab"]
 
 _TINY = 1e-6  # the smallest duration an action is simulated with (strict time order)
 
@@ -99,124 +100,6 @@ def with_vocab(schedule: Schedule, cost: Sequence[float] = (1.0, 1.0, 1.0)) -> S
             row.append(i)
         slots.append(tuple(row))
     return dataclasses.replace(base, vocab=tuple(v for *_, v in when), vocab_slots=tuple(slots))
-
-
-def merged_order(schedule: Schedule) -> list[Step]:
-    """A valid global order of every action and vocabulary pass.
-
-    The ranks run their programs as :func:`~conveyor.schedules.core.execution_order`
-    does; a pass runs once every rank has reached its slot (a barrier: each holds
-    collectives of the whole pipeline group). Without passes it is ``execution_order``.
-
-    Raises:
-        ScheduleError: If the programs deadlock; names each stuck rank and its wait.
-    """
-    if not schedule.vocab:
-        return list(execution_order(schedule))
-    parts: list[Step] = []
-    position = [0] * schedule.ranks
-    done: set[Action] = set()
-    for k, v in enumerate(schedule.vocab):
-        slots = [schedule.vocab_slots[r][k] for r in range(schedule.ranks)]
-        parts.extend(_segment(schedule, position, slots, done))
-        parts.append((None, v))
-    parts.extend(_segment(schedule, position, [len(p) for p in schedule.actions], done))
-    return parts
-
-
-def _segment(
-    schedule: Schedule, position: list[int], stop: list[int], done: set[Action]
-) -> list[Step]:
-    """The actions between two barriers in a valid order: each rank runs its program from
-    ``position`` up to ``stop`` (both updated in place, as is ``done``)."""
-    order: list[Step] = []
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, program in enumerate(schedule.actions):
-            while position[rank] < stop[rank]:
-                action = program[position[rank]]
-                if not all(d in done for d in dependencies(schedule, action)):
-                    break
-                done.add(action)
-                order.append((rank, action))
-                position[rank] += 1
-                progressed = True
-    if any(position[r] < stop[r] for r in range(schedule.ranks)):
-        stuck = [
-            f"rank {r} at {p[position[r]]}"
-            for r, p in enumerate(schedule.actions)
-            if position[r] < stop[r]
-        ]
-        raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocks around its vocabulary passes: "
-            + ", ".join(stuck)
-            + " wait on work placed after a pass that needs them; place each pass after "
-            "the actions it waits for on every rank"
-        )
-    return order
-
-
-def check_vocab(schedule: Schedule) -> None:
-    """Check the vocabulary passes of ``schedule``: each of E, S, T, G once per
-    micro-batch, in an order that keeps each micro-batch's E, S, T, G in that order; one
-    slot per pass on every rank, never decreasing; each pass where its data is (E before
-    stage 0's forward, S after the last stage's forward, T before the last stage's
-    backward, G after stage 0's backward, on their ranks); and no deadlock.
-
-    Raises:
-        ScheduleError: Naming the pass and rank at fault.
-    """
-    name, p = schedule.name, schedule.ranks
-    seen = {(v.kind, v.microbatch) for v in schedule.vocab}
-    wanted = {(k, m) for k in VOCAB_KINDS for m in range(schedule.microbatches)}
-    if len(schedule.vocab) != len(wanted) or seen != wanted:
-        missing = sorted(wanted - seen)
-        what = f"lacks {missing[0][0]}{missing[0][1]}" if missing else "repeats a pass"
-        raise ScheduleError(
-            f"schedule {name!r}: its vocabulary passes {what}; give E, S, T and G of every "
-            f"micro-batch once (conveyor.schedules.vocab.with_vocab places them)"
-        )
-    index = {(v.kind, v.microbatch): k for k, v in enumerate(schedule.vocab)}
-    for m in range(schedule.microbatches):
-        ks = [index[(kind, m)] for kind in VOCAB_KINDS]
-        if ks != sorted(ks):
-            raise ScheduleError(
-                f"schedule {name!r}: micro-batch {m}'s vocabulary passes run out of order; "
-                f"run E, S, T, G of a micro-batch in that order"
-            )
-    if len(schedule.vocab_slots) != p or any(
-        len(row) != len(schedule.vocab) for row in schedule.vocab_slots
-    ):
-        raise ScheduleError(
-            f"schedule {name!r}: vocab_slots needs one slot per pass for each of {p} ranks"
-        )
-    for r, row in enumerate(schedule.vocab_slots):
-        n = len(schedule.actions[r])
-        if any(not 0 <= i <= n for i in row) or list(row) != sorted(row):
-            raise ScheduleError(
-                f"schedule {name!r}: rank {r}'s vocabulary slots {row} must be positions "
-                f"0..{n} of its program, never decreasing"
-            )
-    last = schedule.stages - 1
-    for k, v in enumerate(schedule.vocab):
-        m = v.microbatch
-        rules = {
-            "E": (Action(F, 0, m), False, "before"),
-            "S": (Action(F, last, m), True, "after"),
-            "T": (Action(B, last, m), False, "before"),
-            "G": (Action(B, 0, m), True, "after"),
-        }
-        action, after, word = rules[v.kind]
-        rank = schedule.placement[action.stage]
-        i = schedule.actions[rank].index(action)
-        slot = schedule.vocab_slots[rank][k]
-        if (slot <= i) if after else (slot > i):
-            raise ScheduleError(
-                f"schedule {name!r}: rank {rank} runs {v} {'before' if after else 'after'} "
-                f"{action}; it must run {word} it"
-            )
-    merged_order(schedule)
 
 
 def vocab_collectives(schedule: Schedule) -> list[tuple[str, int]]:

@@ -22,7 +22,8 @@ def needs(pipe: Pipeline, evaluating: bool) -> Needs:
         This rank's needs.
     """
     ctx, placement = pipe.context, pipe.schedule.placement
-    every = bool(pipe.schedule.vocab)  # vocabulary passes: every rank embeds and scores
+    # Vocabulary passes: every rank embeds and scores its rows of the vocabulary.
+    every = bool(getattr(pipe.schedule, "vocab", ()))
     first = every or not ctx.distributed or placement[0] == ctx.pp_rank
     last = every or not ctx.distributed or placement[-1] == ctx.pp_rank
     mode = "metrics" if evaluating else "train"

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the planner", ["conveyor.planning"]),
     ("what one rank runs, built from the options", ["conveyor._build", "conveyor._options"]),
     ("expert parallelism: experts over the ep ranks", ["conveyor.experts"]),
+    ("vocabulary parallelism: the vocabulary layers over the pp ranks", ["conveyor.vocab"]),
     ("seeing what ran", ["conveyor.observe"]),
     ("running a schedule", ["conveyor.runtime"]),
     ("the model's values: built empty, initialized, loaded", ["conveyor.weights"]),
