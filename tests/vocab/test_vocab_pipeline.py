@@ -118,6 +118,7 @@ def test_one_process_world_is_exact(schedule: str, tied: bool) -> None:
     compare([(train(pipe, "gpt", batches), grads_of(pipe, 1, 0))], want, schedule)
 
 
+@pytest.mark.slow
 def test_one_process_layer_list_llama_eval_and_predict() -> None:
     """A layer list (embedding first, output layer last) and a transformers Llama with its
     own loss; eval_step gives the loss, predict the unsplit model's logits."""
