@@ -93,11 +93,9 @@ class VocabRunner:
         self._targets: list[Any] = []
         self._embedded: dict[int, torch.Tensor] = {}
         self._hidden: dict[int, torch.Tensor] = {}
-        self._shape: dict[int, tuple[int, ...]] = {}
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor]] = {}
         self._hidden_grad: dict[int, torch.Tensor] = {}
         self._input_grad: dict[int, torch.Tensor] = {}
-        self._hidden_dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------ the step's data
     def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
@@ -111,7 +109,7 @@ class VocabRunner:
         self._inputs = inputs
         self._targets = targets or []
         for kept in (self._embedded, self._hidden, self._kept, self._hidden_grad,
-                     self._input_grad, self._shape):  # fmt: skip
+                     self._input_grad):  # fmt: skip
             kept.clear()
 
     def _ids(self, m: int) -> torch.Tensor:
@@ -263,7 +261,7 @@ class VocabRunner:
         ids = self._ids(m)
         shards, g, state = self.shards, self.group, self._state
         hidden = self._hidden.get(m)
-        dtype = self._transport_dtype(hidden)
+        dtype = self._transport_dtype()
         if hidden is not None:
             flat = hidden.detach().to(dtype).reshape(-1, self.shards.layers.hidden)
         else:
@@ -370,7 +368,7 @@ class VocabRunner:
         if g.group is None or g.me == g.last:
             self._state.outputs[m] = whole.reshape(*ids.shape, rows)
 
-    def _transport_dtype(self, hidden: torch.Tensor | None) -> torch.dtype:
+    def _transport_dtype(self) -> torch.dtype:
         """The dtype the hidden states travel in, the same on every rank: float32 under
         autocast (it casts them for the matmul as the unsplit model's output layer
         would), else the output weight's."""
