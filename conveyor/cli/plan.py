@@ -105,9 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # while profiling the model (PipelineError) exits 1.
         return 2 if isinstance(e, ConfigError) else 1
     peaks = ", ".join(f"{b / 2**20:.1f}" for b in chosen.peak_memory)
+    extra = " vocab_parallel=True" if chosen.vocab_parallel else ""
+    extra += " recompute=True" if chosen.recompute else ""
     print(
         f"schedule={chosen.schedule} chunks={chosen.chunks} microbatches={chosen.microbatches} "
-        f"balance={chosen.balance} predicted step {chosen.predicted_step * 1e3:.2f} ms, "
+        f"balance={chosen.balance}{extra} predicted step {chosen.predicted_step * 1e3:.2f} ms, "
         f"peak memory per rank (MB) {peaks}\n{chosen.basis}\n"
     )
     print(chosen.table())
