@@ -23,6 +23,7 @@ import conveyor
 from conveyor.experts import is_expert_parameter
 from tests.parallel.test_experts import EXPERTS, tiny_moe
 from tests.support import distributed
+from tests.support.captures import captured
 from tests.support.helpers import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -106,18 +107,36 @@ def train(
     return steps
 
 
-def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict[str, Any]:
-    """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards."""
+def shards_of(dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Replica ``dp_rank``'s batch of each step, as one dict of ``input_ids`` and ``labels``."""
+    mine = [rows[dp_rank * MICRO : (dp_rank + 1) * MICRO] for rows in batches()]
+    return [
+        {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
+        for m in mine
+    ]
+
+
+def models_for(kind: str, aux: bool, runs: list[Any]) -> list[torch.nn.Module]:
+    """One model per run, captured here on the first step's batch as each rank's Pipeline
+    captures it (tests/support/captures.py): the forked ranks split it without exporting."""
+    return [captured(model_of(kind, aux), shards_of(0)[0], MICRO) for _ in runs]
+
+
+def ranks(
+    rank: int,
+    kind: str,
+    aux: bool,
+    runs: list[tuple[str, bool]],
+    models: list[torch.nn.Module] | None = None,
+) -> dict[str, Any]:
+    """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards.
+    ``models``: each run's model (else built here)."""
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
     out: dict[str, Any] = {}
-    for schedule, fsdp in runs:
-        model = model_of(kind, aux)
+    for i, (schedule, fsdp) in enumerate(runs):
+        model = model_of(kind, aux) if models is None else models[i]
         whole = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
-        mine = [rows[ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO] for rows in batches()]
-        shards = [
-            {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
-            for m in mine
-        ]
+        shards = shards_of(ctx.dp_rank)
         # Split at construction (export on the sample), so the optimizer gets the sharded
         # parameters.
         pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
@@ -134,7 +153,8 @@ def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict
 
 def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
     want = reference(kind, aux)
-    results = distributed.run(ranks, PP * DP, kind, aux, runs, timeout=400, fork=True)
+    models = models_for(kind, aux, runs)
+    results = distributed.run(ranks, PP * DP, kind, aux, runs, models, timeout=400, fork=True)
     for key in (f"{s}/{f}" for s, f in runs):
         for rank, got in enumerate(results):
             run = got[key]
