@@ -10,6 +10,9 @@ router's auxiliary loss is per forward, so per micro-batch: the step adds ``coef
 their mean (docs/guide/moe.md). The schedules 1f1b, zb-h1,
 interleaved-1f1b and dualpipev each run with and without FSDP (experts over the replicas
 holding the same experts). Each rank's expert parameters are its share.
+
+Each run's model is built and captured (torch.export) in the test process, and the forked
+ranks split that capture (tests/support/captures.py) instead of each exporting the model.
 """
 
 from __future__ import annotations
@@ -237,14 +240,12 @@ def test_mixtral_router_aux_loss() -> None:
     check("mixtral", True, [("1f1b", False)])
 
 
-def _train_and_save(rank: int, path: str) -> dict[str, tuple[int, ...]]:
-    """pp2 x dp2 x ep2: one SGD step of Mixtral, then save; returns this rank's expert
-    parameters' local shapes."""
+def _train_and_save(rank: int, path: str, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """pp2 x dp2 x ep2: one SGD step of Mixtral (``model``, captured by the test process),
+    then save; returns this rank's expert parameters' local shapes."""
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
-    rows = batches()[0][ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO]
-    ids, labels = (torch.cat([row[i] for row in rows]) for i in (0, 1))
-    batch = {"input_ids": ids, "labels": labels}
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    batch = shards_of(ctx.dp_rank)[0]
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              sample=(batch, None))  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     pipe.train_step(batch, None)
@@ -263,7 +264,8 @@ def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path
     from conveyor.checkpoint import load, load_model_state
 
     path = str(tmp_path / "ckpt")
-    shares = distributed.run(_train_and_save, PP * DP, path, timeout=400, fork=True)
+    model = models_for("mixtral", False, [None])[0]
+    shares = distributed.run(_train_and_save, PP * DP, path, model, timeout=400, fork=True)
     assert any(shares), "no rank held experts"
     for local in shares:
         for name, shape in local.items():
