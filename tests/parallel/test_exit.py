@@ -28,11 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "exit_train.py"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pinned() -> Iterator[dict[str, str]]:
     """The environment that pins the training processes to CPU 0 from their
     ``conveyor.init`` on (tests/support/exit_train.py: their imports, before any group
-    exists, are not slowed), with a busy process there too."""
+    exists, are not slowed), with a busy process there too, for one test: kept for the
+    module, it took a core from every test after it (the zero-bubble one ran 3x slower)."""
     if shutil.which("taskset") is None or not hasattr(os, "sched_setaffinity"):
         yield {}
         return

@@ -16,7 +16,9 @@ One world (forked workers, so the 4 processes share this one's imports) runs, in
    steps, each step's whole batch being the same 6 rows, so the losses equal the unsplit
    model's (SGD) or its first step's and then fall (AdamW); expert parameters are shards.
 
-The references are the unsplit model's, computed here before the workers start.
+The references are the unsplit model's, computed here before the workers start; so are
+the captures (torch.export) of the models of (2) to (5a), which the forked workers inherit
+(tests/support/captures.py) instead of exporting each model on every rank.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from tests.parallel.test_moe_pipeline import (
     count,
     model_of,
     reference,
+    shards_of,
 )  # fmt: skip
+from tests.support.captures import captured
 from tests.support.helpers import assert_close
 from tests.support.trainer_forked import run_forked
 
@@ -139,7 +143,7 @@ def _meta_path(ctx: Any, batch: dict[str, torch.Tensor], ckpt: str) -> dict[str,
     return out
 
 
-def _recompute(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _recompute(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
     """(2) recompute=True, 1f1b: counts where the expert forwards ran."""
     from conveyor.experts import shard
 
@@ -154,7 +158,7 @@ def _recompute(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     # 1F1B with its steady state's forwards and backwards paired (marked here, whether or
     # not the generator marks them itself)
     schedule = paired(get_schedule("1f1b", PP, MICRO))
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              schedule=schedule, recompute=True, sample=(batch, None))  # fmt: skip
     shard.routed_forward = counting  # type: ignore[assignment]
     try:
@@ -167,12 +171,12 @@ def _recompute(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def _compiled(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _compiled(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
     """(3) compile (aot_eager)."""
     from conveyor.runtime.compiled import frames_compiled
 
     frames = frames_compiled()
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              compile={"backend": "aot_eager"}, sample=(batch, None))  # fmt: skip
     out = _step(pipe, batch)
     out["frames"] = frames_compiled() - frames
@@ -180,9 +184,9 @@ def _compiled(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def _autocast(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _autocast(batch: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
     """(4) autocast=torch.bfloat16."""
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              autocast=torch.bfloat16, sample=(batch, None))  # fmt: skip
     out = _step(pipe, batch)
     out["dtypes"] = sorted({str(p.dtype) for p in pipe.parameters()})
@@ -207,12 +211,12 @@ def _shares(named: Any) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.to_local().shape) for n, p in named if is_expert_parameter(p)}
 
 
-def _trainer(ctx: Any) -> dict[str, Any]:
+def _trainer(ctx: Any, model: torch.nn.Module) -> dict[str, Any]:
     """(5a) conveyor.Trainer: SGD on the global batch of all 6 rows (shuffled per epoch,
     which changes no whole-batch token mean)."""
     rows = Rows()
     sample = {"input_ids": rows[0]["input_ids"][None], "labels": rows[0]["labels"][None]}
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              context=ctx, sample=(sample, None))  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     history = conveyor.Trainer(pipe, opt).fit(rows, batch_size=DP * MICRO,
@@ -243,17 +247,29 @@ def _pipeline_trainer(tmp: str) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def world(rank: int, ckpt: str, tmp: str) -> dict[str, Any]:
+# The checks whose model is built (and captured) in the test process before the workers
+# fork (tests/support/captures.py): their ranks split it without exporting it again.
+CAPTURED = ("recompute", "compiled", "autocast", "trainer")
+
+
+def captured_models() -> dict[str, torch.nn.Module]:
+    """The model of each of :data:`CAPTURED`, captured on the first micro-batch of replica
+    0's batch (the trainer's sample is its first row: the same first micro-batch)."""
+    return {name: captured(model_of("mixtral", False), shards_of(0)[0], MICRO)
+            for name in CAPTURED}  # fmt: skip
+
+
+def world(rank: int, ckpt: str, tmp: str, models: dict[str, torch.nn.Module]) -> dict[str, Any]:
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
     rows = batches()[0][ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO]
     batch = {"input_ids": torch.cat([i for i, _ in rows]),
              "labels": torch.cat([t for _, t in rows])}  # fmt: skip
     checks: dict[str, Any] = {
         "meta": lambda: _meta_path(ctx, batch, ckpt),
-        "recompute": lambda: _recompute(batch),
-        "compiled": lambda: _compiled(batch),
-        "autocast": lambda: _autocast(batch),
-        "trainer": lambda: _trainer(ctx),
+        "recompute": lambda: _recompute(batch, models["recompute"]),
+        "compiled": lambda: _compiled(batch, models["compiled"]),
+        "autocast": lambda: _autocast(batch, models["autocast"]),
+        "trainer": lambda: _trainer(ctx, models["trainer"]),
         "hf": lambda: _pipeline_trainer(tmp),
     }
     out: dict[str, Any] = {"seconds": {}}
@@ -275,8 +291,9 @@ def results(tmp_path_factory: Any) -> dict[str, Any]:
         autocast=autocast_reference(),
         sgd=whole_batch_run(TRAINER_STEPS),
     )
+    models = captured_models()
     torch._dynamo.reset()
-    got = run_forked(world, PP * DP, str(ckpt), str(tmp / "hf"), timeout=400)
+    got = run_forked(world, PP * DP, str(ckpt), str(tmp / "hf"), models, timeout=400)
     print("seconds per check, rank 0:", got[0]["seconds"])
     return dict(want=want, got=got, ckpt=ckpt)
 

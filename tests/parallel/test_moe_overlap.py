@@ -32,12 +32,13 @@ from tests.parallel.test_moe_pipeline import (
     EP,
     MICRO,
     PP,
-    batches,
     model_of,
     reference,
+    shards_of,
     train,
 )
 from tests.support import distributed
+from tests.support.captures import captured
 from tests.support.helpers import assert_close
 from tests.support.nccl_model import Record, check
 
@@ -64,7 +65,19 @@ def _overlapping(spans: list[tuple[str, float, float]]) -> set[tuple[str, str]]:
     return found
 
 
-def ranks(rank: int, trace_file: str) -> dict[str, Any]:
+def _model(run: str) -> torch.nn.Module:
+    model = model_of("mixtral", aux=False, layers=LAYERS)
+    if "dropout" in run:
+        model.config.attention_dropout = 0.3
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.3
+    return model
+
+
+def ranks(
+    rank: int, trace_file: str, models: dict[str, torch.nn.Module] | None = None
+) -> dict[str, Any]:
+    """Every run on this rank; ``models``: each run's model (else built here)."""
     from tests.support.nccl_record import recording
 
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP, timeout=120)
@@ -75,16 +88,8 @@ def ranks(rank: int, trace_file: str) -> dict[str, Any]:
         # 1f1b is generated unpaired (its pairs cost more than they hide, with one stage a
         # rank), but its pairs are the non-split backward's case: pair it here.
         schedule = unpaired(schedule) if run.endswith("unpaired") else paired(schedule)
-        model = model_of("mixtral", aux=False, layers=LAYERS)
-        if "dropout" in run:
-            model.config.attention_dropout = 0.3
-            for layer in model.model.layers:
-                layer.self_attn.attention_dropout = 0.3
-        mine = [rows[ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO] for rows in batches()]
-        shards = [
-            {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
-            for m in mine
-        ]
+        model = _model(run) if models is None else models[run]
+        shards = shards_of(ctx.dp_rank)
         with recording() as trace:
             pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
                                      sample=(shards[0], None),
@@ -111,7 +116,10 @@ def test_paired_steps_overlap_all_to_alls_exactly_and_replay_under_nccl_rules(
 ) -> None:
     want = reference("mixtral", aux=False, layers=LAYERS)
     trace_file = tmp_path / "trace.json"
-    results = distributed.run(ranks, PP * DP, str(trace_file), timeout=600, fork=True)
+    # Each run's model captured here, as every rank's Pipeline captures it: the forked
+    # ranks split it without exporting it again (tests/support/captures.py).
+    models = {run: captured(_model(run), shards_of(0)[0], MICRO) for run in RUNS + DROPOUT_RUNS}
+    results = distributed.run(ranks, PP * DP, str(trace_file), models, timeout=600, fork=True)
     for rank, got in enumerate(results):
         base = got["1f1b dropout"]["steps"]
         for run in DROPOUT_RUNS[1:]:

@@ -10,6 +10,9 @@ router's auxiliary loss is per forward, so per micro-batch: the step adds ``coef
 their mean (docs/guide/moe.md). The schedules 1f1b, zb-h1,
 interleaved-1f1b and dualpipev each run with and without FSDP (experts over the replicas
 holding the same experts). Each rank's expert parameters are its share.
+
+Each run's model is built and captured (torch.export) in the test process, and the forked
+ranks split that capture (tests/support/captures.py) instead of each exporting the model.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import conveyor
 from conveyor.experts import is_expert_parameter
 from tests.parallel.test_experts import EXPERTS, tiny_moe
 from tests.support import distributed
+from tests.support.captures import captured
 from tests.support.helpers import assert_close
 
 transformers = pytest.importorskip("transformers")
@@ -106,18 +110,36 @@ def train(
     return steps
 
 
-def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict[str, Any]:
-    """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards."""
+def shards_of(dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """Replica ``dp_rank``'s batch of each step, as one dict of ``input_ids`` and ``labels``."""
+    mine = [rows[dp_rank * MICRO : (dp_rank + 1) * MICRO] for rows in batches()]
+    return [
+        {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
+        for m in mine
+    ]
+
+
+def models_for(kind: str, aux: bool, runs: list[Any]) -> list[torch.nn.Module]:
+    """One model per run, captured here on the first step's batch as each rank's Pipeline
+    captures it (tests/support/captures.py): the forked ranks split it without exporting."""
+    return [captured(model_of(kind, aux), shards_of(0)[0], MICRO) for _ in runs]
+
+
+def ranks(
+    rank: int,
+    kind: str,
+    aux: bool,
+    runs: list[tuple[str, bool]],
+    models: list[torch.nn.Module] | None = None,
+) -> dict[str, Any]:
+    """Per (schedule, fsdp): this rank's losses, gradients (experts whole) and expert shards.
+    ``models``: each run's model (else built here)."""
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
     out: dict[str, Any] = {}
-    for schedule, fsdp in runs:
-        model = model_of(kind, aux)
+    for i, (schedule, fsdp) in enumerate(runs):
+        model = model_of(kind, aux) if models is None else models[i]
         whole = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
-        mine = [rows[ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO] for rows in batches()]
-        shards = [
-            {"input_ids": torch.cat([i for i, _ in m]), "labels": torch.cat([t for _, t in m])}
-            for m in mine
-        ]
+        shards = shards_of(ctx.dp_rank)
         # Split at construction (export on the sample), so the optimizer gets the sharded
         # parameters.
         pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO, schedule=schedule,
@@ -134,7 +156,8 @@ def ranks(rank: int, kind: str, aux: bool, runs: list[tuple[str, bool]]) -> dict
 
 def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
     want = reference(kind, aux)
-    results = distributed.run(ranks, PP * DP, kind, aux, runs, timeout=400, fork=True)
+    models = models_for(kind, aux, runs)
+    results = distributed.run(ranks, PP * DP, kind, aux, runs, models, timeout=400, fork=True)
     for key in (f"{s}/{f}" for s, f in runs):
         for rank, got in enumerate(results):
             run = got[key]
@@ -217,14 +240,12 @@ def test_mixtral_router_aux_loss() -> None:
     check("mixtral", True, [("1f1b", False)])
 
 
-def _train_and_save(rank: int, path: str) -> dict[str, tuple[int, ...]]:
-    """pp2 x dp2 x ep2: one SGD step of Mixtral, then save; returns this rank's expert
-    parameters' local shapes."""
+def _train_and_save(rank: int, path: str, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """pp2 x dp2 x ep2: one SGD step of Mixtral (``model``, captured by the test process),
+    then save; returns this rank's expert parameters' local shapes."""
     ctx = conveyor.init(pp=PP, dp=DP, ep=EP)
-    rows = batches()[0][ctx.dp_rank * MICRO : (ctx.dp_rank + 1) * MICRO]
-    ids, labels = (torch.cat([row[i] for row in rows]) for i in (0, 1))
-    batch = {"input_ids": ids, "labels": labels}
-    pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
+    batch = shards_of(ctx.dp_rank)[0]
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=MICRO,
                              sample=(batch, None))  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     pipe.train_step(batch, None)
@@ -243,7 +264,8 @@ def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path
     from conveyor.checkpoint import load, load_model_state
 
     path = str(tmp_path / "ckpt")
-    shares = distributed.run(_train_and_save, PP * DP, path, timeout=400, fork=True)
+    model = models_for("mixtral", False, [None])[0]
+    shares = distributed.run(_train_and_save, PP * DP, path, model, timeout=400, fork=True)
     assert any(shares), "no rank held experts"
     for local in shares:
         for name, shape in local.items():

@@ -86,8 +86,9 @@ class Record:
     stack: tuple[str, ...] = ()  # library frames, innermost first (a few)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return dataclasses.asdict(self)
+        """JSON-able form (every field is an int, a string, None or a tuple of them: a
+        shallow copy, which ``dataclasses.asdict``'s deep copy of each costs ~20x)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Record:

@@ -361,17 +361,56 @@ def _make_wrappers() -> None:
             _wrappers[name] = _batch(original)
 
 
+# Where each module held an original when it was last scanned: module id -> (the module,
+# its namespace's size then, the attributes that held one). Scanning every loaded module's
+# namespace takes about 0.1 s; a test records dozens of runs per process, and between them
+# only newly imported modules (and namespaces that grew) need a look again.
+_seen: dict[int, tuple[Any, int, tuple[str, ...]]] = {}
+
+
+def _holders(module: Any, by_id: dict[int, tuple[Any, Any]]) -> tuple[int, tuple[str, ...]] | None:
+    """The size of ``module``'s namespace and its attributes holding an original."""
+    try:
+        names = vars(module)
+    except TypeError:
+        return None
+    found = tuple(
+        attr
+        for attr, value in list(names.items())
+        if (hit := by_id.get(id(value))) is not None and hit[0] is value
+    )
+    return len(names), found
+
+
 def _patch() -> list[tuple[Any, str, Any]]:
     """Put the wrappers wherever a loaded module holds an original (``torch.distributed``,
-    ``distributed_c10d`` and ``from ... import`` copies); returns how to undo it."""
+    ``distributed_c10d`` and ``from ... import`` copies); returns how to undo it.
+
+    A module scanned before whose namespace has the same size is not scanned again: only
+    the attributes it held an original in are looked at (a module that rebinds an existing
+    name to an original at run time would be missed; none of torch's or conveyor's does).
+    """
     by_id = {id(f): (f, _wrappers[n]) for n, f in _originals.items()}
     undo = []
     for module in list(sys.modules.values()):
-        try:
-            names = list(vars(module).items())
-        except TypeError:
-            continue
-        for attr, value in names:
+        seen = _seen.get(id(module))
+        if seen is not None and seen[0] is module:
+            try:
+                size = len(vars(module))
+            except TypeError:
+                continue
+            attrs = seen[2] if size == seen[1] else None
+        else:
+            attrs = None
+        if attrs is None:
+            held = _holders(module, by_id)
+            if held is None:
+                continue
+            _seen[id(module)] = (module, *held)
+            attrs = held[1]
+        names = vars(module)
+        for attr in attrs:
+            value = names.get(attr)
             hit = by_id.get(id(value))
             if hit is not None and hit[0] is value:
                 setattr(module, attr, hit[1])
