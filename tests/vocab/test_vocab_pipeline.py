@@ -99,7 +99,11 @@ def train(pipe: conveyor.Pipeline, kind: str, batches: list[Any]) -> list[float]
     return losses
 
 
-CASES = [(kind, s, tied) for kind in ("gpt", "llama") for s in SCHEDULES for tied in (False, True)]
+# Every schedule tied and untied on the fx-traced GPT; the Llama (its own loss, its
+# embedding as inputs_embeds) on a split-backward and a V schedule, untied and tied.
+CASES = [("gpt", s, tied) for s in SCHEDULES for tied in (False, True)] + [
+    ("llama", "zb-h1", False), ("llama", "v-half", True)
+]
 
 
 # ------------------------------------------------------------------ one process
