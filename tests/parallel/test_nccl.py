@@ -1,7 +1,8 @@
 """What conveyor posts cannot deadlock under NCCL's rules, for every schedule and layout.
 
 Each test runs real gloo processes that record every operation they post at the
-``torch.distributed`` level (``tests/support/nccl_record.py``), for every schedule on three models
+``torch.distributed`` level (``tests/support/nccl_record.py``), for every schedule (with
+replicas or tensor parallelism, one of each family: ``FAMILIES``) on three models
 (an MLP, a graph-split model whose skip connection crosses every stage boundary
 (``conveyor.verify.SkipNet``), and the
 GPT example with its tied embedding), through construction, two training steps with
@@ -86,13 +87,21 @@ def _loss(kind: str) -> Any:
     return TokenCrossEntropy() if kind in ("tied", "meta") else nn.functional.mse_loss
 
 
+# Replicas and tensor parallelism run the pipeline-only layouts' programs; what they add
+# (reductions after a stage's last action, FSDP's gathers, tensor-parallel collectives in
+# every action) depends on a schedule's family: one of each (plain, all-forwards-first,
+# interleaved, split backward, every W last, V, V with pairs, controllable-memory V).
+FAMILIES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-late", "zbv", "dualpipev", "v-half")
+
+
 def _record_all(rank: int, pp: int, dp: int, tp: int, fsdp: bool) -> dict[str, Any]:
-    """Every schedule and model on this process; returns each run's record (or the
-    construction error, for the combinations conveyor refuses)."""
+    """Every schedule (with replicas or tensor parallelism, one of each family) and model
+    on this process; returns each run's record (or the construction error, for the
+    combinations conveyor refuses)."""
     ctx = conveyor.init(pp=pp, dp=dp, tp=tp, timeout=60)
     microbatches = 2 * pp
     out: dict[str, Any] = {}
-    for name in SCHEDULE_NAMES:
+    for name in SCHEDULE_NAMES if dp == tp == 1 else FAMILIES:
         chunks = default_chunks(name)
         for kind in MODELS:
             if kind == "meta" and name not in META_SCHEDULES:
