@@ -34,7 +34,7 @@ def _model_and_batch(vocab: int) -> tuple[torch.nn.Module, torch.Tensor, torch.T
 @pytest.mark.slow
 def test_the_plan_picks_vocabulary_parallelism_where_it_wins() -> None:
     picked = {}
-    for vocab in (256, 32768):
+    for vocab in (256, 65536):
         model, x, y = _model_and_batch(vocab)
         plan = conveyor.plan(model, x, y, TokenCrossEntropy(), ranks=2, microbatch_counts=[4],
                              schedules=SCHEDULES, calibrate=False)  # fmt: skip
@@ -45,19 +45,19 @@ def test_the_plan_picks_vocabulary_parallelism_where_it_wins() -> None:
         vocab_rows = [c for c in plan.alternatives if c.vocab]
         plain_rows = [c for c in plan.alternatives if not c.vocab]
         # The split rows spread the vocabulary weight: every rank holds about half of it.
-        if vocab == 32768:
+        if vocab == 65536:
             weight = vocab * 64 * 4
             assert max(max(c.peak_memory) for c in vocab_rows) < min(
                 max(c.peak_memory) for c in plain_rows
             )
             assert min(min(c.peak_memory) for c in vocab_rows) > weight  # rows + gradients
-    assert picked == {256: False, 32768: True}
+    assert picked == {256: False, 65536: True}
 
 
 @pytest.mark.slow
 def test_schedule_auto_builds_the_vocabulary_split_it_picked() -> None:
-    model, x, y = _model_and_batch(32768)
-    reference, _, _ = _model_and_batch(32768)
+    model, x, y = _model_and_batch(65536)
+    reference, _, _ = _model_and_batch(65536)
     total, count = TokenCrossEntropy()(reference(x), y)
     (total / count).backward()
     total, count = total.detach(), count
