@@ -260,7 +260,6 @@ def build(
         engine,
         ctx,
         reads_targets=options.loss_fn is not None,
-        every_rank_reads=vocab is not None,
         counter=token_loss.count if token_loss is not None else None,
         reductions=reductions,
         gathers=[*gathers, *vocab_sharded],

@@ -285,9 +285,8 @@ class Engine:
                 sync.after_action(action)
 
     def _pass(self, tick: Tick) -> None:
-        """A vocabulary pass (every rank runs it at this tick), timed as kind ``V``."""
+        """A vocabulary pass (every rank runs it at this tick)."""
         assert self.vocab is not None and tick.vocab is not None
-        start = time.perf_counter()
         try:
             self.vocab.run(tick.vocab)
         except ConveyorError:
@@ -298,8 +297,6 @@ class Engine:
                 f"{where}the vocabulary pass {tick.vocab} raised {one_line(exc)}; its "
                 f"traceback, above this one, shows the failing line"
             ) from exc
-        state = self._state
-        state.vocab_timings.append((tick.vocab, start - state.t0, time.perf_counter() - state.t0))
 
     def _input(self, action: Action, inputs: list[Any] | None) -> Any:
         """What ``action`` computes on: its micro-batch, or what its producer sent."""

@@ -66,7 +66,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from conveyor.schedules import Action, B, F, Schedule, execution_order
+from conveyor.schedules import Action, B, F, Schedule
 from conveyor.schedules.core import VocabAction, merged_order
 
 
@@ -176,47 +176,39 @@ def runs_pass(kind: str, train: bool) -> bool:
     return train or kind in ("E", "S")
 
 
-def vocab_ticks(schedule: Schedule, train: bool = True) -> dict[Action | VocabAction, int]:
-    """The lock-step tick of every action and of every vocabulary pass the mode runs
-    (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
-    last_tick = [-1] * schedule.ranks
-    out: dict[Action | VocabAction, int] = {}
-    for rank, step in merged_order(schedule):
-        if rank is None:
-            assert isinstance(step, VocabAction)
-            if runs_pass(step.kind, train):
-                tick = max(last_tick) + 1
-                out[step] = tick
-                last_tick = [tick] * schedule.ranks
-            continue
-        assert isinstance(step, Action)
-        if not train and step.kind != F:
-            continue
-        producer = producer_of(step, schedule.stages)
-        tick = max(last_tick[rank], out[producer] if producer is not None else -1) + 1
-        out[step] = tick
-        last_tick[rank] = tick
-    return out
-
-
 def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[Action, int]:
     """The lock-step tick of every action (forward actions only unless ``train``); with
     ``pairs`` (training only), both actions of an overlapped pair share one tick, after
     the producers of both."""
-    if schedule.vocab:
-        return {a: t for a, t in vocab_ticks(schedule, train).items() if isinstance(a, Action)}
+    return _ticks(schedule, train, pairs)[0]
+
+
+def _ticks(
+    schedule: Schedule, train: bool, pairs: bool
+) -> tuple[dict[Action, int], dict[int, VocabAction]]:
+    """The ticks of the actions, and the vocabulary pass the mode runs at each of its
+    ticks (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
     last_tick = [-1] * schedule.ranks
     position = [0] * schedule.ranks
     starts = [
         schedule.pair_starts(r) if pairs and train else frozenset() for r in range(schedule.ranks)
     ]
     out: dict[Action, int] = {}
-    for rank, action in execution_order(schedule):
+    passes: dict[int, VocabAction] = {}
+    for rank, step in merged_order(schedule):  # execution_order's without passes
+        if rank is None:
+            assert isinstance(step, VocabAction)
+            if runs_pass(step.kind, train):
+                tick = max(last_tick) + 1
+                passes[tick] = step
+                last_tick = [tick] * schedule.ranks
+            continue
+        assert isinstance(step, Action)
         i = position[rank]
         position[rank] += 1
-        if action in out or (not train and action.kind != F):
+        if step in out or (not train and step.kind != F):
             continue  # the B of a pair already placed, or not run in this mode
-        together = [action]
+        together = [step]
         if i in starts[rank]:
             together.append(schedule.actions[rank][i + 1])
         tick = last_tick[rank]
@@ -227,7 +219,7 @@ def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[A
         for a in together:
             out[a] = tick
         last_tick[rank] = tick
-    return out
+    return out, passes
 
 
 def rank_program(
@@ -236,13 +228,7 @@ def rank_program(
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
     receives alone join the group before them (rule 4; only once every description is
     known); ``pairs``: the schedule's overlapped pairs run as one tick (rule 5)."""
-    passes: dict[int, VocabAction] = {}
-    if schedule.vocab:
-        timed = vocab_ticks(schedule, train)
-        at = {a: t for a, t in timed.items() if isinstance(a, Action)}
-        passes = {t: v for v, t in timed.items() if isinstance(v, VocabAction)}
-    else:
-        at = ticks(schedule, train, pairs)
+    at, passes = _ticks(schedule, train, pairs)
     placement, stages = schedule.placement, schedule.stages
     mine: dict[int, list[Action]] = {}
     incoming: dict[int, list[Message]] = {}

@@ -49,7 +49,6 @@ class Stepper:
         gathers: what every mode runs around its actions (FSDP's gathers).
         grads: the gradients of this process's parameters.
         fsdp_replicas: the replicas FSDP's reduction averages over (1 without FSDP).
-        every_rank_reads: every rank reads the inputs and targets (vocabulary parallelism).
     """
 
     def __init__(
@@ -63,7 +62,6 @@ class Stepper:
         gathers: Sequence[StepSync],
         grads: StepGradients,
         fsdp_replicas: int,
-        every_rank_reads: bool = False,
     ) -> None:
         self.engine = engine
         self.ctx = ctx
@@ -73,9 +71,10 @@ class Stepper:
         self.gathers = tuple(gathers)
         self.grads = grads
         self.fsdp_replicas = fsdp_replicas
-        # Vocabulary parallelism: every rank embeds and scores its rows of the vocabulary.
-        self._first = 0 in engine.stages or every_rank_reads
-        self._last = engine.schedule.stages - 1 in engine.stages or every_rank_reads
+        # Vocabulary passes: every rank embeds and scores its rows of the vocabulary.
+        every = bool(engine.schedule.vocab)
+        self._first = 0 in engine.stages or every
+        self._last = engine.schedule.stages - 1 in engine.stages or every
         # Whether the last step's loss was a pair (None before the first): a later step
         # may not rescale gradients that earlier scalar steps left in .grad.
         self.pair: bool | None = None

@@ -83,8 +83,6 @@ class StepState:
     timings: list[Timing] = field(default_factory=list)
     # Each expert all-to-all: kind "A", the stage and micro-batch of the action posting it.
     exchanges: list[Timing] = field(default_factory=list)
-    # Each vocabulary pass run: (pass, start, end), seconds from t0.
-    vocab_timings: list[tuple[Any, float, float]] = field(default_factory=list)
     forward_bytes: dict[Key, int] = field(default_factory=dict)
     backward_bytes: dict[Key, int] = field(default_factory=dict)
 

@@ -83,7 +83,6 @@ class VocabRunner:
         self.group = group
         self.device = device
         self.autocast = autocast
-        self.transformers = shards.layers.transformers
         self.current = -1
         # Waits for the rows' gather before a pass (FSDP over the replicas), else None.
         self.ready: Callable[[], None] | None = None
@@ -148,7 +147,7 @@ class VocabRunner:
     def stage_input(self, m: int, value: Any) -> Any:
         """What the first stage runs on for micro-batch ``m``: a transformers model takes
         the embedding as ``inputs_embeds`` (and computes no loss: no labels)."""
-        if not self.transformers or not isinstance(value, dict):
+        if not self.shards.layers.transformers or not isinstance(value, dict):
             return value
         out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
         out["inputs_embeds"] = self._embedded_for(m)
@@ -156,7 +155,9 @@ class VocabRunner:
 
     def sample(self, value: Any) -> Any:
         """A capture sample as the first stage sees it (:meth:`stage_input`, zeros)."""
-        if not self.transformers or not isinstance(value, dict) or "input_ids" not in value:
+        if not self.shards.layers.transformers or not isinstance(value, dict) or (
+            "input_ids" not in value
+        ):
             return value
         ids = value["input_ids"]
         weight = self.shards.local(self.shards.embedding)

@@ -134,18 +134,23 @@ class VocabShards:
         if not weight.requires_grad:
             return
         if weight.grad is None:
-            if self.mesh is not None:
-                from torch.distributed.tensor import DTensor
-
-                weight.grad = DTensor.from_local(
-                    grad.to(weight.dtype).clone(), self.mesh, weight.placements,  # type: ignore[attr-defined]
-                    run_check=False, shape=weight.shape, stride=weight.stride(),
-                )  # fmt: skip
-            else:
-                weight.grad = grad.to(weight.dtype).clone()
+            self._set_grad(weight, grad.to(weight.dtype).clone())
             return
         local = local_tensor(weight.grad)
         local.add_(grad.to(local.dtype))
+
+    def _set_grad(self, weight: torch.Tensor, local: torch.Tensor) -> None:
+        """``weight.grad`` becomes ``local`` (this rank's rows), a DTensor like the weight
+        where it is one."""
+        if self.mesh is None:
+            weight.grad = local
+            return
+        from torch.distributed.tensor import DTensor
+
+        weight.grad = DTensor.from_local(
+            local, self.mesh, weight.placements,  # type: ignore[attr-defined]
+            run_check=False, shape=weight.shape, stride=weight.stride(),
+        )  # fmt: skip
 
     def add_rows(self, module: nn.Module, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Add ``rows[i]`` to row ``index[i]`` of ``module.weight.grad`` (this rank's rows),
@@ -153,8 +158,11 @@ class VocabShards:
         weight = _weight(module)
         if not weight.requires_grad:
             return
-        if weight.grad is None:
-            self.add_grad(module, torch.zeros_like(local_tensor(weight)))
+        local = torch.zeros_like(local_tensor(weight)) if weight.grad is None else None
+        if local is not None:  # the first gradient: these rows become it (no copy)
+            local.index_add_(0, index, rows.to(weight.dtype))
+            self._set_grad(weight, local)
+            return
         assert weight.grad is not None
         local_tensor(weight.grad).index_add_(0, index, rows.to(weight.dtype))
 
