@@ -34,6 +34,8 @@ from conveyor.runtime.shared import SharedParameters
 from conveyor.runtime.step import Stepper
 from conveyor.runtime.step_grads import StepGradients
 from conveyor.runtime.step_sync import StepSync
+from conveyor.runtime.tp_export import check_export_plan, kept_for_tp
+from conveyor.runtime.tp_styles import resolve
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Schedule
 from conveyor.vocab.fsdp import VocabSharded
@@ -152,7 +154,10 @@ def build(
     cut_from = vocab.model if vocab is not None else model
     if vocab is not None and not vocab.layers.transformers:
         check_traceable(cut_from)
-    all_stages = split_model(cut_from, schedule.stages, options.balance, sample, schedule.placement)
+    tp_plan = resolve(options.tp_plan, model)  # "auto": the model's own plan
+    kept = kept_for_tp(model, tp_plan, ctx.tp_size)  # run as modules under torch.export
+    all_stages = split_model(cut_from, schedule.stages, options.balance, sample, schedule.placement,
+                             kept)  # fmt: skip
     if options.balance is None and annotated_stages(model) is None:
         _check_every_rank_trains(schedule, all_stages)
     held = held_stages(schedule, ctx)
@@ -190,22 +195,17 @@ def build(
     # given later land in that share), before tensor parallelism as in torchtitan.
     experts = apply_ep(stages, options.ep_plan, ctx, every=all_stages)
     sharded = None
-    if options.tp_plan is not None:
+    if tp_plan is not None:
         assert ctx.mesh is not None
         if ctx.ep_size > 1:
             every = [n for n, _ in chosen(all_stages, options.ep_plan)]
-            check_tp_plan(options.tp_plan, every, [n for n, _ in model.named_modules()])
+            check_tp_plan(tp_plan, every, [n for n, _ in model.named_modules()])
         if description.method == "export":
-            raise ConfigError(
-                f"tp_plan shards modules that run as modules, but {description.model} was "
-                f"captured with torch.export, whose stages read the weights by name; tensor "
-                f"parallelism is not supported for such models yet: use fsdp=True / dp to "
-                f"shard them, or a model torch.fx can trace"
-            )
+            check_export_plan(model, tp_plan, kept)
         names = (
             [n for n, _ in model.named_modules()] if isinstance(model, nn.Module) else []
         )
-        apply_tp(stages, options.tp_plan, names, ctx.mesh["tp"], every=all_stages)
+        apply_tp(stages, tp_plan, names, ctx.mesh["tp"], every=all_stages)
     keywords = options.compile_keywords()
     # torchtitan's order: tensor parallel, then compile (inside each FSDP unit), then FSDP.
     split = schedule.split_backward

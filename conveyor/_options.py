@@ -40,7 +40,7 @@ class Options:
     chunks: int = 1
     balance: list[int] | None = None
     fsdp: bool | str = False
-    tp_plan: Mapping[str, Any] | None = None
+    tp_plan: Mapping[str, Any] | str | None = None
     sample: tuple[Any, Any] | None = None
     recompute: bool | Iterable[int] = False
     autocast: torch.dtype | None = None
@@ -140,9 +140,11 @@ class Options:
                 "vocab_parallel does not compose with expert parallelism (init(ep=...)) yet; "
                 "train with one of them"
             )
-        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping) \
+                and self.tp_plan != "auto":  # fmt: skip
             raise ConfigError(
-                "tp_plan must map module-name patterns to torch ParallelStyles, e.g. "
+                "tp_plan must be 'auto' (a transformers model's own plan) or map module-name "
+                "patterns to torch ParallelStyles, e.g. "
                 "{'blocks.*.mlp.fc1': ColwiseParallel(), 'blocks.*.mlp.fc2': RowwiseParallel()}"
             )
 

@@ -125,7 +125,7 @@ class Pipeline:
         balance: list[int] | None = None,
         context: Context | None = None,
         fsdp: bool | str = False,
-        tp_plan: Mapping[str, Any] | None = None,
+        tp_plan: Mapping[str, Any] | str | None = None,
         sample: tuple[Any, Any] | None = None,
         memory_limit: float | None = None,
         recompute: bool | Iterable[int] = False,

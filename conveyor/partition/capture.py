@@ -21,6 +21,7 @@ from conveyor.errors import ConfigError
 from conveyor.partition.captured import Captured
 from conveyor.partition.export import capture_export
 from conveyor.partition.failure import capture_failure
+from conveyor.partition.kept import Kept
 
 _CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, Captured]] = weakref.WeakKeyDictionary()
 
@@ -39,13 +40,15 @@ def not_split_yet(what: str, model: Any) -> ConfigError:
     )
 
 
-def capture(model: nn.Module, sample: Any = None) -> Captured:
+def capture(model: nn.Module, sample: Any = None, kept: Kept | None = None) -> Captured:
     """The model's graph: fx when it traces, else export on ``sample``.
 
     Args:
         model: The model to capture.
         sample: One micro-batch of stage-0 input (a tensor, tuple or dict of tensors);
             needed only when fx cannot trace the model.
+        kept: Modules a torch.export capture keeps whole besides the expert collections
+            (:mod:`conveyor.partition.kept`; fx keeps every ``torch.nn`` module whole).
 
     Returns:
         The capture, cached per model (its modules, parameters and mode) and sample
@@ -66,11 +69,11 @@ def capture(model: nn.Module, sample: Any = None) -> Captured:
     except Exception as fx_error:
         if sample is None:
             raise NeedsSample(capture_failure(model, fx_error)) from fx_error
-        sample_key = (key, _sample_key(sample))
+        sample_key = (key, _sample_key(sample), tuple(sorted((kept or {}).items())))
         hit = cached.get(sample_key)
         if hit is not None:
             return hit
-        captured = capture_export(model, sample, fx_error)
+        captured = capture_export(model, sample, fx_error, kept)
         cached[sample_key] = captured
         return captured
     cached[(key, None)] = captured

@@ -23,12 +23,14 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConfigError
 from conveyor.partition.captured import Captured, InputLayout, module_path
-from conveyor.partition.experts import as_module_calls, recorded_as_calls
+from conveyor.partition.kept import Kept, as_module_calls, recorded_as_calls
 from conveyor.partition.failure import capture_failure
 from conveyor.partition.modes import follow_module_modes
 
 
-def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captured:
+def capture_export(
+    model: nn.Module, sample: Any, fx_error: Exception, kept: Kept | None = None
+) -> Captured:
     """The model's graph as torch.export records it on ``sample``.
 
     Export runs in training mode (what dropout and batch norm do then is in the graph,
@@ -39,6 +41,8 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
         model: The model to capture.
         sample: One micro-batch of stage-0 input: a tensor, tuple or dict of tensors.
         fx_error: What stopped fx, for the error message.
+        kept: Modules to keep whole besides the expert collections, with their outputs
+            (:mod:`conveyor.partition.kept`).
 
     Returns:
         The exported capture, with its input layout and output structure.
@@ -56,7 +60,7 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        with _quiet(), recorded_as_calls(model) as collections:
+        with _quiet(), recorded_as_calls(model, kept or {}) as whole:
             try:
                 program = torch.export.export(
                     model, args, kwargs, dynamic_shapes=dynamic, strict=False
@@ -78,7 +82,7 @@ def capture_export(model: nn.Module, sample: Any, fx_error: Exception) -> Captur
             module.training = training
     gm = program.module()
     graph = gm.graph
-    as_module_calls(graph, collections)  # expert collections run as modules
+    as_module_calls(graph, whole)  # expert collections and tp modules run as modules
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         _devices_of_inputs(graph, args, kwargs)
     guards = getattr(gm, "_guards_fn", None)

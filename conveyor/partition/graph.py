@@ -46,6 +46,7 @@ from torch import nn
 
 from conveyor.partition.assign import node_stages
 from conveyor.partition.capture import capture
+from conveyor.partition.kept import Kept
 from conveyor.partition.layers import layers
 from conveyor.partition.stage_modules import build_stages
 
@@ -56,6 +57,7 @@ def split_graph(
     balance: Sequence[int] | None = None,
     sample: Any = None,
     placement: Sequence[int] | None = None,
+    kept: Kept | None = None,
 ) -> list[nn.Module]:
     """Stage modules of a capturable model, by annotations or balanced (see module doc).
 
@@ -67,6 +69,7 @@ def split_graph(
             model and it is captured with torch.export.
         placement: The rank of each stage, so an automatic cut can give every rank
             parameters.
+        kept: Modules a torch.export capture keeps whole (:mod:`conveyor.partition.kept`).
 
     Returns:
         One ``GraphModule`` per stage.
@@ -76,7 +79,7 @@ def split_graph(
         ConfigError: The model cannot be captured, or the annotations or ``balance`` do
             not fit ``stages``.
     """
-    cap = capture(model, sample)
+    cap = capture(model, sample, kept)
     where = node_stages(cap, model, stages, balance, placement)
     return build_stages(cap, model, where, stages)
 

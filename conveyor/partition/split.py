@@ -11,6 +11,7 @@ from conveyor.errors import ConfigError
 from conveyor.partition.annotations import chain_sizes, stage_of, whole_stage
 from conveyor.partition.execution import ExecutionSequence, split_sequence
 from conveyor.partition.graph import split_graph
+from conveyor.partition.kept import Kept
 from conveyor.partition.sequential import layers_of, split_sequential
 
 Model = nn.Module | Sequence[nn.Module]
@@ -22,6 +23,7 @@ def split_model(
     balance: Sequence[int] | None = None,
     sample: Any = None,
     placement: Sequence[int] | None = None,
+    kept: Kept | None = None,
 ) -> list[nn.Module]:
     """Cut ``model`` into ``stages`` stage modules.
 
@@ -48,6 +50,8 @@ def split_model(
         balance: Layers (or steps) per stage; None to cut by annotations or balance.
         sample: One micro-batch of the model's input, for a model fx cannot trace.
         placement: The rank of each stage.
+        kept: Modules a torch.export capture keeps whole as calls, besides the expert
+            collections (:mod:`conveyor.partition.kept`; the tp_plan's).
 
     Returns:
         The stage modules, in order.
@@ -60,7 +64,7 @@ def split_model(
     if isinstance(model, ExecutionSequence):
         return split_sequence(model, stages, balance, placement)
     if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return split_graph(model, stages, balance, sample, placement)
+        return split_graph(model, stages, balance, sample, placement, kept)
     layers = layers_of(model)
     if not any(stage_of(m) is not None for _, layer in layers for m in layer.modules()):
         return list(split_sequential(model, stages, balance, placement))
@@ -72,7 +76,7 @@ def split_model(
     if isinstance(model, nn.Sequential) and any(
         stage_of(m) is not None for _, layer in layers for m in list(layer.modules())[1:]
     ):
-        return split_graph(model, stages, sample=sample)
+        return split_graph(model, stages, sample=sample, kept=kept)
     marks = [(f"model.{name}", whole_stage(m, f"model.{name}")) for name, m in layers]
     sizes = chain_sizes(marks, stages)
     return list(split_sequential(model, stages, sizes))

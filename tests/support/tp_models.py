@@ -1,0 +1,150 @@
+"""Tiny transformers decoders under tensor parallelism: models, batches, the unsplit
+reference and the comparison of each rank's shards with it.
+
+The models (Llama, Qwen2, Mistral, Mixtral: hidden 64, 4 heads, 2 key/value heads,
+vocabulary 128) are built from configs, the same weights every call. A batch is 5 rows
+of one length with labels padded by -100 at other lengths per row; 3 micro-batches cut
+it unevenly (2, 2, 1). Two steps of other lengths, an SGD step between them.
+
+A rank's gradient of a parameter tensor parallelism shards is a DTensor: its local shard
+is compared with the matching slice (``Shard(d)``: the rank's chunk of dimension d) of
+the unsplit model's gradient, the others with the whole gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.partition.capture import capture
+from conveyor.runtime import microbatch
+from conveyor.runtime.tp_export import kept_for_tp
+from conveyor.runtime.tp_styles import resolve
+
+MICRO = 3
+LR = 0.1
+LENGTHS = (9, 6)
+ROWS = 5
+VOCAB = 128
+
+Step = tuple[float, dict[str, torch.Tensor]]
+Shards = dict[str, tuple[torch.Tensor, str]]  # name -> (local gradient, placement)
+
+
+def tiny(kind: str, layers: int = 4) -> nn.Module:
+    """A tiny ``kind`` causal LM from its config (llama, qwen2, mistral, mixtral)."""
+    import transformers as T
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    if kind == "llama":
+        config: Any = T.LlamaConfig(**common)
+    elif kind == "qwen2":  # biases on q, k, v: sharded with their rows
+        config = T.Qwen2Config(**common)
+    elif kind == "mistral":  # eager attention: repeat_kv by the config's ratio
+        config = T.MistralConfig(**common)
+        config._attn_implementation = "eager"
+    elif kind == "mixtral":
+        config = T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
+                                 router_jitter_noise=0.0, **common)  # fmt: skip
+        config._attn_implementation = "eager"
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config)
+    return model.float().train()
+
+
+def batches() -> list[dict[str, torch.Tensor]]:
+    """Two steps' batches: ``input_ids`` and ``labels`` (row r padded by r % 4 + r // 4)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for length in LENGTHS:
+        ids = torch.randint(1, VOCAB, (ROWS, length), generator=g)
+        labels = ids.clone()
+        for r in range(ROWS):
+            labels[r, length - (r % 4) - r // 4 :] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def reference(kind: str) -> list[Step]:
+    """Per step: the unsplit model's whole-batch loss and gradients."""
+    model = tiny(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for batch in batches():
+        loss = model(**batch).loss
+        loss.backward()
+        out.append((float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def captured(model: nn.Module, tp_plan: Mapping[str, Any] | str, tp: int) -> nn.Module:
+    """``model`` captured here as each rank's Pipeline captures it (tests/support/
+    captures.py), its tp_plan's modules kept whole: forked ranks split it without export."""
+    kept = kept_for_tp(model, resolve(tp_plan, model), tp)
+    capture(model, microbatch.first(batches()[0], MICRO), kept)
+    return model
+
+
+def shards(named: Any) -> Shards:
+    """This rank's gradients: the local shard and its placement (``"R"``: whole)."""
+    out: Shards = {}
+    for name, p in named:
+        if p.grad is None:
+            continue
+        g = p.grad
+        placements = getattr(g, "placements", None)
+        if placements is None:
+            out[name] = (g.detach().clone(), "R")
+            continue
+        # tp is the innermost mesh dimension: its placement is the last one
+        out[name] = (g.to_local().detach().clone(), str(placements[-1]))
+    return out
+
+
+def train(pipe: conveyor.Pipeline, ctx: Any, dp_rank: int = 0, dp: int = 1) -> list[tuple[float, Shards]]:
+    """Per step of :func:`batches` (this replica's rows): the loss and this rank's shards."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    out = []
+    for batch in batches():
+        mine = {k: v[dp_rank::dp] for k, v in batch.items()} if dp > 1 else batch
+        loss = pipe.train_step(mine, None)
+        out.append((float(loss), shards(pipe.named_parameters())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def piece(whole: torch.Tensor, placement: str, rank: int, parts: int) -> torch.Tensor:
+    """The slice of ``whole`` a rank with ``placement`` holds (``Shard(d)``: its chunk)."""
+    if placement.startswith("S("):
+        return whole.chunk(parts, dim=int(placement[2:-1]))[rank]
+    return whole
+
+
+def check(got: list[tuple[float, Shards]], want: list[Step], rank: int, parts: int, what: str) -> set[str]:
+    """Every step's loss and every held gradient within 1e-5 (relative; a gradient that is
+    nearly zero is measured against a thousandth of the model's largest). Returns the
+    names held."""
+    held: set[str] = set()
+    for step, ((loss, grads), (ref_loss, ref)) in enumerate(zip(got, want, strict=True)):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{what} step {step} loss {loss} != {ref_loss}"
+        floor = 1e-3 * max(float(g.norm()) for g in ref.values())
+        for name, (local, placement) in grads.items():
+            w = piece(ref[name], placement, rank, parts)
+            assert local.shape == w.shape, f"{what} step {step} {name}: {local.shape} != {w.shape}"
+            err = float((local - w).norm()) / max(float(w.norm()), floor)
+            assert err < 1e-5, f"{what} step {step} {name} ({placement}): {err:.1e}"
+            held.add(name)
+    return held
