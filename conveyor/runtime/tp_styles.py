@@ -12,7 +12,7 @@ transformers style                          torch ``ParallelStyle``
 ``rowwise``                                 ``RowwiseParallel()``
 ``colwise_rep``, ``colwise_gather_output``  ``ColwiseParallel(output_layouts=Replicate())``
 ``rowwise_rep``, ``rowwise_split_input``    ``RowwiseParallel(input_layouts=Replicate())``
-``embedding_rowwise``                       ``RowwiseParallel()`` (vocabulary rows)
+``embedding_rowwise``                       ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_colwise``                       ``ColwiseParallel(output_layouts=Replicate())``
 ``sequence_parallel``                       ``SequenceParallel()``
 ``replicate``                               (left out: nothing to shard)
@@ -61,7 +61,7 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "colwise_gather_output": colwise_rep,
         "rowwise_rep": rowwise_rep,
         "rowwise_split_input": rowwise_rep,
-        "embedding_rowwise": RowwiseParallel,
+        "embedding_rowwise": rowwise_rep,  # torch's default would gather the ids as shards
         "embedding_colwise": colwise_rep,
         "sequence_parallel": SequenceParallel,
     }

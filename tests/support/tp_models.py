@@ -75,9 +75,10 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def reference(kind: str) -> list[Step]:
-    """Per step: the unsplit model's whole-batch loss and gradients."""
-    model = tiny(kind)
+def reference(kind: str, model: nn.Module | None = None) -> list[Step]:
+    """Per step: the unsplit model's (``model``, else :func:`tiny`'s) whole-batch loss and
+    gradients."""
+    model = tiny(kind) if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for batch in batches():
@@ -113,11 +114,14 @@ def shards(named: Any) -> Shards:
     return out
 
 
-def train(pipe: conveyor.Pipeline, ctx: Any, dp_rank: int = 0, dp: int = 1) -> list[tuple[float, Shards]]:
-    """Per step of :func:`batches` (this replica's rows): the loss and this rank's shards."""
+def train(
+    pipe: conveyor.Pipeline, dp_rank: int = 0, dp: int = 1, steps: int = len(LENGTHS)
+) -> list[tuple[float, Shards]]:
+    """Per step of :func:`batches` (the first ``steps``; this replica's rows): the loss and
+    this rank's shards, an SGD step after each."""
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     out = []
-    for batch in batches():
+    for batch in batches()[:steps]:
         mine = {k: v[dp_rank::dp] for k, v in batch.items()} if dp > 1 else batch
         loss = pipe.train_step(mine, None)
         out.append((float(loss), shards(pipe.named_parameters())))

@@ -1,0 +1,187 @@
+"""Tensor parallelism on transformers decoders (captured with torch.export): pp=2 x tp=2
+(4 processes, gloo), exact against the unsplit model.
+
+Tiny Llama, Qwen2, Mistral and Mixtral from configs (tests/support/tp_models.py), with
+``tp_plan="auto"`` (the model's own ``base_model_tp_plan``: attention and dense MLPs;
+Mixtral's experts stay whole, replicated over tp), ``loss_fn=None`` with labels padded by
+-100 on rows of different lengths, 3 micro-batches cut unevenly, two steps of other
+sequence lengths: the loss and every gradient, each rank's local shard against the
+matching slice of the unsplit model's gradient. One world (forked, sharing the captures
+made here) also runs, on the Llama:
+
+- a hand-written plan with the embedding sharded by rows and the output layer column
+  parallel with replicated logits;
+- ``conveyor.save`` under tp 2, loaded into the unsplit model and into a one-process
+  pipeline (tp 1);
+- the meta device: ``weights=`` a ``save_pretrained`` directory, and ``weights=None``
+  equal to ``conveyor.materialize``;
+- ``compile={"dynamic": False}`` (aot_eager) and ``recompute=True``;
+- the NCCL-rules replay of what every rank posts on 1f1b and zb-h1 (the tp collectives
+  in the same order on every member of the tp group).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import conveyor
+from tests.support import tp_models as M
+from tests.support.helpers import reset_context
+from tests.support.nccl_model import Record, check
+from tests.support.nccl_record import recording
+from tests.support.trainer_forked import run_forked
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+KINDS = ("llama", "qwen2", "mistral", "mixtral")
+
+
+def hand_plan() -> dict[str, Any]:
+    """The Llama's plan written out, with the embedding (rows) and the output layer
+    (columns, logits replicated) too; the first matching pattern wins."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+        "model.layers.*.mlp.*_proj": ColwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _pipe(model: Any, **options: Any) -> conveyor.Pipeline:
+    options.setdefault("tp_plan", "auto")
+    return conveyor.Pipeline(model, loss_fn=None, microbatches=M.MICRO,
+                             sample=(M.batches()[0], None), **options)  # fmt: skip
+
+
+def _recorded(model: Any, schedule: str) -> list[dict[str, Any]]:
+    """What this rank posts in one step (NCCL-rules replay)."""
+    pipe = _pipe(model, schedule=schedule)
+    with recording(functional=True) as trace:
+        pipe.train_step(M.batches()[0], None)
+    return [r.to_dict() for r in trace]
+
+
+def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any]:
+    ctx = conveyor.init(pp=2, tp=2, timeout=120)
+    out: dict[str, Any] = {"tp_rank": ctx.tp_rank}
+    for kind in KINDS:
+        out[kind] = M.train(_pipe(models[kind]))
+    pipe = _pipe(models["hand"], tp_plan=hand_plan())
+    out["hand placements"] = {n: str(p.placements[-1]) for n, p in pipe.named_parameters()
+                              if hasattr(p, "placements")}  # fmt: skip
+    out["hand plan"] = M.train(pipe)
+    pipe = _pipe(models["save"])
+    out["saved"] = M.train(pipe, steps=1)
+    conveyor.save(pipe, tmp)
+    out["meta weights"] = M.train(_pipe(models["meta hf"], weights=hf))
+    out["meta init"] = M.train(_pipe(models["meta init"], weights=None))
+    torch._dynamo.reset()
+    compiled = _pipe(models["compile"], compile={"dynamic": False, "backend": "aot_eager"})
+    out["compile"] = M.train(compiled)
+    out["compiled"] = compiled.compile_stats is not None
+    out["recompute"] = M.train(_pipe(models["recompute"], recompute=True))
+    for schedule in ("1f1b", "zb-h1"):
+        out[f"nccl {schedule}"] = _recorded(models[f"nccl {schedule}"], schedule)
+    return out
+
+
+def _meta_llama() -> torch.nn.Module:
+    with conveyor.empty_weights():
+        return M.tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: Any) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("tp")
+    hf = tmp / "hf"
+    M.tiny("llama").save_pretrained(hf)
+    materialized = conveyor.materialize(_meta_llama(), init_seed=0)
+    want = {kind: M.reference(kind) for kind in KINDS}
+    want["init"] = M.reference("llama", materialized)
+    models = {kind: M.captured(M.tiny(kind), "auto", 2) for kind in KINDS}
+    models["hand"] = M.captured(M.tiny("llama"), hand_plan(), 2)
+    for name in ("save", "compile", "recompute", "nccl 1f1b", "nccl zb-h1"):
+        models[name] = M.captured(M.tiny("llama"), "auto", 2)
+    models["meta hf"] = M.captured(_meta_llama(), "auto", 2)
+    models["meta init"] = M.captured(_meta_llama(), "auto", 2)
+    got = run_forked(world, 4, str(tmp / "ckpt"), str(hf), models, timeout=900)
+    return dict(want=want, got=got, ckpt=tmp / "ckpt")
+
+
+def _exact(results: dict[str, Any], key: str, want: str = "llama", steps: int = 2) -> None:
+    held: set[str] = set()
+    for rank, got in enumerate(results["got"]):
+        held |= M.check(got[key][:steps], results["want"][want][:steps], got["tp_rank"], 2,
+                        f"{key} rank {rank}")  # fmt: skip
+    assert held == set(results["want"][want][0][1]), f"{key}: parameters no rank holds"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_plan_is_exact(results: dict[str, Any], kind: str) -> None:
+    """Llama, Qwen2 (q/k/v biases), Mistral (eager attention), Mixtral (experts whole)."""
+    _exact(results, kind, kind)
+    # the attention projections are really sharded: half the rows on each tp rank
+    got = results["got"][0][kind][0][1]
+    local, placement = got["model.layers.0.self_attn.k_proj.weight"]
+    assert placement == "S(0)" and local.shape[0] == 64 // 4 * 2 // 2
+
+
+def test_hand_written_plan_with_embedding_and_output_layer(results: dict[str, Any]) -> None:
+    _exact(results, "hand plan")
+    placements = {n: p for r in results["got"] for n, p in r["hand placements"].items()}
+    assert placements["model.embed_tokens.weight"] == "S(0)"
+    assert placements["lm_head.weight"] == "S(0)"
+
+
+def test_checkpoint_saved_under_tp_loads_unsplit_and_at_tp1(results: dict[str, Any]) -> None:
+    _exact(results, "saved", steps=1)
+    # the unsplit model after one SGD step: the checkpoint holds whole tensors
+    model = M.tiny("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=M.LR)
+    model(**M.batches()[0]).loss.backward()
+    opt.step()
+    want = model.state_dict()
+    fresh = M.tiny("llama")
+    conveyor.load(fresh, results["ckpt"])
+    for name, value in fresh.state_dict().items():
+        assert torch.allclose(value, want[name], rtol=1e-5, atol=1e-7), name
+    # a one-process pp 2 pipeline (tp 1) loads it and computes the next step's loss
+    reset_context()
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(M.tiny("llama"), loss_fn=None, microbatches=M.MICRO,
+                             sample=(M.batches()[1], None))  # fmt: skip
+    conveyor.load(pipe, results["ckpt"])
+    loss = float(pipe.train_step(M.batches()[1], None))
+    assert loss == pytest.approx(results["want"]["llama"][1][0], rel=1e-5)
+    reset_context()
+
+
+def test_meta_device(results: dict[str, Any]) -> None:
+    """weights= a save_pretrained directory, and weights=None equal to materialize."""
+    _exact(results, "meta weights")
+    _exact(results, "meta init", want="init")
+
+
+def test_compile_and_recompute(results: dict[str, Any]) -> None:
+    assert all(r["compiled"] for r in results["got"])
+    _exact(results, "compile")
+    _exact(results, "recompute")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_nccl_rules_replay(results: dict[str, Any], schedule: str) -> None:
+    runs = [r[f"nccl {schedule}"] for r in results["got"]]
+    traces = {rank: [Record.from_dict(x) for x in run] for rank, run in enumerate(runs)}
+    collectives = [[x for x in t if x.kind == "collective"] for t in traces.values()]
+    assert all(collectives), "no tp collective recorded"
+    check(traces)
