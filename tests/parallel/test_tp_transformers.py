@@ -73,7 +73,7 @@ def _recorded(model: Any, schedule: str) -> list[dict[str, Any]]:
 
 def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any]:
     ctx = conveyor.init(pp=2, tp=2, timeout=120)
-    out: dict[str, Any] = {"tp_rank": ctx.tp_rank}
+    out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank}}
     for kind in KINDS:
         out[kind] = M.train(_pipe(models[kind]))
     pipe = _pipe(models["hand"], tp_plan=hand_plan())
@@ -121,8 +121,8 @@ def results(tmp_path_factory: Any) -> dict[str, Any]:
 def _exact(results: dict[str, Any], key: str, want: str = "llama", steps: int = 2) -> None:
     held: set[str] = set()
     for rank, got in enumerate(results["got"]):
-        held |= M.check(got[key][:steps], results["want"][want][:steps], got["tp_rank"], 2,
-                        f"{key} rank {rank}")  # fmt: skip
+        held |= M.check(got[key][:steps], results["want"][want][:steps], got["ranks"],
+                        {"tp": 2}, f"{key} rank {rank}")  # fmt: skip
     assert held == set(results["want"][want][0][1]), f"{key}: parameters no rank holds"
 
 
@@ -133,7 +133,7 @@ def test_auto_plan_is_exact(results: dict[str, Any], kind: str) -> None:
     # the attention projections are really sharded: half the rows on each tp rank
     got = results["got"][0][kind][0][1]
     local, placement = got["model.layers.0.self_attn.k_proj.weight"]
-    assert placement == "S(0)" and local.shape[0] == 64 // 4 * 2 // 2
+    assert placement == "tp:S(0)" and local.shape[0] == 64 // 4 * 2 // 2
 
 
 def test_hand_written_plan_with_embedding_and_output_layer(results: dict[str, Any]) -> None:

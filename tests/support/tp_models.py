@@ -98,24 +98,30 @@ def captured(model: nn.Module, tp_plan: Mapping[str, Any] | str, tp: int) -> nn.
     return model
 
 
-def shards(named: Any) -> Shards:
-    """This rank's gradients: the local shard and its placement (``"R"``: whole)."""
+def shards(named: Any, full: bool = False) -> Shards:
+    """This rank's gradients: the local shard and how it was cut, ``"tp:S(0)"`` (mesh
+    dimension and placement, ``;``-joined; ``""``: whole); ``full``: gathered whole."""
     out: Shards = {}
     for name, p in named:
         if p.grad is None:
             continue
         g = p.grad
-        placements = getattr(g, "placements", None)
-        if placements is None:
-            out[name] = (g.detach().clone(), "R")
+        if not hasattr(g, "placements") or full:
+            whole = g.full_tensor() if hasattr(g, "full_tensor") else g
+            out[name] = (whole.detach().clone(), "")
             continue
-        # tp is the innermost mesh dimension: its placement is the last one
-        out[name] = (g.to_local().detach().clone(), str(placements[-1]))
+        dims = g.device_mesh.mesh_dim_names or ("tp",)
+        cut = ";".join(f"{d}:{pl}" for d, pl in zip(dims, g.placements, strict=True))
+        out[name] = (g.to_local().detach().clone(), cut)
     return out
 
 
 def train(
-    pipe: conveyor.Pipeline, dp_rank: int = 0, dp: int = 1, steps: int = len(LENGTHS)
+    pipe: conveyor.Pipeline,
+    dp_rank: int = 0,
+    dp: int = 1,
+    steps: int = len(LENGTHS),
+    full: bool = False,
 ) -> list[tuple[float, Shards]]:
     """Per step of :func:`batches` (the first ``steps``; this replica's rows): the loss and
     this rank's shards, an SGD step after each."""
@@ -124,20 +130,29 @@ def train(
     for batch in batches()[:steps]:
         mine = {k: v[dp_rank::dp] for k, v in batch.items()} if dp > 1 else batch
         loss = pipe.train_step(mine, None)
-        out.append((float(loss), shards(pipe.named_parameters())))
+        out.append((float(loss), shards(pipe.named_parameters(), full)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
 
 
-def piece(whole: torch.Tensor, placement: str, rank: int, parts: int) -> torch.Tensor:
-    """The slice of ``whole`` a rank with ``placement`` holds (``Shard(d)``: its chunk)."""
-    if placement.startswith("S("):
-        return whole.chunk(parts, dim=int(placement[2:-1]))[rank]
+def piece(whole: torch.Tensor, cut: str, ranks: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
+    """The slice of ``whole`` a rank holds after ``cut`` (see :func:`shards`): for each
+    ``Shard(d)`` over a mesh dimension, this rank's chunk of dimension d."""
+    for part in filter(None, cut.split(";")):
+        dim, placement = part.split(":")
+        if placement.startswith("S("):
+            whole = whole.chunk(sizes[dim], dim=int(placement[2:-1]))[ranks[dim]]
     return whole
 
 
-def check(got: list[tuple[float, Shards]], want: list[Step], rank: int, parts: int, what: str) -> set[str]:
+def check(
+    got: list[tuple[float, Shards]],
+    want: list[Step],
+    ranks: Mapping[str, int],
+    sizes: Mapping[str, int],
+    what: str,
+) -> set[str]:
     """Every step's loss and every held gradient within 1e-5 (relative; a gradient that is
     nearly zero is measured against a thousandth of the model's largest). Returns the
     names held."""
@@ -146,7 +161,7 @@ def check(got: list[tuple[float, Shards]], want: list[Step], rank: int, parts: i
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{what} step {step} loss {loss} != {ref_loss}"
         floor = 1e-3 * max(float(g.norm()) for g in ref.values())
         for name, (local, placement) in grads.items():
-            w = piece(ref[name], placement, rank, parts)
+            w = piece(ref[name], placement, ranks, sizes)
             assert local.shape == w.shape, f"{what} step {step} {name}: {local.shape} != {w.shape}"
             err = float((local - w).norm()) / max(float(w.norm()), floor)
             assert err < 1e-5, f"{what} step {step} {name} ({placement}): {err:.1e}"
