@@ -202,9 +202,7 @@ def build(
             check_tp_plan(tp_plan, every, [n for n, _ in model.named_modules()])
         if description.method == "export":
             check_export_plan(model, tp_plan, kept)
-        names = (
-            [n for n, _ in model.named_modules()] if isinstance(model, nn.Module) else []
-        )
+        names = [n for n, _ in model.named_modules()] if isinstance(model, nn.Module) else []
         apply_tp(stages, tp_plan, names, ctx.mesh["tp"], every=all_stages)
     keywords = options.compile_keywords()
     # torchtitan's order: tensor parallel, then compile (inside each FSDP unit), then FSDP.

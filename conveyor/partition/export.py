@@ -23,8 +23,8 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConfigError
 from conveyor.partition.captured import Captured, InputLayout, module_path
-from conveyor.partition.kept import Kept, as_module_calls, recorded_as_calls
 from conveyor.partition.failure import capture_failure
+from conveyor.partition.kept import Kept, as_module_calls, recorded_as_calls
 from conveyor.partition.modes import follow_module_modes
 
 

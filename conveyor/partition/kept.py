@@ -145,7 +145,7 @@ def as_module_calls(graph: fx.Graph, names: list[str]) -> None:
             continue
         inputs, which = node.args
         with graph.inserting_before(node):
-            call = graph.call_module(names[int(which)], tuple(inputs))  # type: ignore[arg-type]
+            call = graph.call_module(names[int(which)], tuple(inputs))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)

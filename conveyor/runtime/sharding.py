@@ -46,7 +46,9 @@ def apply_tp(
     every: Iterable[nn.Module] = (),
 ) -> None:
     """Parallelize each stage's modules that ``tp_plan`` names (fnmatch patterns over the
-    original model's module names) on the ``tp`` mesh ``mesh``. The ``tp_plan`` is first checked
+    original model's module names) on the ``tp`` mesh ``mesh``: the modules a graph calls
+    (an fx capture's leaf modules, the modules an export capture keeps whole for the plan:
+    :mod:`conveyor.runtime.tp_export`). The ``tp_plan`` is first checked
     on ``every`` stage of the split (every rank's), so that each rank raises the same
     error, not only the ranks that hold the module (the others would wait on them)."""
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -125,7 +127,8 @@ def blocks_of(stage: nn.Module) -> list[nn.Module]:
     which is gathered for the stage's whole forward. A graph split by torch.fx calls
     leaf modules (a transformer block's Linear and LayerNorm layers, not the block,
     which does not run as a module there); one captured with torch.export reads every
-    weight by name, so the stage is its only unit.
+    weight by name, except the modules the capture keeps whole (expert collections, a
+    tp_plan's projections: :mod:`conveyor.partition.kept`), which it calls.
     """
     holders: dict[int, set[int]] = {}
     for module in stage.modules():

@@ -40,7 +40,9 @@ def styles_of(model: nn.Module, tp_plan: Mapping[str, Any]) -> dict[str, tuple[n
     return out
 
 
-def kept_for_tp(model: nn.Module, tp_plan: Mapping[str, Any] | None, size: int) -> dict[str, Output]:
+def kept_for_tp(
+    model: nn.Module, tp_plan: Mapping[str, Any] | None, size: int
+) -> dict[str, Output]:
     """The modules of ``model`` that ``tp_plan`` shards and a capture keeps whole, with the
     output one of ``size`` tensor-parallel ranks gets from each (empty without a plan).
 
@@ -82,7 +84,9 @@ def _shard_dim(placement: Any) -> int | None:
     return int(placement.dim) if isinstance(placement, Shard) else None
 
 
-def check_export_plan(model: nn.Module, tp_plan: Mapping[str, Any], kept: Mapping[str, Output]) -> None:
+def check_export_plan(
+    model: nn.Module, tp_plan: Mapping[str, Any], kept: Mapping[str, Output]
+) -> None:
     """Every module ``tp_plan`` chooses in an export-captured ``model`` must be kept whole.
 
     Raises:

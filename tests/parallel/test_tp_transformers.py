@@ -22,7 +22,6 @@ made here) also runs, on the Llama:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -82,8 +82,11 @@ def test_a_style_an_export_capture_cannot_keep_is_refused() -> None:
 
     model = M.tiny("llama", layers=1)
     plan = {"model.layers.*.input_layernorm": SequenceParallel()}
-    with pytest.raises(conveyor.ConfigError, match=r"input_layernorm \(LlamaRMSNorm\) a "
-                       r"SequenceParallel, but LlamaForCausalLM is captured with torch.export"):
+    with pytest.raises(
+        conveyor.ConfigError,
+        match=r"input_layernorm \(LlamaRMSNorm\) a "
+        r"SequenceParallel, but LlamaForCausalLM is captured with torch.export",
+    ):
         check_export_plan(model, plan, kept_for_tp(model, plan, 2))
 
 

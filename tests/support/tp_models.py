@@ -136,7 +136,9 @@ def train(
     return out
 
 
-def piece(whole: torch.Tensor, cut: str, ranks: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
+def piece(
+    whole: torch.Tensor, cut: str, ranks: Mapping[str, int], sizes: Mapping[str, int]
+) -> torch.Tensor:
     """The slice of ``whole`` a rank holds after ``cut`` (see :func:`shards`): for each
     ``Shard(d)`` over a mesh dimension, this rank's chunk of dimension d."""
     for part in filter(None, cut.split(";")):
@@ -158,7 +160,9 @@ def check(
     names held."""
     held: set[str] = set()
     for step, ((loss, grads), (ref_loss, ref)) in enumerate(zip(got, want, strict=True)):
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{what} step {step} loss {loss} != {ref_loss}"
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (
+            f"{what} step {step} loss {loss} != {ref_loss}"
+        )
         floor = 1e-3 * max(float(g.norm()) for g in ref.values())
         for name, (local, placement) in grads.items():
             w = piece(ref[name], placement, ranks, sizes)
