@@ -76,7 +76,7 @@ class Pipeline:
             replicas with torch FSDP2: True gathers each stage once per step,
             ``"reshard"`` each block per use.
         tp_plan: ``{module-name pattern: ParallelStyle}``, sharding those modules over the
-            tensor-parallel ranks (DTensor).
+            tensor-parallel ranks (DTensor); ``"auto"``: a transformers model's own plan.
         sample: ``(inputs, targets)`` to capture a model ``torch.fx`` cannot trace at
             construction (else on the first batch), and for ``schedule="auto"``.
         memory_limit: for ``schedule="auto"``: the most bytes a pipeline rank may need

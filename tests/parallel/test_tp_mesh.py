@@ -5,9 +5,11 @@ One world (forked; the captures are made here) runs:
 
 - a Llama with ``tp_plan="auto"`` and ``fsdp=True`` (FSDP2 over dp on top of the tp
   shards): gradients gathered whole;
+- the same with ``fsdp="reshard"`` (each kept projection an FSDP unit of its own);
 - a Mixtral with ``tp_plan="auto"`` and its experts over ep (an ep group: the two dp ranks
   of one pp rank and tp rank): attention sharded over tp, each rank holding half the
-  experts; every local shard against its slice of the unsplit gradient.
+  experts; every local shard against its slice of the unsplit gradient; and the same
+  with ``fsdp=True`` (gradients gathered whole).
 
 Each replica trains on every other row of the 5-row batches (3 and 2 rows, in 2
 micro-batches: uneven), the loss is the whole batch's (tests/support/tp_models.py).
@@ -40,9 +42,12 @@ def world(rank: int, models: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank, "ep": ctx.ep_rank, "dp": ctx.dp_rank}}
     fsdp = _pipe(models["llama"], ctx.dp_rank, fsdp=True)
     out["fsdp"] = M.train(fsdp, ctx.dp_rank, 2, full=True)
+    reshard = _pipe(models["llama reshard"], ctx.dp_rank, fsdp="reshard")
+    out["reshard"] = M.train(reshard, ctx.dp_rank, 2, full=True)
     ep = _pipe(models["mixtral"], ctx.dp_rank)
-    out["experts"] = sorted(n for n, p in ep.named_parameters() if "experts" in n)
     out["ep"] = M.train(ep, ctx.dp_rank, 2)
+    ep_fsdp = _pipe(models["mixtral fsdp"], ctx.dp_rank, fsdp=True)
+    out["ep fsdp"] = M.train(ep_fsdp, ctx.dp_rank, 2, full=True)
     return out
 
 
@@ -50,6 +55,8 @@ def world(rank: int, models: dict[str, Any]) -> dict[str, Any]:
 def results() -> dict[str, Any]:
     want = {kind: M.reference(kind) for kind in ("llama", "mixtral")}
     models = {kind: M.captured(M.tiny(kind), "auto", 2) for kind in ("llama", "mixtral")}
+    models["llama reshard"] = M.captured(M.tiny("llama"), "auto", 2)
+    models["mixtral fsdp"] = M.captured(M.tiny("mixtral"), "auto", 2)
     got = run_forked(world, 8, models, timeout=1200)
     return dict(want=want, got=got)
 
@@ -64,6 +71,15 @@ def _exact(results: dict[str, Any], key: str, kind: str) -> None:
 
 def test_fsdp_with_tensor_parallelism(results: dict[str, Any]) -> None:
     _exact(results, "fsdp", "llama")
+
+
+def test_fsdp_reshard_with_tensor_parallelism(results: dict[str, Any]) -> None:
+    """fsdp="reshard": each kept projection its own FSDP unit."""
+    _exact(results, "reshard", "llama")
+
+
+def test_expert_parallelism_tensor_parallelism_and_fsdp(results: dict[str, Any]) -> None:
+    _exact(results, "ep fsdp", "mixtral")
 
 
 def test_tensor_parallel_attention_with_expert_parallel_experts(results: dict[str, Any]) -> None:
