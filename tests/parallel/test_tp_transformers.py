@@ -80,6 +80,9 @@ def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any
                               if hasattr(p, "placements")}  # fmt: skip
     out["hand plan"] = M.train(pipe)
     pipe = _pipe(models["save"])
+    out["eval"] = float(pipe.eval_step(M.batches()[0], None))
+    predicted = pipe.predict(M.batches()[0])  # the structure it was captured with
+    out["logits"] = None if predicted is None else predicted.logits
     out["saved"] = M.train(pipe, steps=1)
     conveyor.save(pipe, tmp)
     out["meta weights"] = M.train(_pipe(models["meta hf"], weights=hf))
@@ -163,6 +166,18 @@ def test_checkpoint_saved_under_tp_loads_unsplit_and_at_tp1(results: dict[str, A
     loss = float(pipe.train_step(M.batches()[1], None))
     assert loss == pytest.approx(results["want"]["llama"][1][0], rel=1e-5)
     reset_context()
+
+
+def test_eval_step_and_predict(results: dict[str, Any]) -> None:
+    model = M.tiny("llama")
+    with torch.no_grad():
+        logits = model(**M.batches()[0]).logits
+    for got in results["got"]:
+        assert got["eval"] == pytest.approx(results["want"]["llama"][0][0], rel=1e-5)
+    last = [r["logits"] for r in results["got"] if r["logits"] is not None]
+    assert len(last) == 2  # the last stage's two tensor-parallel ranks
+    for got in last:
+        assert float((got - logits).norm() / logits.norm()) < 1e-5
 
 
 def test_meta_device(results: dict[str, Any]) -> None:
