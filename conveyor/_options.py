@@ -140,8 +140,8 @@ class Options:
                 "vocab_parallel does not compose with expert parallelism (init(ep=...)) yet; "
                 "train with one of them"
             )
-        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping) \
-                and self.tp_plan != "auto":  # fmt: skip
+        plan = self.tp_plan
+        if plan is not None and not isinstance(plan, Mapping) and plan != "auto":
             raise ConfigError(
                 "tp_plan must be 'auto' (a transformers model's own plan) or map module-name "
                 "patterns to torch ParallelStyles, e.g. "
