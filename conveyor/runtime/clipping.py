@@ -11,7 +11,7 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.errors import ConfigError
-from conveyor.runtime.sharding import local_shard
+from conveyor.runtime.sharding import local_shard, summed
 from conveyor.runtime.transport import collective
 
 
@@ -57,8 +57,7 @@ def clip_grad_norm(
             ).double(),
             holders / _shards(g),
         )
-        for g in (q.grad for q in with_grads if id(q) not in copies)
-        if g is not None
+        for g in (summed(q.grad) for q in with_grads if id(q) not in copies and q.grad is not None)
     ]
     zero = torch.zeros((), dtype=torch.float64, device=ctx.device)
     doing = f"rank {ctx.rank}: adding up the gradient norm (pipe.clip_grad_norm_)"
@@ -94,7 +93,7 @@ def _shards(t: torch.Tensor) -> int:
     count = 1
     for dim, placement in enumerate(placements):
         # Not is_shard(): FSDP over a tensor-parallel weight shards it "strided", which is
-        # a shard too. Gradients are never partial sums here.
+        # a shard too. Partial sums were summed (sharding.summed) before.
         if mesh is not None and not placement.is_replicate():
             count *= mesh.size(dim)
     return count

@@ -38,6 +38,20 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor of partial sums with its sums done (a collective over those mesh
+    dimensions): the gradient of a replicated parameter that ran on this rank's slice of
+    its input (``SequenceParallel``: a norm on the local heads or tokens). Other tensors as
+    they are."""
+    placements = getattr(t, "placements", ())
+    if not any(p.is_partial() for p in placements):
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    assert isinstance(t, DTensor)
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])
+
+
 def apply_tp(
     stages: dict[int, nn.Module],
     tp_plan: Mapping[str, Any],

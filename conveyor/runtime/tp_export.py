@@ -12,7 +12,9 @@ head counts from the tensors, the same code its own tensor-parallel plan runs on
 shards (grouped-query attention included: ``repeat_kv`` by the config's ratio).
 
 Kept: ``ColwiseParallel`` / ``RowwiseParallel`` on ``nn.Linear`` and ``nn.Embedding``, the
-styles that shard those two. Another style on a module of an export-captured model is a
+styles that shard those two, and ``SequenceParallel(use_local_output=True)`` on any module
+(a norm whose input is sliced on this rank: its parameters replicated, their gradients
+summed over tp). Another style on a module of an export-captured model is a
 ``ConfigError`` (:func:`check_export_plan`).
 """
 
@@ -53,14 +55,22 @@ def kept_for_tp(
 
     Returns:
         Module name -> its local output, for each ``nn.Linear`` / ``nn.Embedding`` given a
-        ``ColwiseParallel`` or ``RowwiseParallel``.
+        ``ColwiseParallel`` or ``RowwiseParallel``, and each module given a
+        ``SequenceParallel(use_local_output=True)``.
     """
     if not tp_plan:
         return {}
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     out: dict[str, Output] = {}
     for name, (module, style) in styles_of(model, tp_plan).items():
+        if isinstance(style, SequenceParallel) and style.use_local_output:
+            out[name] = Output()  # a norm on this rank's slice: shaped as its input
+            continue
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
         if isinstance(module, nn.Linear):
@@ -99,5 +109,6 @@ def check_export_plan(
                 f"tp_plan gives model.{name} ({type(module).__name__}) a "
                 f"{type(style).__name__}, but {type(model).__name__} is captured with "
                 f"torch.export, where tp_plan takes ColwiseParallel / RowwiseParallel on "
-                f"nn.Linear and nn.Embedding modules only; leave model.{name} out of tp_plan"
+                f"nn.Linear and nn.Embedding modules and SequenceParallel(use_local_output="
+                f"True) only; leave model.{name} out of tp_plan or use one of those"
             )

@@ -14,9 +14,17 @@ transformers style                          torch ``ParallelStyle``
 ``rowwise_rep``, ``rowwise_split_input``    ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_rowwise``                       ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_colwise``                       ``ColwiseParallel(output_layouts=Replicate())``
-``sequence_parallel``                       ``SequenceParallel()``
+``sequence_parallel``                       ``SequenceParallel(use_local_output=True)``
+``replicated_with_grad_allreduce``          ``SequenceParallel(sequence_dim=0,
+                                            use_local_output=True)`` (see below)
 ``replicate``                               (left out: nothing to shard)
 =========================================  =================================================
+
+``replicated_with_grad_allreduce`` marks a module with replicated parameters that runs on
+this rank's slice of its input, so that each rank's gradient is a part of the whole: Qwen3's
+per-head ``q_norm`` / ``k_norm`` on the local heads. torch's ``SequenceParallel`` does that
+(parameters replicated DTensors, their gradients summed over tp) whichever dimension it
+calls sharded, as long as it is not the one the module normalizes: dimension 0.
 
 Entries for expert collections and what is inside them (``moe_tp_experts``,
 ``packed_colwise`` on their 3-D weights, ``ep_router``, ...) are left out: experts are
@@ -63,7 +71,10 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "rowwise_split_input": rowwise_rep,
         "embedding_rowwise": rowwise_rep,  # torch's default would gather the ids as shards
         "embedding_colwise": colwise_rep,
-        "sequence_parallel": SequenceParallel,
+        "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(
+            sequence_dim=0, use_local_output=True
+        ),
     }
 
 

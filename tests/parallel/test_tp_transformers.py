@@ -1,7 +1,7 @@
 """Tensor parallelism on transformers decoders (captured with torch.export): pp=2 x tp=2
 (4 processes, gloo), exact against the unsplit model.
 
-Tiny Llama, Qwen2, Mistral and Mixtral from configs (tests/support/tp_models.py), with
+Tiny Llama, Qwen2, Qwen3, Mistral and Mixtral from configs (tests/support/tp_models.py), with
 ``tp_plan="auto"`` (the model's own ``base_model_tp_plan``: attention and dense MLPs;
 Mixtral's experts stay whole, replicated over tp), ``loss_fn=None`` with labels padded by
 -100 on rows of different lengths, 3 micro-batches cut unevenly, two steps of other
@@ -9,6 +9,7 @@ sequence lengths: the loss and every gradient, each rank's local shard against t
 matching slice of the unsplit model's gradient. One world (forked, sharing the captures
 made here) also runs, on the Llama:
 
+- ``pipe.clip_grad_norm_`` on the Qwen3 (its q/k norms' gradients are partial sums);
 - a hand-written plan with the embedding sharded by rows and the output layer column
   parallel with replicated logits;
 - ``conveyor.save`` under tp 2, loaded into the unsplit model and into a one-process
@@ -37,7 +38,7 @@ from tests.support.trainer_forked import run_forked
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
-KINDS = ("llama", "qwen2", "mistral", "mixtral")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 
 
 def hand_plan() -> dict[str, Any]:
@@ -92,6 +93,9 @@ def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any
     out["compile"] = M.train(compiled)
     out["compiled"] = compiled.compile_stats is not None
     out["recompute"] = M.train(_pipe(models["recompute"], recompute=True))
+    clipped = _pipe(models["clip"])
+    clipped.train_step(M.batches()[0], None)
+    out["norm"] = float(clipped.clip_grad_norm_(0.5))
     for schedule in ("1f1b", "zb-h1"):
         out[f"nccl {schedule}"] = _recorded(models[f"nccl {schedule}"], schedule)
     return out
@@ -114,6 +118,7 @@ def results(tmp_path_factory: Any) -> dict[str, Any]:
     models["hand"] = M.captured(M.tiny("llama"), hand_plan(), 2)
     for name in ("save", "compile", "recompute", "nccl 1f1b", "nccl zb-h1"):
         models[name] = M.captured(M.tiny("llama"), "auto", 2)
+    models["clip"] = M.captured(M.tiny("qwen3"), "auto", 2)
     models["meta hf"] = M.captured(_meta_llama(), "auto", 2)
     models["meta init"] = M.captured(_meta_llama(), "auto", 2)
     got = run_forked(world, 4, str(tmp / "ckpt"), str(hf), models, timeout=900)
@@ -130,12 +135,20 @@ def _exact(results: dict[str, Any], key: str, want: str = "llama", steps: int = 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_plan_is_exact(results: dict[str, Any], kind: str) -> None:
-    """Llama, Qwen2 (q/k/v biases), Mistral (eager attention), Mixtral (experts whole)."""
+    """Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms on the local heads: their
+    gradients partial sums over tp), Mistral (eager attention), Mixtral (experts whole)."""
     _exact(results, kind, kind)
     # the attention projections are really sharded: half the rows on each tp rank
     got = results["got"][0][kind][0][1]
     local, placement = got["model.layers.0.self_attn.k_proj.weight"]
     assert placement == "tp:S(0)" and local.shape[0] == 64 // 4 * 2 // 2
+
+
+def test_clipping_counts_partial_sums_once(results: dict[str, Any]) -> None:
+    """Qwen3's q/k norm gradients are partial sums over tp: the norm sums them first."""
+    want = sum(float(g.double().pow(2).sum()) for g in results["want"]["qwen3"][0][1].values())
+    for got in results["got"]:
+        assert got["norm"] == pytest.approx(want**0.5, rel=1e-5)
 
 
 def test_hand_written_plan_with_embedding_and_output_layer(results: dict[str, Any]) -> None:

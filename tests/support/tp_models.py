@@ -1,7 +1,7 @@
 """Tiny transformers decoders under tensor parallelism: models, batches, the unsplit
 reference and the comparison of each rank's shards with it.
 
-The models (Llama, Qwen2, Mistral, Mixtral: hidden 64, 4 heads, 2 key/value heads,
+The models (Llama, Qwen2, Qwen3, Mistral, Mixtral: hidden 64, 4 heads, 2 key/value heads,
 vocabulary 128) are built from configs, the same weights every call. A batch is 5 rows
 of one length with labels padded by -100 at other lengths per row; 3 micro-batches cut
 it unevenly (2, 2, 1). Two steps of other lengths, an SGD step between them.
@@ -36,7 +36,7 @@ Shards = dict[str, tuple[torch.Tensor, str]]  # name -> (local gradient, placeme
 
 
 def tiny(kind: str, layers: int = 4) -> nn.Module:
-    """A tiny ``kind`` causal LM from its config (llama, qwen2, mistral, mixtral)."""
+    """A tiny ``kind`` causal LM from its config (llama, qwen2, qwen3, mistral, mixtral)."""
     import transformers as T
 
     common: dict[str, Any] = dict(
@@ -48,6 +48,8 @@ def tiny(kind: str, layers: int = 4) -> nn.Module:
         config: Any = T.LlamaConfig(**common)
     elif kind == "qwen2":  # biases on q, k, v: sharded with their rows
         config = T.Qwen2Config(**common)
+    elif kind == "qwen3":  # per-head q/k norms on the local heads
+        config = T.Qwen3Config(head_dim=16, **common)
     elif kind == "mistral":  # eager attention: repeat_kv by the config's ratio
         config = T.MistralConfig(**common)
         config._attn_implementation = "eager"
@@ -100,7 +102,8 @@ def captured(model: nn.Module, tp_plan: Mapping[str, Any] | str, tp: int) -> nn.
 
 def shards(named: Any, full: bool = False) -> Shards:
     """This rank's gradients: the local shard and how it was cut, ``"tp:S(0)"`` (mesh
-    dimension and placement, ``;``-joined; ``""``: whole); ``full``: gathered whole."""
+    dimension and placement, ``;``-joined; ``""``: whole); ``full``: gathered whole. A
+    partial sum (a replicated parameter used on a slice: Qwen3's q/k norms) is summed."""
     out: Shards = {}
     for name, p in named:
         if p.grad is None:
@@ -110,6 +113,11 @@ def shards(named: Any, full: bool = False) -> Shards:
             whole = g.full_tensor() if hasattr(g, "full_tensor") else g
             out[name] = (whole.detach().clone(), "")
             continue
+        if any(pl.is_partial() for pl in g.placements):  # summed over tp by the optimizer
+            from torch.distributed.tensor import Replicate
+
+            whole = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            g = g.redistribute(g.device_mesh, whole)
         dims = g.device_mesh.mesh_dim_names or ("tp",)
         cut = ";".join(f"{d}:{pl}" for d, pl in zip(dims, g.placements, strict=True))
         out[name] = (g.to_local().detach().clone(), cut)
