@@ -97,3 +97,18 @@ def test_without_a_plan_the_capture_is_unchanged() -> None:
     assert capture(model, first, {}) is capture(model, first)
     assert not [n for n in capture(model, first).graph.nodes if n.op == "call_module"]
     assert torch.ops.conveyor.kept_call.default is not None
+
+
+def test_qwen3_norms_on_the_local_heads_are_kept_whole() -> None:
+    """replicated_with_grad_allreduce (q_norm / k_norm) becomes a SequenceParallel whose
+    module is a call shaped as its input: the local heads."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    model = M.tiny("qwen3", layers=1)
+    plan = resolve("auto", model)
+    assert plan is not None
+    style = plan["model.layers.*.self_attn.q_norm"]
+    assert isinstance(style, SequenceParallel) and style.use_local_output
+    calls = _calls(model, "auto")
+    assert calls["model.layers.0.self_attn.q_norm"] == (2, 16)  # 2 of 4 heads of 16
+    assert calls["model.layers.0.self_attn.k_norm"] == (1, 16)
