@@ -17,6 +17,7 @@ made here) also runs, on the Llama:
 - the meta device: ``weights=`` a ``save_pretrained`` directory, and ``weights=None``
   equal to ``conveyor.materialize``;
 - ``compile={"dynamic": False}`` (aot_eager) and ``recompute=True``;
+- zb-h1 (its backward split into B and W) and interleaved-1f1b (two stages per rank);
 - the NCCL-rules replay of what every rank posts on 1f1b and zb-h1 (the tp collectives
   in the same order on every member of the tp group).
 """
@@ -93,6 +94,9 @@ def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any
     out["compile"] = M.train(compiled)
     out["compiled"] = compiled.compile_stats is not None
     out["recompute"] = M.train(_pipe(models["recompute"], recompute=True))
+    out["zb-h1"] = M.train(_pipe(models["zb-h1"], schedule="zb-h1"))
+    out["interleaved"] = M.train(_pipe(models["interleaved"], schedule="interleaved-1f1b",
+                                       chunks=2))  # fmt: skip
     for name, p in models["clip"].named_parameters():  # only the q / k norms train
         p.requires_grad_(_qk_norm(name))
     clipped = _pipe(models["clip"])
@@ -122,7 +126,8 @@ def results(tmp_path_factory: Any) -> dict[str, Any]:
     want["init"] = M.reference("llama", materialized)
     models = {kind: M.captured(M.tiny(kind), "auto", 2) for kind in KINDS}
     models["hand"] = M.captured(M.tiny("llama"), hand_plan(), 2)
-    for name in ("save", "compile", "recompute", "nccl 1f1b", "nccl zb-h1"):
+    for name in ("save", "compile", "recompute", "zb-h1", "interleaved", "nccl 1f1b",
+                 "nccl zb-h1"):  # fmt: skip
         models[name] = M.captured(M.tiny("llama"), "auto", 2)
     models["clip"] = M.captured(M.tiny("qwen3"), "auto", 2)
     models["meta hf"] = M.captured(_meta_llama(), "auto", 2)
@@ -211,6 +216,12 @@ def test_compile_and_recompute(results: dict[str, Any]) -> None:
     assert all(r["compiled"] for r in results["got"])
     _exact(results, "compile")
     _exact(results, "recompute")
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved"])
+def test_other_schedules(results: dict[str, Any], schedule: str) -> None:
+    """A split backward (zb-h1) and two stages per rank (interleaved-1f1b)."""
+    _exact(results, schedule)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
