@@ -228,6 +228,11 @@ def worker(args: argparse.Namespace) -> None:
 
         gpt2_worker(args, timed)
         return
+    if args.model == "llama-tp":
+        from vs_torch_tp import worker as tp_worker
+
+        tp_worker(args, timed)
+        return
     torch.set_num_threads(1)
     conveyor.init()
     rank = dist.get_rank()
@@ -389,12 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", help="comma-separated conveyor schedules to run (default all)")
     p.add_argument(
         "--model",
-        choices=["linear", "gpt2"],
+        choices=["linear", "gpt2", "llama-tp"],
         default="linear",
-        help="the Linear stack, or a transformers GPT-2 (benchmarks/vs_torch_hf.py)",
+        help="the Linear stack, a transformers GPT-2 (benchmarks/vs_torch_hf.py), or a "
+        "transformers Llama on pp 2 x tp 2 (benchmarks/vs_torch_tp.py, 4 processes)",
     )
     args = p.parse_args(argv)
-    return run_on_processes(__file__, PROCS, argv, worker, args)
+    procs = 4 if args.model == "llama-tp" else PROCS
+    return run_on_processes(__file__, procs, argv, worker, args)
 
 
 if __name__ == "__main__":
