@@ -91,7 +91,7 @@ class LlamaStage(nn.Module):
         return h
 
 
-def torch_step(x: Tensor, y: Tensor, mesh: Any) -> Step:
+def torch_step(x: Tensor, y: Tensor, mesh: Any, losses: list[float]) -> Step:
     from torch.distributed import pipelining
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -110,14 +110,18 @@ def torch_step(x: Tensor, y: Tensor, mesh: Any) -> Step:
         if pp_rank == 0:
             runner.step(x)
         else:
-            runner.step(target=y, losses=[])
+            parts: list[Tensor] = []
+            runner.step(target=y, losses=parts)  # equal micro-batches: the mean is the batch's
+            losses.append(float(torch.stack(parts).mean()))
         opt.step()
         opt.zero_grad()
 
     return step
 
 
-def conveyor_step(x: Tensor, y: Tensor, ctx: Any) -> tuple[Step, conveyor.Pipeline]:
+def conveyor_step(
+    x: Tensor, y: Tensor, ctx: Any, losses: list[float]
+) -> tuple[Step, conveyor.Pipeline]:
     pipe = conveyor.Pipeline(
         build_llama(), loss_fn=lm_loss, microbatches=MICROBATCHES, schedule="1f1b",
         context=ctx, tp_plan="auto", sample=(x, y),
@@ -125,7 +129,7 @@ def conveyor_step(x: Tensor, y: Tensor, ctx: Any) -> tuple[Step, conveyor.Pipeli
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
     def step() -> None:
-        pipe.train_step(x, y)
+        losses.append(float(pipe.train_step(x, y)))
         opt.step()
         opt.zero_grad()
 
@@ -140,9 +144,16 @@ def worker(args: argparse.Namespace, timed: Callable[..., list[float]]) -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]
+    ours_loss: list[float] = []
+    theirs_loss: list[float] = []
     runs: dict[str, Step] = {}
-    runs["conveyor"], pipe = conveyor_step(x, y, ctx)
-    runs["torch"] = torch_step(x, y, ctx.mesh)
+    runs["conveyor"], pipe = conveyor_step(x, y, ctx, ours_loss)
+    runs["torch"] = torch_step(x, y, ctx.mesh, theirs_loss)
+    for run in runs.values():  # the first step of each, from the same weights: equal losses
+        run()
+    firsts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(firsts, theirs_loss[:1])
+    theirs_first = next(f[0] for f in firsts if f)
     times, _ = alternate(runs, None, args.rounds, timed, args.steps, args.warmup)
     if dist.get_rank() != 0:
         return
@@ -152,6 +163,7 @@ def worker(args: argparse.Namespace, timed: Callable[..., list[float]]) -> None:
         f"{BATCH} in {MICROBATCHES} micro-batches, pp {PP} x tp {TP} = {PROCS} processes x 1 "
         f"thread, gloo; median of {args.rounds} rounds x {args.steps} steps\n"
         f"conveyor's automatic split:\n{pipe.describe()}\n"
+        f"first step's loss: conveyor {ours_loss[0]:.6f}, torch {theirs_first:.6f}\n"
     )
     print("| conveyor schedule | conveyor ms | torch schedule | torch ms | conveyor/torch |")
     print("|---|---:|---|---:|---:|")
