@@ -202,17 +202,7 @@ class Pipeline:
 
     def _vocab_note(self) -> str:
         """With ``vocab_parallel``: which layers are split over the ranks, and how."""
-        shards = self._parts.vocab if self._parts is not None else None
-        if shards is None:
-            return ""
-        layers, ranks = shards.layers, self.schedule.ranks
-        rows = -(-layers.rows // ranks)
-        tied = ", tied" if layers.tied else ""
-        return (
-            f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "
-            f"split over {ranks} ranks ({rows} each, the last ones fewer), "
-            f"{len(self.schedule.vocab)} passes (E, S, T, G per micro-batch)"
-        )
+        return self._parts.ends.note(self.schedule) if self._parts is not None else ""
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -229,8 +219,7 @@ class Pipeline:
     def vocab_layers(self) -> nn.Module | None:
         """With ``vocab_parallel``: a module holding this rank's rows of the vocabulary
         layers under their names in the model (None without)."""
-        shards = self._split("pipe.vocab_layers").vocab
-        return shards.holder if shards is not None else None
+        return self._split("pipe.vocab_layers").ends.holder
 
     @property
     def held_stages(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from conveyor.runtime.step_state import StepState
 from conveyor.runtime.transport import collective
 from conveyor.schedules.core import VocabAction
 from conveyor.vocab.cross_entropy import combine, local_targets, shard_grad, shard_stats
-from conveyor.vocab.shards import VocabInput, VocabShards
+from conveyor.vocab.shards import Takes, VocabShards, with_embedding
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,16 @@ class Group:
 
 
 class VocabRunner:
-    """Runs the vocabulary passes of this rank's steps (module doc)."""
+    """The stage ends of vocabulary parallelism (:class:`~conveyor.runtime.ends.StageEnds`):
+    runs the vocabulary passes of this rank's steps (module doc) and hands the first stage
+    its input embedding and the last stage's hidden states to the passes."""
+
+    every_rank = True  # every rank embeds and scores its rows: it reads the batch
 
     def __init__(
         self,
         shards: VocabShards,
         loss: VocabLoss,
-        stand_in: VocabInput,
         group: Group,
         device: torch.device,
         autocast: torch.dtype | None,
@@ -83,10 +86,9 @@ class VocabRunner:
         self.group = group
         self.device = device
         self.autocast = autocast
-        self.current = -1
-        # Waits for the rows' gather before a pass (FSDP over the replicas), else None.
-        self.ready: Callable[[], None] | None = None
-        stand_in.source = self._embedded_now
+        self.routed = False
+        # How the first stage takes its embedding (:func:`~conveyor.vocab.shards.first_stage`).
+        self.takes: Takes = "inputs_embeds" if shards.layers.transformers else "replace"
         self._state = StepState("train")
         self._inputs: list[Any] = []
         self._targets: list[Any] = []
@@ -144,33 +146,26 @@ class VocabRunner:
             )
         return self._targets[m]  # type: ignore[no-any-return]
 
-    def stage_input(self, m: int, value: Any) -> Any:
-        """What the first stage runs on for micro-batch ``m``: a transformers model takes
-        the embedding as ``inputs_embeds`` (and computes no loss: no labels)."""
-        if not self.shards.layers.transformers or not isinstance(value, dict):
-            return value
-        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
-        out["inputs_embeds"] = self._embedded_for(m)
-        return out
+    # ------------------------------------------------------------ the first stage's end
+    def first_input(self, m: int, value: Any) -> Any:
+        """What the first stage runs on for micro-batch ``m``: its embedding (the E pass's
+        leaf) as an input of its own (:data:`Takes`)."""
+        return with_embedding(value, self._embedded_for(m), self.takes)
 
     def sample(self, value: Any) -> Any:
-        """A capture sample as the first stage sees it (:meth:`stage_input`, zeros)."""
-        if not self.shards.layers.transformers or not isinstance(value, dict) or (
+        """A capture sample as the first stage sees it (:meth:`first_input`, zeros)."""
+        if self.takes != "inputs_embeds" or not isinstance(value, dict) or (
             "input_ids" not in value
         ):
             return value
         ids = value["input_ids"]
         weight = self.shards.local(self.shards.embedding)
-        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
         # On the meta device for a meta model: export then records the model there.
         where = weight.device if weight.is_meta else ids.device
-        out["inputs_embeds"] = torch.zeros(
+        zeros = torch.zeros(
             (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=where
         )
-        return out
-
-    def _embedded_now(self) -> torch.Tensor:
-        return self._embedded_for(self.current)
+        return with_embedding(value, zeros, self.takes)
 
     def _embedded_for(self, m: int) -> torch.Tensor:
         try:
@@ -181,11 +176,28 @@ class VocabRunner:
                 f"pass (E{m}); the schedule is inconsistent"
             ) from None
 
-    def embedded(self, m: int) -> torch.Tensor | None:
-        """The input embedding leaf of micro-batch ``m`` (None if not on this rank)."""
-        return self._embedded.get(m)
+    def input_grad(self, m: int, leaves: list[torch.Tensor], grads: list[Any]) -> None:
+        """The first stage's backward of micro-batch ``m`` computed its embedding's
+        gradient (G broadcasts it)."""
+        embedded = self._embedded.get(m)
+        grad = next((g for x, g in zip(leaves, grads, strict=True) if x is embedded), None)
+        if embedded is not None:
+            self._input_grad[m] = grad if grad is not None else torch.zeros_like(embedded)
 
-    def hidden_of(self, out: Any) -> torch.Tensor:
+    # ------------------------------------------------------------ the last stage's end
+    def last_output(self, m: int, out: Any, recomputing: bool = False) -> list[torch.Tensor]:
+        """The last stage's hidden states of micro-batch ``m``, kept for its S pass; its
+        backward starts from their gradient (the T pass's)."""
+        hidden = self._hidden_of(out)
+        if not recomputing:
+            self._hidden[m] = hidden
+        return [hidden]
+
+    def output_grad(self, m: int) -> list[torch.Tensor] | None:
+        """The gradient of the last stage's output of micro-batch ``m`` (from T)."""
+        return [self._hidden_grad.pop(m)]
+
+    def _hidden_of(self, out: Any) -> torch.Tensor:
         """The last stage's output as the hidden states: a tensor, or the ``logits``
         field of a model output (the output layer's stand-in filled it with them)."""
         hidden = out if isinstance(out, torch.Tensor) else output_field(out, "logits")
@@ -196,28 +208,15 @@ class VocabRunner:
             )
         return hidden
 
-    def keep_hidden(self, m: int, hidden: torch.Tensor) -> None:
-        """Keep the last stage's hidden states of micro-batch ``m`` for its S pass."""
-        self._hidden[m] = hidden
-
-    def hidden_grad(self, m: int) -> list[torch.Tensor]:
-        """The gradient of the last stage's output of micro-batch ``m`` (from T)."""
-        return [self._hidden_grad.pop(m)]
-
-    def input_grad(self, m: int, grad: torch.Tensor | None) -> None:
-        """The first stage's backward of micro-batch ``m`` computed its embedding's
-        gradient (G broadcasts it)."""
-        self._input_grad[m] = grad if grad is not None else torch.zeros_like(self._embedded[m])
-
     def leftovers(self) -> list[str]:
         """What the step kept and never used (a schedule missing passes)."""
         return [f"hidden states of micro-batch {m}" for m in self._hidden_grad]
 
     # ------------------------------------------------------------ the passes
-    def run(self, action: VocabAction) -> None:
-        """Run pass ``action`` on this rank's rows."""
-        if self.ready is not None:
-            self.ready()
+    def run_pass(self, step: Any) -> None:
+        """Run pass ``step`` (a :class:`~conveyor.schedules.core.VocabAction`) on this
+        rank's rows."""
+        action: VocabAction = step
         m = action.microbatch
         if action.kind == "E":
             self._embed(m)

@@ -4,7 +4,6 @@ the stages are cut from, this rank's rows, the vocabulary group and the passes' 
 from __future__ import annotations
 
 import datetime
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,9 @@ from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
-from conveyor.runtime.step_sync import StepSync
-from conveyor.runtime.transport import collective
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
 from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
-from conveyor.vocab.shards import VocabShards, local_tensor, stripped
+from conveyor.vocab.shards import VocabInput, VocabShards, first_stage, stripped
 
 
 @dataclass
@@ -31,13 +28,31 @@ class VocabSetup:
         layers: The vocabulary layers.
         model: The model the stages are cut from (the layers stood in for).
         shards: This rank's rows of the layers.
-        runner: Runs the passes.
+        runner: The stage ends: runs the passes.
+        stand_in: The input embedding's stand-in in ``model``.
     """
 
     layers: VocabLayers
     model: nn.Module
     shards: VocabShards
     runner: VocabRunner
+    stand_in: VocabInput
+
+    def split(self, stages: list[nn.Module]) -> None:
+        """The model was cut into ``stages``: the first takes its embedding as an input
+        of its own (:func:`~conveyor.vocab.shards.first_stage`)."""
+        self.runner.takes = first_stage(stages[0], self.stand_in, self.layers.transformers)
+
+    def note(self, ranks: int, passes: int) -> str:
+        """A line for ``print(pipe)``: which layers are split over the ranks, and how."""
+        layers = self.layers
+        rows = -(-layers.rows // ranks)
+        tied = ", tied" if layers.tied else ""
+        return (
+            f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "
+            f"split over {ranks} ranks ({rows} each, the last ones fewer), "
+            f"{passes} passes (E, S, T, G per micro-batch)"
+        )
 
 
 def vocab_loss(loss_fn: Any, layers: VocabLayers) -> VocabLoss:
@@ -98,8 +113,8 @@ def prepare(
         ctx.rank,
         ctx.timeout,
     )
-    runner = VocabRunner(shards, loss, stand_in, group, ctx.device, autocast)
-    return VocabSetup(layers, cut_from, shards, runner)
+    runner = VocabRunner(shards, loss, group, ctx.device, autocast)
+    return VocabSetup(layers, cut_from, shards, runner, stand_in)
 
 
 def check_traceable(model: nn.Module) -> None:
@@ -137,47 +152,3 @@ def _vocab_group(ctx: Context) -> Any:
                 mine = group
     held = Held(mine)
     return held.get
-
-
-class VocabReplicas(StepSync):
-    """Data-parallel replicas sum the vocabulary rows' gradients at the step's end (their
-    rows are the same on every replica)."""
-
-    def __init__(self, shards: VocabShards, ctx: Context) -> None:
-        self.params = shards.parameters()
-        self.ctx = ctx
-        self._train = False
-
-    def begin(self, program: Any) -> None:
-        """A step starts (only a training step reduces)."""
-        self._train = program.train
-
-    def finish(self) -> None:
-        """Sum the gradients over the data-parallel group."""
-        if not self._train:
-            return
-        group = self.ctx.dp_group
-        for p in self.params:
-            if p.grad is None:
-                continue
-            grad = local_tensor(p.grad)
-            collective(
-                functools.partial(dist.all_reduce, grad, group=group, async_op=True),
-                self.ctx.timeout,
-                f"rank {self.ctx.rank}: the data-parallel sum of the vocabulary gradients",
-                "another data-parallel replica",
-            )
-
-
-def make_vocab_replicas_equal(shards: VocabShards, ctx: Context) -> None:
-    """Replicas start from replica 0's rows (a model built with different seeds)."""
-    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)
-    for p in shards.parameters():
-        local = local_tensor(p)
-        with torch.no_grad():
-            collective(
-                functools.partial(dist.broadcast, local, src, group=ctx.dp_group, async_op=True),
-                ctx.timeout,
-                f"rank {ctx.rank}: making the vocabulary rows equal over replicas",
-                f"rank {src}",
-            )
