@@ -313,10 +313,9 @@ class VocabRunner:
             grad_in = (grad.to(flat.dtype) @ weight.to(flat.dtype)) if weight.shape[0] else (
                 torch.zeros_like(flat)
             )
-            grad_w = grad.t().to(flat.dtype) @ flat if weight.shape[0] else None
+            grad_w = grad.t().to(flat.dtype) @ flat  # [0, hidden] on a rank of no rows
         grad_in = grad_in.to(flat.dtype)
-        if grad_w is not None:
-            shards.add_grad(shards.output, grad_w)
+        shards.add_grad(shards.output, grad_w)
         self._collective(
             "hidden-state gradient sum (reduce)", m,
             lambda pg: dist.reduce(grad_in, g.last, dist.ReduceOp.SUM, group=pg, async_op=True),
@@ -348,6 +347,8 @@ class VocabRunner:
         if weight.shape[0]:
             rows = grad.reshape(-1, grad.shape[-1]) * held[:, None].to(grad.dtype)
             shards.add_rows(shards.embedding, index.clamp(0, weight.shape[0] - 1), rows)
+        else:  # no rows here: the gradient of none, so that every parameter has one
+            shards.add_grad(shards.embedding, torch.zeros_like(weight))
 
     def _gather_logits(self, m: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """A predict step's output: every rank's logits, concatenated on the last stage's."""
