@@ -36,7 +36,7 @@ def test_the_shards_cross_entropy_with_a_shard_of_no_rows(rows: int, smoothing: 
     assert spans[-1][0] == spans[-1][1]  # the last rank holds nothing
     parts = [logits[:, lo:hi] for lo, hi in spans]
     local = [local_targets(targets, -100, False, lo, hi) for lo, hi in spans]
-    stats = torch.stack([shard_stats(p, t, smoothing) for p, t in zip(parts, local)])
+    stats = torch.stack([shard_stats(p, t, smoothing) for p, t in zip(parts, local, strict=True)])
     assert float(stats[-1, 0].max()) == float("-inf")  # no columns: log-sum-exp is -inf
     combined = combine(stats, rows, smoothing)
     valid = local[0].valid
@@ -48,7 +48,7 @@ def test_the_shards_cross_entropy_with_a_shard_of_no_rows(rows: int, smoothing: 
     weight = valid.to(torch.float32)
     grads = [
         shard_grad(p.float(), combined.lse, t, weight, rows, smoothing)
-        for p, t in zip(parts, local)
+        for p, t in zip(parts, local, strict=True)
     ]
     assert grads[-1].shape == (11, 0)
     assert rel(torch.cat(grads, dim=1).double(), whole.grad) < 1e-5
