@@ -53,24 +53,26 @@ def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Sched
     Raises:
         ConfigError: vocabulary layers or a loss that cannot be split (one sentence).
     """
+    token_loss = model_token_loss(model) if options.loss_fn is None else None
+    coef = router_coef(model) if token_loss is not None else None
+    counter = token_loss.count if token_loss is not None else None
     if options.vocab_parallel:
         from conveyor.vocab.setup import check_traceable, prepare
 
         setup = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
-                        schedule.placement[0], schedule.placement[-1])  # fmt: skip
+                        schedule.placement[0], schedule.placement[-1], coef)  # fmt: skip
         if not setup.layers.transformers:
             check_traceable(setup.model)
         return Ends(
             setup.model,
             setup.runner,
             setup.shards.holder,
+            # The shards count the tokens; the router's term is weighted by their count.
+            counter=counter if coef is not None else None,
             sample=setup.runner.sample,
             split=setup.split,
             note=lambda s: setup.note(s.ranks, len(s.vocab)),
         )
-    token_loss = model_token_loss(model) if options.loss_fn is None else None
-    coef = router_coef(model) if token_loss is not None else None
-    counter = token_loss.count if token_loss is not None else None
     return Ends(model, ModelEnds(options.loss_fn, coef), counter=counter)
 
 

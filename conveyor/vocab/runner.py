@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,36 +33,13 @@ from conveyor.errors import PipelineError
 from conveyor.losses import output_field
 from conveyor.runtime.step_loss import LossTerm, StepLoss
 from conveyor.runtime.step_state import StepState
+
+__all__ = ["Group", "VocabLoss", "VocabRunner"]
 from conveyor.runtime.transport import collective
 from conveyor.schedules.core import VocabAction
+from conveyor.vocab.config import Group, VocabLoss, wide
 from conveyor.vocab.cross_entropy import combine, local_targets, shard_grad, shard_stats
 from conveyor.vocab.shards import Takes, VocabShards, with_embedding
-
-
-@dataclass(frozen=True)
-class VocabLoss:
-    """The token cross-entropy computed from the shards: ``ignore_index``,
-    ``label_smoothing``, ``shift`` (position i predicts target i + 1), whether the targets
-    are the ``labels`` of the inputs (a transformers model's own loss), and what counts a
-    micro-batch's items (None: its counted tokens)."""
-
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    shift: bool = False
-    labels_in_inputs: bool = False
-    counter: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-
-@dataclass
-class Group:
-    """The vocabulary group: the process group, and the global ranks of the first and
-    last stages' pipeline ranks (None in a world of one process)."""
-
-    group: Callable[[], dist.ProcessGroup] | None
-    first: int
-    last: int
-    me: int
-    timeout: float
 
 
 class VocabRunner:
@@ -80,13 +56,17 @@ class VocabRunner:
         group: Group,
         device: torch.device,
         autocast: torch.dtype | None,
+        router_coef: float | None = None,
     ) -> None:
         self.shards = shards
         self.loss = loss
         self.group = group
         self.device = device
         self.autocast = autocast
-        self.routed = False
+        # A transformers MoE model's own loss adds its router auxiliary term (loss_fn=None).
+        self.router_coef = router_coef
+        self.routed = router_coef is not None
+        self._aux: dict[int, torch.Tensor] = {}  # the ones the auxiliary roots start from
         # How the first stage takes its embedding (:func:`~conveyor.vocab.shards.first_stage`).
         self.takes: Takes = "inputs_embeds" if shards.layers.transformers else "replace"
         self._state = StepState("train")
@@ -110,7 +90,7 @@ class VocabRunner:
         self._inputs = inputs
         self._targets = targets or []
         for kept in (self._embedded, self._hidden, self._kept, self._hidden_grad,
-                     self._input_grad):  # fmt: skip
+                     self._input_grad, self._aux):  # fmt: skip
             kept.clear()
 
     def _ids(self, m: int) -> torch.Tensor:
@@ -191,11 +171,28 @@ class VocabRunner:
         hidden = self._hidden_of(out)
         if not recomputing:
             self._hidden[m] = hidden
-        return [hidden]
+        coef = self.router_coef
+        aux = output_field(out, "aux_loss") if coef is not None else None
+        state = self._state
+        if aux is None or coef is None or state.mode == "predict":
+            return [hidden]
+        # The router's auxiliary term (runtime/step_loss.py router_term): coef times the
+        # micro-batches' mean, over the step's count; no items, no rows of its own.
+        assert state.aux_weight is not None
+        term = LossTerm(wide(aux) * (coef * state.aux_weight), 1, 0, True)
+        if not recomputing:
+            state.loss = state.loss or StepLoss()
+            state.loss.add(term, 0)
+        root = term.root(state.scale)
+        self._aux[m] = torch.ones_like(root)
+        return [hidden, root]
 
     def output_grad(self, m: int) -> list[torch.Tensor] | None:
-        """The gradient of the last stage's output of micro-batch ``m`` (from T)."""
-        return [self._hidden_grad.pop(m)]
+        """The gradient of the last stage's output of micro-batch ``m`` (from T), and of
+        its router auxiliary term (one)."""
+        aux = self._aux.pop(m, None)
+        hidden = self._hidden_grad.pop(m)
+        return [hidden] if aux is None else [hidden, aux]
 
     def _hidden_of(self, out: Any) -> torch.Tensor:
         """The last stage's output as the hidden states: a tensor, or the ``logits``
@@ -381,3 +378,4 @@ class VocabRunner:
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
+

@@ -90,10 +90,13 @@ def prepare(
     autocast: torch.dtype | None,
     first_rank: int,
     last_rank: int,
+    router_coef: float | None = None,
 ) -> VocabSetup:
     """Find the layers, shard them over the pipeline ranks and make the runner.
 
-    ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages.
+    ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages;
+    ``router_coef``: a transformers MoE model's own loss adds its router auxiliary term
+    with this coefficient (``loss_fn=None``).
     Collective over the whole world when distributed (every rank makes every vocabulary
     group).
 
@@ -113,7 +116,7 @@ def prepare(
         ctx.rank,
         ctx.timeout,
     )
-    runner = VocabRunner(shards, loss, group, ctx.device, autocast)
+    runner = VocabRunner(shards, loss, group, ctx.device, autocast, router_coef)
     return VocabSetup(layers, cut_from, shards, runner, stand_in)
 
 

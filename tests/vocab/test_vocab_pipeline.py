@@ -199,7 +199,6 @@ def test_autocast_matches_the_unsplit_model_under_autocast() -> None:
         ({"vocab_parallel": "nope"}, "not a module"),
         ({"vocab_parallel": ("blocks.0.0", "head")}, "not a plain nn.Embedding"),
         ({"vocab_parallel": 3}, "must be False, True"),
-        ({"tp_plan": {}}, "does not compose with tp_plan"),
     ],
 )
 def test_what_cannot_be_split_is_refused_in_one_sentence(
