@@ -18,7 +18,16 @@ import pytest
 
 import conveyor
 from conveyor.experts import is_expert_parameter
-from tests.parallel.test_moe_pipeline import DP, EP, MICRO, PP, model_of, reference, shards_of, train
+from tests.parallel.test_moe_pipeline import (
+    DP,
+    EP,
+    MICRO,
+    PP,
+    model_of,
+    reference,
+    shards_of,
+    train,
+)
 from tests.support import distributed
 from tests.support.helpers import assert_close
 
