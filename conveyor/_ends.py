@@ -57,12 +57,10 @@ def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Sched
     coef = router_coef(model) if token_loss is not None else None
     counter = token_loss.count if token_loss is not None else None
     if options.vocab_parallel:
-        from conveyor.vocab.setup import check_traceable, prepare
+        from conveyor.vocab.setup import prepare
 
         setup = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
                         schedule.placement[0], schedule.placement[-1], coef)  # fmt: skip
-        if not setup.layers.transformers:
-            check_traceable(setup.model)
         return Ends(
             setup.model,
             setup.runner,

@@ -94,20 +94,7 @@ class VocabRunner:
             kept.clear()
 
     def _ids(self, m: int) -> torch.Tensor:
-        value = self._inputs[m]
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, dict):
-            if "input_ids" in value:
-                return value["input_ids"]  # type: ignore[no-any-return]
-            value = tuple(value.values())
-        found = [x for x in value if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-        if not found:
-            raise PipelineError(
-                "vocab_parallel: the inputs hold no integer tensor of token ids; pass the "
-                "ids as the first input (or as input_ids)"
-            )
-        return found[0]
+        return token_ids(self._inputs[m])
 
     def _labels(self, m: int) -> torch.Tensor:
         if self.loss.labels_in_inputs:
@@ -134,11 +121,11 @@ class VocabRunner:
 
     def sample(self, value: Any) -> Any:
         """A capture sample as the first stage sees it (:meth:`first_input`, zeros)."""
-        if self.takes != "inputs_embeds" or not isinstance(value, dict) or (
-            "input_ids" not in value
-        ):
+        if self.takes == "replace" or (self.takes == "inputs_embeds" and (
+            not isinstance(value, dict) or "input_ids" not in value
+        )):
             return value
-        ids = value["input_ids"]
+        ids = token_ids(value)
         weight = self.shards.local(self.shards.embedding)
         # On the meta device for a meta model: export then records the model there.
         where = weight.device if weight.is_meta else ids.device
@@ -379,3 +366,20 @@ class VocabRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
+
+def token_ids(value: Any) -> torch.Tensor:
+    """The token ids of a micro-batch: the tensor, the ``input_ids`` entry, or the first
+    integer tensor of a tuple or dict."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        if "input_ids" in value:
+            return value["input_ids"]  # type: ignore[no-any-return]
+        value = tuple(value.values())
+    found = [x for x in value if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    if not found:
+        raise PipelineError(
+            "vocab_parallel: the inputs hold no integer tensor of token ids; pass the "
+            "ids as the first input (or as input_ids)"
+        )
+    return found[0]

@@ -17,7 +17,7 @@ from conveyor.errors import ConfigError
 from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
 from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
-from conveyor.vocab.shards import VocabInput, VocabShards, first_stage, stripped
+from conveyor.vocab.shards import VocabInput, VocabShards, exportable, first_stage, stripped
 
 
 @dataclass
@@ -37,11 +37,14 @@ class VocabSetup:
     shards: VocabShards
     runner: VocabRunner
     stand_in: VocabInput
+    exported: bool = False
 
     def split(self, stages: list[nn.Module]) -> None:
         """The model was cut into ``stages``: the first takes its embedding as an input
-        of its own (:func:`~conveyor.vocab.shards.first_stage`)."""
-        self.runner.takes = first_stage(stages[0], self.stand_in, self.layers.transformers)
+        of its own (:func:`~conveyor.vocab.shards.first_stage`; a model torch.export
+        captures was given it as its first argument before, :func:`exportable`)."""
+        if not self.exported:
+            self.runner.takes = first_stage(stages[0], self.stand_in, self.layers.transformers)
 
     def note(self, ranks: int, passes: int) -> str:
         """A line for ``print(pipe)``: which layers are split over the ranks, and how."""
@@ -117,29 +120,27 @@ def prepare(
         ctx.timeout,
     )
     runner = VocabRunner(shards, loss, group, ctx.device, autocast, router_coef)
-    return VocabSetup(layers, cut_from, shards, runner, stand_in)
+    # A model only torch.export captures takes its embedding as its first argument (a
+    # transformers model has its own: inputs_embeds).
+    exported = not layers.transformers and not fx_traces(cut_from)
+    if exported:
+        exportable(cut_from, stand_in)
+        runner.takes = "prepend"
+    return VocabSetup(layers, cut_from, shards, runner, stand_in, exported)
 
 
-def check_traceable(model: nn.Module) -> None:
-    """A model cut with vocabulary parallelism must be a layer list or torch.fx-traceable
-    (torch.export would trace through the embedding's stand-in and keep one batch's values;
-    transformers models take their embedding as ``inputs_embeds`` instead).
-
-    Raises:
-        ConfigError: fx cannot trace ``model``.
-    """
+def fx_traces(model: nn.Module) -> bool:
+    """Whether ``model`` is a layer list or torch.fx traces it (else torch.export captures
+    it on a sample)."""
     from conveyor.partition.capture import NeedsSample, capture
 
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return
+        return True
     try:
         capture(model)
-    except NeedsSample as error:
-        raise ConfigError(
-            f"vocab_parallel splits a layer list, a model torch.fx traces or a transformers "
-            f"model, but {type(model).__name__} needs torch.export ({error}); make it "
-            f"fx-traceable or train it without vocab_parallel"
-        ) from None
+    except NeedsSample:
+        return False
+    return True
 
 
 def _vocab_group(ctx: Context) -> Any:

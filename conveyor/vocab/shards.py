@@ -40,9 +40,12 @@ class VocabInput(nn.Module):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self._traced: torch.Tensor | None = None  # see exportable()
 
     def forward(self, embedded: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The micro-batch's embedding, given as the first stage's input."""
+        if self._traced is not None:
+            return self._traced
         if not isinstance(embedded, torch.Tensor) or not embedded.is_floating_point():
             raise PipelineError(
                 f"model.{self.name} is split over the pipeline ranks (vocab_parallel) and "
@@ -79,6 +82,28 @@ def first_stage(stage: nn.Module, stand_in: VocabInput, transformers: bool) -> T
         f"vocab_parallel: the first stage does not start from model.{stand_in.name}; the "
         f"input embedding must be what the first stage computes first from the token ids"
     )
+
+
+def exportable(model: nn.Module, stand_in: VocabInput) -> None:
+    """Make ``model`` (the split model, a copy) take its input embedding as its first
+    argument, before its own, so that torch.export captures it as an input of the graph.
+
+    While export traces the model's forward, the stand-in returns that argument: the
+    captured graph then reads the embedding from its input, and the stand-in is not in it
+    (export inlines modules). Nothing is read from the stand-in when the stages run.
+    """
+    base = type(model)
+
+    def forward(self: nn.Module, conveyor_input_embedding: torch.Tensor, *args: Any,
+                **kwargs: Any) -> Any:  # fmt: skip
+        stand_in._traced = conveyor_input_embedding
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            stand_in._traced = None
+
+    namespace = {"forward": forward, "__module__": base.__module__}
+    model.__class__ = type(base.__name__, (base,), namespace)
 
 
 def with_embedding(value: Any, embedded: torch.Tensor, takes: Takes) -> Any:
