@@ -80,7 +80,7 @@ def reference(vocab: int, tied: bool) -> tuple[list[float], dict[str, torch.Tens
     for ids, targets in batches(vocab):
         total, count = LOSS(whole(ids), targets)
         (total / count).backward()
-        losses.append(float(total / count))
+        losses.append((total / count).item())
     return losses, {n: p.grad.clone() for n, p in whole.named_parameters()}
 
 
