@@ -38,6 +38,7 @@ from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule, validate
+from conveyor.schedules.core import paired_with_vocab
 from conveyor.schedules.vocab import with_vocab
 from conveyor.weights import Weights
 
@@ -155,7 +156,10 @@ class Pipeline:
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         if options.vocab_parallel and not self.schedule.vocab:
-            self.schedule = validate(with_vocab(self.schedule))
+            # The passes placed, and the schedule's overlapped pairs kept where they still
+            # run as units around them (expert parallelism's paired F/B).
+            placed = with_vocab(self.schedule)
+            self.schedule = validate(paired_with_vocab(placed, self.schedule.pairs))
         options.check_schedule(self.schedule)
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self._model = model
