@@ -4,7 +4,8 @@ it). Each tensor-parallel slice has its own vocabulary group over its pipeline r
 
 Two accumulated steps of padded rows over uneven micro-batches, tied and untied, on 1f1b
 and zb-h1: every rank's loss and every gradient (tensor-parallel shards and vocabulary rows
-gathered whole) equal the unsplit model's.
+gathered whole) equal the unsplit model's; what every rank posts (transfers, the tensor-
+parallel and the vocabulary collectives) replays deadlock-free under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 import conveyor
 from tests.support import distributed
+from tests.support.nccl_model import Record, check
 from tests.vocab.models import HIDDEN, VOCAB, padded_batch
 from tests.vocab.test_vocab_pipeline import LOSS, TOL, rel
 
@@ -63,19 +65,23 @@ def reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _world(rank: int) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from tests.support.nccl_record import recording
+
     ctx = conveyor.init(pp=2, tp=2)
     plan = {"blocks.*.0": ColwiseParallel(), "blocks.*.2": RowwiseParallel()}
     out: dict[str, Any] = {}
     for schedule, tied in CASES:
-        pipe = conveyor.Pipeline(MlpGPT(tied), loss_fn=LOSS, microbatches=4, schedule=schedule,
-                                 tp_plan=plan, vocab_parallel=True, context=ctx)  # fmt: skip
-        losses = [float(pipe.train_step(ids, t)) for ids, t in steps()]
+        with recording() as trace:
+            pipe = conveyor.Pipeline(MlpGPT(tied), loss_fn=LOSS, microbatches=4,
+                                     schedule=schedule, tp_plan=plan, vocab_parallel=True,
+                                     context=ctx)  # fmt: skip
+            losses = [float(pipe.train_step(ids, t)) for ids, t in steps()]
         split = sorted({n for n, p in pipe.named_parameters() if hasattr(p, "to_local")})
         grads = {
             n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
             for n, p in pipe.named_parameters()
         }
-        out[f"{schedule} {tied}"] = (losses, grads, split)
+        out[f"{schedule} {tied}"] = (losses, grads, split, [r.to_dict() for r in trace])
     return out
 
 
@@ -88,7 +94,7 @@ def test_pp2_tp2_with_the_rows_split_is_exact() -> None:
         want_losses, want = reference(tied)
         seen: set[str] = set()
         for rank, r in enumerate(results):
-            losses, grads, split = r[key]
+            losses, grads, split, _ = r[key]
             assert any(n.startswith("blocks.") for n in split), (key, split)  # tp shards
             assert "wte.weight" in split, (key, split)  # the rows
             for a, b in zip(losses, want_losses, strict=True):
@@ -97,3 +103,4 @@ def test_pp2_tp2_with_the_rows_split_is_exact() -> None:
                 assert rel(g, want[name]) < TOL, f"{key}: rank {rank} {name}"
                 seen.add(name)
         assert seen == set(want), key
+        check({rank: [Record.from_dict(x) for x in r[key][3]] for rank, r in enumerate(results)})
