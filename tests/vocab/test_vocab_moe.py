@@ -5,7 +5,8 @@ auxiliary loss on) and Mixtral (router loss off) on pp=2 x dp=2 x ep=2 (4 proces
 hidden states are handed over by micro-batch, so an F and a B of other micro-batches
 running together each get their own. Also 1f1b with its steady state paired and every
 stage recomputed: a recomputed first-stage forward runs inside a paired backward while
-the pair's forward runs another micro-batch.
+the pair's forward runs another micro-batch. And dualpipev under FSDP (the rows' holder one
+more FSDP unit beside the stages and the experts).
 
 Against the unsplit model (tests/parallel/test_moe_pipeline.py's reference: two steps of
 padded rows with an SGD step between, each replica its own rows): every rank's loss, and
@@ -43,6 +44,7 @@ RUNS = [
     ("qwen2_moe", True, "1f1b"),
     ("qwen2_moe", True, "dualpipev"),
     ("qwen2_moe", True, "1f1b paired recompute"),
+    ("qwen2_moe", True, "dualpipev fsdp"),
     ("mixtral", False, "1f1b"),
     ("mixtral", False, "dualpipev"),
 ]
@@ -60,7 +62,8 @@ def _ranks(rank: int, runs: list[tuple[str, bool, str]]) -> dict[str, Any]:
             pipe = conveyor.Pipeline(
                 model_of(kind, aux), loss_fn=None, microbatches=MICRO,
                 schedule=paired(schedule) if "paired" in run else schedule,
-                recompute="recompute" in run, vocab_parallel=True, sample=(shards[0], None),
+                recompute="recompute" in run, fsdp="fsdp" in run, vocab_parallel=True,
+                sample=(shards[0], None),
             )  # fmt: skip
             steps = train(pipe, shards)
         experts = [n for n, p in pipe.named_parameters() if is_expert_parameter(p)]
