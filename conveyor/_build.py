@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conveyor._ends import HOLDER, Ends, stage_ends
 from conveyor._options import Options
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.experts import apply_ep, check_tp_plan, chosen
-from conveyor.losses import model_token_loss
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
@@ -38,14 +38,6 @@ from conveyor.runtime.tp_export import check_export_plan, kept_for_tp
 from conveyor.runtime.tp_styles import resolve
 from conveyor.runtime.transport import guarded
 from conveyor.schedules import Schedule
-from conveyor.vocab.fsdp import VocabSharded
-from conveyor.vocab.setup import (
-    VocabReplicas,
-    check_traceable,
-    make_vocab_replicas_equal,
-    prepare,
-)
-from conveyor.vocab.shards import VocabShards
 from conveyor.weights import Pending, has_meta
 from conveyor.weights.allocate import allocate_sharded
 
@@ -59,13 +51,14 @@ class RankParts:
         description: the whole split, as ``print(pipe)`` shows it.
         shared: weights tied across stages, with the groups that sum their gradients.
         stepper: runs this process's steps (:class:`~conveyor.runtime.step.Stepper`).
+        ends: the stage ends (:class:`~conveyor._ends.Ends`: their unit beside the stages).
     """
 
     stages: dict[int, nn.Module]
     description: SplitInfo
     shared: SharedParameters
     stepper: Stepper
-    vocab: VocabShards | None = None
+    ends: Ends
 
     @property
     def compiled(self) -> CompileStats | None:
@@ -89,9 +82,10 @@ class RankParts:
                     yield name, p
 
     def _modules(self) -> list[nn.Module]:
-        """The stages in order, then the vocabulary rows' holder (vocab_parallel)."""
+        """The stages in order, then the unit of the stage ends (if they have one)."""
         held = [self.stages[s] for s in sorted(self.stages)]
-        return held + ([self.vocab.holder] if self.vocab is not None else [])
+        holder = self.ends.holder
+        return held + ([holder] if holder is not None else [])
 
     def state_dict(self) -> dict[str, Any]:
         """The stages' state, keyed by the names in the model."""
@@ -145,19 +139,15 @@ def build(
         NeedsSample: the model needs ``torch.export`` and ``sample`` is None.
         ConfigError: a split or sharding that cannot work, in one sentence.
     """
-    vocab = None
-    if options.vocab_parallel:
-        last = schedule.placement[-1]
-        vocab = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
-                        schedule.placement[0], last)  # fmt: skip
-        sample = vocab.runner.sample(sample) if sample is not None else None
-    cut_from = vocab.model if vocab is not None else model
-    if vocab is not None and not vocab.layers.transformers:
-        check_traceable(cut_from)
+    # What the first stage reads and the last stage's output becomes (the model's own
+    # input and loss, or other ends that may hold parameters beside the stages).
+    ends = stage_ends(model, options, ctx, schedule)
+    sample = ends.sample(sample) if sample is not None else None
     tp_plan = resolve(options.tp_plan, model)  # "auto": the model's own plan
-    kept = kept_for_tp(model, tp_plan, ctx.tp_size)  # run as modules under torch.export
-    all_stages = split_model(cut_from, schedule.stages, options.balance, sample, schedule.placement,
-                             kept)  # fmt: skip
+    kept = kept_for_tp(ends.model, tp_plan, ctx.tp_size)  # run as modules under torch.export
+    all_stages = split_model(ends.model, schedule.stages, options.balance, sample,
+                             schedule.placement, kept)  # fmt: skip
+    ends.split(all_stages)
     if options.balance is None and annotated_stages(model) is None:
         _check_every_rank_trains(schedule, all_stages)
     held = held_stages(schedule, ctx)
@@ -168,7 +158,9 @@ def build(
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
     sharding = options.tp_plan is not None or bool(options.fsdp) or ctx.ep_size > 1
     given = meta or options.weights is not None
-    own = list(stages.values()) + ([vocab.shards.holder] if vocab is not None else [])
+    # The ends' unit is one more beside the stages (initialized, reduced, sharded alike).
+    units = stages if ends.holder is None else {**stages, HOLDER: ends.holder}
+    own = list(units.values())
     pending = Pending(model, own, options.weights, options.init_seed) if given else None
     if pending is not None and not sharding:
         pending.give(ctx.device)
@@ -188,9 +180,7 @@ def build(
     # Data-parallel replicas start from replica 0's parameters (before any sharding).
     replicas = ctx.distributed and ctx.dp_size > 1
     if replicas and not given:
-        make_replicas_equal(stages, ctx)
-        if vocab is not None:
-            make_vocab_replicas_equal(vocab.shards, ctx)
+        make_replicas_equal(units, ctx)
     # Expert collections over the ep ranks: each rank keeps its experts' share (values
     # given later land in that share), before tensor parallelism as in torchtitan.
     experts = apply_ep(stages, options.ep_plan, ctx, every=all_stages)
@@ -214,10 +204,8 @@ def build(
         sharded = Sharded(
             stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard",
             experts=_experts_fsdp(stages, experts, ctx),
+            beside={k: v for k, v in units.items() if k not in stages},
         )  # fmt: skip
-    vocab_sharded: list[StepSync] = []
-    if options.fsdp and vocab is not None:  # its rows too, one unit over dp (vocab/fsdp.py)
-        vocab_sharded.append(VocabSharded(vocab.shards, vocab.runner, ctx))
     if pending is not None and sharding:
         owned = meta and bool(options.fsdp)  # FSDP allocates its shards' storage itself
         allocate = (lambda: allocate_sharded(own, ctx.device)) if owned else None
@@ -227,7 +215,7 @@ def build(
     engine = Engine(
         schedule,
         stages,
-        options.loss_fn,
+        ends.runtime,
         ctx,
         recompute=options.recompute_stages(schedule.stages),
         autocast=options.autocast,
@@ -237,44 +225,26 @@ def build(
         # Every pipeline rank decides alike (the pairs shape every rank's program): the
         # model has expert collections and they are spread over ep ranks.
         pairs=ctx.ep_size > 1 and bool(chosen(all_stages, options.ep_plan)),
-        vocab=vocab.runner if vocab is not None else None,
     )
     # Without FSDP, replicas average their gradients while the pipeline drains.
     reductions: list[StepSync] = []
     if replicas and not options.fsdp:
-        reductions.append(DataParallel(stages, ctx))
-        if vocab is not None:
-            reductions.append(VocabReplicas(vocab.shards, ctx))
+        reductions.append(DataParallel(units, ctx))
     if shared:
         reductions.append(shared)
     gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
-    params = [p for stage in stages.values() for p in stage.parameters()]
-    if vocab is not None:
-        params += vocab.shards.parameters()
-    token_loss = model_token_loss(model) if options.loss_fn is None and vocab is None else None
-    if token_loss is not None:
-        engine.compute.router_coef = router_coef(model)
+    params = [p for unit in units.values() for p in unit.parameters()]
     stepper = Stepper(
         engine,
         ctx,
         reads_targets=options.loss_fn is not None,
-        counter=token_loss.count if token_loss is not None else None,
+        counter=ends.counter,
         reductions=reductions,
-        gathers=[*gathers, *vocab_sharded],
+        gathers=gathers,
         grads=StepGradients(params),
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
-    return RankParts(stages, description, shared, stepper, vocab.shards if vocab else None)
-
-
-def router_coef(model: Any) -> float | None:
-    """A transformers MoE model's ``router_aux_loss_coef`` where its loss adds the router
-    auxiliary term (``output_router_logits=True``), else None."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False):
-        return None
-    coef = getattr(model, "router_aux_loss_coef", None)
-    return float(coef) if isinstance(coef, (int, float)) else None
+    return RankParts(stages, description, shared, stepper, ends)
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

@@ -93,17 +93,6 @@ class Options:
             )
         if isinstance(spec, (list, tuple)):
             object.__setattr__(self, "vocab_parallel", tuple(spec))
-        if not spec:
-            return
-        refused = [
-            (self.tp_plan is not None, "tp_plan"),
-            (self.ep_plan is not None, "ep_plan"),
-        ]
-        for on, name in refused:
-            if on:
-                raise ConfigError(
-                    f"vocab_parallel does not compose with {name} yet; train with one of them"
-                )
 
     def check_context(self, ctx: Context) -> None:
         """Check ``fsdp`` and ``tp_plan`` against the processes ``ctx`` describes.
@@ -134,11 +123,6 @@ class Options:
                 "stages with dynamic shapes fails in AOTAutograd (RecursionError); pass "
                 "compile={'dynamic': False} (each new sequence length then compiles once), or "
                 "compile=False"
-            )
-        if self.vocab_parallel and ctx.ep_size > 1:
-            raise ConfigError(
-                "vocab_parallel does not compose with expert parallelism (init(ep=...)) yet; "
-                "train with one of them"
             )
         plan = self.tp_plan
         if plan is not None and not isinstance(plan, Mapping) and plan != "auto":

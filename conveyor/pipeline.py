@@ -38,6 +38,7 @@ from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule, validate
+from conveyor.schedules.core import paired_with_vocab
 from conveyor.schedules.vocab import with_vocab
 from conveyor.weights import Weights
 
@@ -155,7 +156,10 @@ class Pipeline:
         ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
         self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
         if options.vocab_parallel and not self.schedule.vocab:
-            self.schedule = validate(with_vocab(self.schedule))
+            # The passes placed, and the schedule's overlapped pairs kept where they still
+            # run as units around them (expert parallelism's paired F/B).
+            placed = with_vocab(self.schedule)
+            self.schedule = validate(paired_with_vocab(placed, self.schedule.pairs))
         options.check_schedule(self.schedule)
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self._model = model
@@ -202,17 +206,7 @@ class Pipeline:
 
     def _vocab_note(self) -> str:
         """With ``vocab_parallel``: which layers are split over the ranks, and how."""
-        shards = self._parts.vocab if self._parts is not None else None
-        if shards is None:
-            return ""
-        layers, ranks = shards.layers, self.schedule.ranks
-        rows = -(-layers.rows // ranks)
-        tied = ", tied" if layers.tied else ""
-        return (
-            f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "
-            f"split over {ranks} ranks ({rows} each, the last ones fewer), "
-            f"{len(self.schedule.vocab)} passes (E, S, T, G per micro-batch)"
-        )
+        return self._parts.ends.note(self.schedule) if self._parts is not None else ""
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -229,8 +223,7 @@ class Pipeline:
     def vocab_layers(self) -> nn.Module | None:
         """With ``vocab_parallel``: a module holding this rank's rows of the vocabulary
         layers under their names in the model (None without)."""
-        shards = self._split("pipe.vocab_layers").vocab
-        return shards.holder if shards is not None else None
+        return self._split("pipe.vocab_layers").ends.holder
 
     @property
     def held_stages(self) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ action's input and passes on what it returns. It keeps what a step needs between
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,13 +15,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineError
-from conveyor.losses import output_field
 from conveyor.partition.describe import shape_of
 from conveyor.runtime.call import StageCaller
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.ends import LossFn, StageEnds
 from conveyor.runtime.memory import ActivationMeter
-from conveyor.runtime.passes import Passes
 from conveyor.runtime.recompute import (
     discard_saved,
     replay_rng,
@@ -30,19 +28,11 @@ from conveyor.runtime.recompute import (
     shape_only,
 )
 from conveyor.runtime.split_backward import backward_input
-from conveyor.runtime.step_loss import (
-    LossTerm,
-    StepLoss,
-    as_term,
-    counted_term,
-    router_term,
-)
 from conveyor.runtime.step_state import StepState
 from conveyor.runtime.wire import TensorMeta
 from conveyor.schedules import Action
 
-LossFn = Callable[[Any, Any], Any]
-"""``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
+__all__ = ["LossFn", "StageCompute", "grad_leaves"]
 
 
 def grad_leaves(value: Any) -> list[torch.Tensor]:
@@ -52,25 +42,10 @@ def grad_leaves(value: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
-def model_loss(out: Any) -> torch.Tensor:
-    """The loss a model computed itself (``loss_fn=None``): its output if that is a scalar,
-    else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
-    if isinstance(out, torch.Tensor) and out.numel() == 1:
-        return out
-    loss = output_field(out, "loss")
-    if loss is None:
-        raise PipelineError(
-            f"loss_fn=None takes the loss from the model's output, but its "
-            f"{type(out).__name__} has no loss; pass what the model needs to compute one "
-            f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
-        )
-    return loss
-
-
 def _track_float(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         if x.requires_grad and x.is_leaf:
-            return x  # already tracked (the vocabulary-parallel input embedding)
+            return x  # already tracked (an input the first end made a leaf)
         return x.detach().requires_grad_()
     return x
 
@@ -83,7 +58,7 @@ class StageCompute:
         stages: dict[int, nn.Module],
         last_stage: int,
         split_backward: bool,
-        loss_fn: LossFn | None,
+        ends: StageEnds,
         device: torch.device,
         *,
         recompute: frozenset[int],
@@ -97,15 +72,14 @@ class StageCompute:
         self.compiled = compiled
         self.last_stage = last_stage
         self.split_backward = split_backward
-        self.loss_fn = loss_fn
+        # What the first stage reads and what the last stage's output becomes.
+        self.ends = ends
         self.device = device
         self.recompute = frozenset(s for s in recompute if s in stages)
         self.autocast = autocast
         self.meter = meter
         # Neither option: the forward runs exactly the original, option-free code.
         self._plain = not self.recompute and autocast is None
-        # A transformers MoE model's router_aux_loss_coef (loss_fn=None, router logits on).
-        self.router_coef: float | None = None
         self.params: dict[int, list[torch.Tensor]] = {
             s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()
         }
@@ -113,8 +87,6 @@ class StageCompute:
             [p for ps in self.params.values() for p in ps], opaque=compiled is not None
         )
         self._call = StageCaller()
-        # Vocabulary parallelism: the passes around the first and last stages (None: off).
-        self.vocab: Passes | None = None
         # Per stage held here: 'dtype[shape]' of each value its first forward sent on.
         self.sent_shapes: dict[int, list[str]] = {}
         self.step = StepState("train")
@@ -160,88 +132,47 @@ class StageCompute:
 
     def _forward(self, action: Action, value: Any) -> Any:
         s, m = action.stage, action.microbatch
+        train = self.step.train
         if s == 0:
-            in_leaves: list[torch.Tensor] = []
-            if self.step.train and self.split_backward:
+            value = self.ends.first_input(m, value)
+            if train and self.split_backward:
                 # Track the input's gradient (then dropped) so that B, not W, walks the
                 # stage's input path: the first stage's B and W then cost what the
                 # schedule assumes of every stage, instead of B nothing and W everything.
                 value = pytree.tree_map(_track_float, value)
-                in_leaves = grad_leaves(value)
-        else:
-            in_leaves = grad_leaves(value) if self.step.train else []
-        term: LossTerm | None = None
-        vocab = self.vocab
-        if vocab is not None and s == 0:
-            vocab.current = m  # the embedding the first stage's stand-in returns
+        in_leaves = grad_leaves(value) if train else []
+        roots: list[torch.Tensor] | None = None
         if not self._plain:
-            out, term = self._forward_with_options(s, m, value)
-        elif self.step.train and self.split_backward:
+            out, roots = self._forward_with_options(s, m, value)
+        elif train and self.split_backward:
             with self._store.capture((s, m)):
                 out = self._call(s, self.stages[s], value, s == 0)
         else:
             out = self._call(s, self.stages[s], value, s == 0)
-        if vocab is not None and s == 0 and self.step.train:
-            embedded = vocab.embedded(m)
-            if embedded is not None and embedded.requires_grad:
-                # Its gradient is the embedding's (G); last of the leaves, once.
-                in_leaves = [x for x in in_leaves if x is not embedded] + [embedded]
-        if vocab is not None and s == self.last_stage:
-            # The output layer runs as the S and T passes, on every rank's rows.
-            hidden = vocab.hidden_of(out)
-            vocab.keep_hidden(m, hidden)
-            if self.step.train:
-                recomputed = self.step.stash and (s, m) in self.step.stash
-                self.step.saved[(s, m)] = (in_leaves, [shape_only(hidden)] if recomputed
-                                           else [hidden])  # fmt: skip
-            return None
         if s < self.last_stage:
             if s not in self.sent_shapes:
                 values = out if isinstance(out, tuple) else (out,)
                 self.sent_shapes[s] = [shape_of(v) for v in values]
-            if self.step.train:
+            if train:
                 outs = grad_leaves(out)
                 if self.step.stash and (s, m) in self.step.stash:  # recomputed at B: shapes only
                     outs = [shape_only(t) for t in outs]
                 self.step.saved[(s, m)] = (in_leaves, outs)
             return out
-        if self.step.mode == "predict":
-            self.step.outputs[m] = pytree.tree_map(
-                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
-            )
-            return None
-        if term is None:
-            term = self._term(out, m)
-        if self.step.loss is None:
-            self.step.loss = StepLoss()
-        self.step.loss.add(term, self.step.sizes[m])
-        if self.step.train:
-            # A recomputed last stage keeps nothing: B recomputes the loss too.
-            recomputed = self.step.stash and (s, m) in self.step.stash
-            kept = [] if recomputed else [term.root(self.step.scale)]
-            self.step.saved[(s, m)] = (in_leaves, kept)
+        if roots is None:
+            roots = self.ends.last_output(m, out)
+        if train:
+            # A recomputed last stage keeps shapes only: B recomputes the loss too.
+            if self.step.stash and (s, m) in self.step.stash:
+                roots = [shape_only(t) for t in roots]
+            self.step.saved[(s, m)] = (in_leaves, roots)
         return None
 
-    def _term(self, out: Any, m: int) -> LossTerm:
-        """The micro-batch's loss as a pair (see :func:`~conveyor.runtime.step_loss.as_term`)."""
-        if self.loss_fn is None:
-            result: Any = model_loss(out)
-            if self.step.counts is not None:
-                aux = output_field(out, "aux_loss")
-                if self.router_coef is not None and aux is not None:
-                    assert self.step.aux_weight is not None
-                    return router_term(
-                        result, aux, self.router_coef, self.step.counts[m], self.step.aux_weight
-                    )
-                return counted_term(result, self.step.counts[m])
-        else:
-            assert self.step.targets is not None
-            result = self.loss_fn(out, self.step.targets[m])
-        return as_term(result, self.step.sizes[m])
-
-    def _forward_with_options(self, s: int, m: int, value: Any) -> tuple[Any, LossTerm | None]:
-        """F under autocast and/or recompute; returns the output and, on the last stage
-        (outside predict), the loss term, computed under the same autocast."""
+    def _forward_with_options(
+        self, s: int, m: int, value: Any
+    ) -> tuple[Any, list[torch.Tensor] | None]:
+        """F under autocast and/or recompute; returns the output and, on the last stage,
+        what its end made of it (:meth:`StageEnds.last_output`), under the same autocast."""
         recompute = self.step.train and s in self.recompute and (s, m) not in self.step.adjacent
         if recompute:
             self.step.stash[(s, m)] = (value, rng_state(self.device))
@@ -250,7 +181,7 @@ class StageCompute:
                     [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
                 )
         capture = self.step.train and self.split_backward and not recompute
-        term = None
+        roots = None
         with contextlib.ExitStack() as stack:
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
@@ -259,16 +190,14 @@ class StageCompute:
                 stack.enter_context(discard_saved())
             with self._store.capture((s, m)) if capture else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            if s == self.last_stage and self.step.mode != "predict" and self.vocab is None:
-                term = self._term(out, m)
-        return out, term
+            if s == self.last_stage:
+                roots = self.ends.last_output(m, out)
+        return out, roots
 
     def _rerun(self, s: int, m: int) -> list[torch.Tensor]:
-        """B of a recompute stage: its forward again, from the kept input and RNG state;
-        returns the outputs to differentiate."""
+        """B of a recompute stage: its forward again, from the kept input (the first
+        stage's as its end gave it) and RNG state; returns the outputs to differentiate."""
         value, rng = self.step.stash[(s, m)]
-        if self.vocab is not None and s == 0:
-            self.vocab.current = m
         with contextlib.ExitStack() as stack:
             stack.enter_context(replay_rng(rng, self.device))
             if self.autocast is not None:
@@ -276,11 +205,8 @@ class StageCompute:
             split = self.split_backward
             with self._store.capture((s, m)) if split else contextlib.nullcontext():
                 out = self._call(s, self.stages[s], value, s == 0)
-            last = s == self.last_stage
-            if last and self.vocab is not None:
-                outs = [self.vocab.hidden_of(out)]
-            elif last:
-                outs = [self._term(out, m).root(self.step.scale)]
+            if s == self.last_stage:
+                outs = self.ends.last_output(m, out, recomputing=True)
             else:
                 outs = grad_leaves(out)
         # Dropped only now: an error in the forward above is then named a recompute.
@@ -320,8 +246,7 @@ class StageCompute:
                 torch.autograd.backward(outs, grads)
             got = [x.grad for x in in_leaves]
         if s == 0:
-            if self.vocab is not None and self.vocab.embedded(m) is not None:
-                self.vocab.input_grad(m, got[-1])
+            self.ends.input_grad(m, in_leaves, list(got))
             return None
         return [
             g if g is not None else torch.zeros_like(x) for g, x in zip(got, in_leaves, strict=True)

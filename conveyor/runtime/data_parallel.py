@@ -62,6 +62,8 @@ class DataParallel(StepSync):
     """
 
     def __init__(self, stages: dict[int, nn.Module], ctx: Context) -> None:
+        """``stages``: this rank's stages by index, and any units beside them (keys no
+        action has: their gradients are summed at the step's end)."""
         if not ctx.distributed or ctx.dp_group is None:
             raise ValueError("DataParallel needs a distributed context with dp_size > 1")
         self._ctx = ctx
@@ -231,8 +233,14 @@ def _like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     assert isinstance(param, DTensor)
+    # The global shape given: an uneven Shard(0)'s would be guessed wrong.
     return DTensor.from_local(
-        values.view_as(local), param.device_mesh, param.placements, run_check=False
+        values.view_as(local),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )
 
 

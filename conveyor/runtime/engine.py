@@ -22,11 +22,11 @@ from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
 from conveyor.runtime.channel import Mailbox, Remote
 from conveyor.runtime.compiled import CompileStats
-from conveyor.runtime.compute import LossFn, StageCompute, model_loss
+from conveyor.runtime.compute import StageCompute
+from conveyor.runtime.ends import LossFn, ModelEnds, StageEnds, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
 from conveyor.runtime.microbatch import MicroBatches
 from conveyor.runtime.overlap import Pair, Spans, record
-from conveyor.runtime.passes import Passes
 from conveyor.runtime.program import (
     RankProgram,
     Tick,
@@ -38,9 +38,9 @@ from conveyor.runtime.step_loss import pack
 from conveyor.runtime.step_state import Mode, StepRecord, StepState
 from conveyor.runtime.step_sync import StepSync
 from conveyor.runtime.timing import Timing
-from conveyor.schedules import Action, F, Schedule, W
+from conveyor.schedules import Action, B, F, Schedule, W
 
-__all__ = ["Engine", "Header", "LossFn", "model_loss"]
+__all__ = ["Engine", "Header", "LossFn", "ModelEnds", "model_loss"]
 
 
 class Header(NamedTuple):
@@ -60,7 +60,7 @@ class Engine:
         self,
         schedule: Schedule,
         stages: dict[int, nn.Module],
-        loss_fn: LossFn | None,
+        ends: StageEnds,
         ctx: Context,
         *,
         recompute: frozenset[int] = frozenset(),
@@ -69,17 +69,17 @@ class Engine:
         compiled: CompileStats | None = None,
         modules: Mapping[int, str] | None = None,
         pairs: bool = False,
-        vocab: Passes | None = None,
     ) -> None:
-        """``recompute``: global indices of stages whose forward is re-run at B instead of
+        """``ends``: what the first stage reads and what the last stage's output becomes
+        (:class:`~conveyor.runtime.ends.ModelEnds`: the model's input and ``loss_fn``);
+        ``recompute``: global indices of stages whose forward is re-run at B instead of
         keeping its activations; ``autocast``: the dtype stage forwards run under
         ``torch.autocast`` (None: as the model is); ``track_memory``: measure the activation
         memory of every training step; ``compiled``: the stages were compiled
         (:func:`~conveyor.runtime.compiled.compile_stages`); ``modules``: per stage, its
         modules as ``print(pipe)`` names them (an error raised in a stage's work names
         them); ``pairs``: run the schedule's overlapped pairs interleaved at their
-        all-to-alls (:mod:`~conveyor.runtime.overlap`; where experts are sharded);
-        ``vocab``: runs the schedule's vocabulary passes (vocabulary parallelism)."""
+        all-to-alls (:mod:`~conveyor.runtime.overlap`; where experts are sharded)."""
         self.schedule = schedule
         self.modules = dict(modules or {})
         self.stages = stages
@@ -93,15 +93,14 @@ class Engine:
             stages,
             schedule.stages - 1,
             schedule.split_backward,
-            loss_fn,
+            ends,
             ctx.device,
             recompute=recompute,
             autocast=autocast,
             meter=self.meter,
             compiled=compiled,
         )
-        self.vocab = vocab
-        self.compute.vocab = vocab
+        self.ends = ends
         self.channel: Mailbox = (
             Remote(schedule, stages, ctx, self.compute.gradient_metas)
             if ctx.distributed
@@ -182,8 +181,7 @@ class Engine:
                           program.adjacent, t0, aux_weight)  # fmt: skip
         self._state, self._syncs = state, syncs
         compute.begin(state)
-        if self.vocab is not None:
-            self.vocab.begin(state, batch.inputs, batch.targets)
+        self.ends.begin(state, batch.inputs, batch.targets)
         channel.begin(key, t0)
         meter = self.meter if train else None
         cuda = self.ctx.device.type == "cuda"
@@ -259,8 +257,7 @@ class Engine:
         they are up before their data arrives (gloo then receives it in the background).
         The order of groups, which is what NCCL's rules constrain, is the same either way.
         """
-        if tick.vocab is not None:
-            assert self.vocab is not None
+        if tick.boundary is not None:
             self._pass(tick)
             return
         channel, actions = self.channel, tick.computed
@@ -285,16 +282,18 @@ class Engine:
                 sync.after_action(action)
 
     def _pass(self, tick: Tick) -> None:
-        """A vocabulary pass (every rank runs it at this tick)."""
-        assert self.vocab is not None and tick.vocab is not None
+        """A pass of the stage ends (every rank runs it at this tick)."""
+        assert tick.boundary is not None
+        for sync in self._syncs:
+            sync.before_pass()
         try:
-            self.vocab.run(tick.vocab)
+            self.ends.run_pass(tick.boundary)
         except ConveyorError:
             raise
         except Exception as exc:
             where = f"rank {self.ctx.rank}: " if self.ctx.distributed else ""
             raise PipelineError(
-                f"{where}the vocabulary pass {tick.vocab} raised {one_line(exc)}; its "
+                f"{where}the pass {tick.boundary} raised {one_line(exc)}; its "
                 f"traceback, above this one, shows the failing line"
             ) from exc
 
@@ -302,10 +301,9 @@ class Engine:
         """What ``action`` computes on: its micro-batch, or what its producer sent."""
         if action.kind == F and action.stage == 0:
             assert inputs is not None
-            value = inputs[action.microbatch]
-            return value if self.vocab is None else self.vocab.stage_input(action.microbatch, value)
-        if self.vocab is not None and action.kind != F and action.stage == self._stages - 1:
-            return self.vocab.hidden_grad(action.microbatch) if action.kind == "B" else None
+            return inputs[action.microbatch]
+        if action.kind == B and action.stage == self._stages - 1:
+            return self.ends.output_grad(action.microbatch)
         producer = producer_of(action, self._stages)
         return self.channel.take(producer, action) if producer is not None else None
 

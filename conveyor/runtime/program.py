@@ -30,11 +30,11 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    its programs run deadlock-free as units (:func:`~conveyor.schedules.paired`), so the
    ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
    programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
-6. A vocabulary pass of the schedule (:attr:`~conveyor.schedules.Schedule.vocab`) is a
-   tick of every rank: one more than the largest tick any rank reached before it (its
-   slot). It computes no action and posts no point-to-point group; its collectives go,
-   in a fixed order, to the vocabulary group (a communicator of its own over the
-   pipeline ranks). A training step runs every pass, an eval or predict step E and S.
+6. A pass of the stage ends (a step of the schedule's ``merged_order`` that no rank's
+   stage computes) is a tick of every rank: one more than the largest tick any rank
+   reached before it (its slot). It computes no action and posts no point-to-point
+   group; its collectives go, in a fixed order, to a group of their own over the
+   pipeline ranks. A training step runs every pass, an eval or predict step E and S.
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
@@ -86,8 +86,8 @@ class Tick:
     ``recvs`` as one group. ``rank`` is whose action it is (in the one-process world one
     program holds every rank's actions). ``paired``: a B computed interleaved with
     ``action`` (an F) at their all-to-alls (an overlapped pair of the schedule); both
-    outputs are sent in the tick's group. ``vocab``: a vocabulary pass every rank runs at
-    this tick (then nothing else is). (A "step" is a whole training step; a program is
+    outputs are sent in the tick's group. ``boundary``: a pass of the stage ends every
+    rank runs at this tick (then nothing else is). (A "step" is a whole training step; a program is
     the step's ticks.)"""
 
     tick: int
@@ -96,7 +96,7 @@ class Tick:
     sends: tuple[Message, ...] = ()
     recvs: tuple[Message, ...] = ()
     paired: Action | None = None
-    vocab: VocabAction | None = None
+    boundary: VocabAction | None = None
 
     @property
     def computed(self) -> tuple[Action, ...]:
@@ -171,7 +171,7 @@ def consumer_stage(producer: Action, stages: int) -> int | None:
 
 
 def runs_pass(kind: str, train: bool) -> bool:
-    """Whether a step of this mode runs a vocabulary pass of ``kind`` (a training step
+    """Whether a step of this mode runs a pass of ``kind`` (a training step
     every pass, an eval or predict step the forward passes E and S)."""
     return train or kind in ("E", "S")
 
@@ -186,7 +186,7 @@ def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[A
 def _ticks(
     schedule: Schedule, train: bool, pairs: bool
 ) -> tuple[dict[Action, int], dict[int, VocabAction]]:
-    """The ticks of the actions, and the vocabulary pass the mode runs at each of its
+    """The ticks of the actions, and the pass the mode runs at each of its
     ticks (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
     last_tick = [-1] * schedule.ranks
     position = [0] * schedule.ranks
@@ -249,7 +249,7 @@ def rank_program(
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:
-            timeline.append(Tick(tick, rank, None, vocab=passes[tick]))
+            timeline.append(Tick(tick, rank, None, boundary=passes[tick]))
             continue
         # Sends by producer, receives by peer then producer: both ends of a pair's two
         # messages to one peer list them in the same order, run after run.
@@ -279,7 +279,7 @@ def single_process_program(schedule: Schedule, train: bool = True) -> RankProgra
         if rank is None:
             assert isinstance(step, VocabAction)
             if runs_pass(step.kind, train):
-                timeline.append(Tick(len(timeline), -1, None, vocab=step))
+                timeline.append(Tick(len(timeline), -1, None, boundary=step))
         elif train or step.kind == F:
             assert isinstance(step, Action)
             timeline.append(Tick(len(timeline), rank, step))

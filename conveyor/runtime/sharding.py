@@ -239,7 +239,7 @@ def _drop_groups(mesh_info: Any) -> None:
 
 class Sharded:
     """FSDP2 over the ``dp`` mesh dimension for this rank's stages, gathered and reduced
-    by the schedule (see the module doc)."""
+    by the schedule (see the module doc), and for units beside the stages."""
 
     def __init__(
         self,
@@ -247,13 +247,18 @@ class Sharded:
         mesh: Any,
         per_action: bool = False,
         experts: tuple[list[nn.Module], Any, int] = ([], None, 1),
+        beside: Mapping[int, nn.Module] | None = None,
     ) -> None:
         """``experts``: expert collections sharded over ep, with the mesh FSDP shards them
         over (the replicas holding the same experts) and the factor their gradients are
-        divided by (the rest's: ``mesh``'s size)."""
+        divided by (the rest's: ``mesh``'s size). ``beside``: units (keys other than the
+        stages') whose parameters the stage ends use without calling them (so FSDP's
+        hooks never run): each one unit, gathered for a whole step."""
         from torch.distributed.fsdp import fully_shard
 
         self.stages = stages
+        self.beside = dict(beside or {})
+        self.units: dict[int, nn.Module] = {**stages, **self.beside}
         self.per_action = per_action
         collections, edp, divide = experts
         for module in collections:  # their own units first, as torchtitan does
@@ -268,16 +273,27 @@ class Sharded:
             else:
                 fully_shard(stage, mesh=mesh, reshard_after_forward=False)
             _release_at_exit(stage)
+        for module in self.beside.values():
+            fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            _release_at_exit(module)
         self._pending: dict[int, Any] = {}
 
     def begin(self, order: list[int]) -> None:
-        """Start gathering every stage, in the order the schedule first uses them."""
+        """Start gathering every unit of ``order`` (the stages in the order the schedule
+        first uses them, then the units beside them)."""
+        from torch.distributed.fsdp import fully_shard
+
         for s in order:
-            stage: Any = self.stages[s]
+            stage: Any = self.units[s]
+            per_action = self.per_action and s not in self.beside
+            if s in self.beside:
+                # Never called, so never made a root by a forward (after meta weights got
+                # their values: not at construction); once, later calls return at once.
+                fully_shard.state(stage)._lazy_init()  # type: ignore[attr-defined]
             stage.set_requires_gradient_sync(False, recurse=True)
             stage.set_is_last_backward(False)
-            stage.set_reshard_after_backward(self.per_action, recurse=True)
-            if not self.per_action:
+            stage.set_reshard_after_backward(per_action, recurse=True)
+            if not per_action:
                 # The stage's own unit does not gather its sub-units (the expert
                 # collections'): gathered now too, their gathered tensors are the ones
                 # the split backward's W differentiates for (ShardedSync.gathered).
@@ -297,7 +313,7 @@ class Sharded:
         from torch.distributed.fsdp import fully_shard
 
         self.ready(stage)
-        module: Any = self.stages[stage]
+        module: Any = self.units[stage]
         if train:
             module.set_requires_gradient_sync(True, recurse=True)
             module.set_is_last_backward(True)
@@ -316,16 +332,21 @@ class Sharded:
 class ShardedSync(StepSync):
     """The schedule driving :class:`Sharded`: each stage gathered before its first action
     of a step (all started at the step's start, in first-use order) and reduced after
-    its last; ``gathered(stage)`` is told when a stage's gathered tensors are in place."""
+    its last; ``gathered(stage)`` is told when a stage's gathered tensors are in place.
+    The units beside the stages are gathered after them at the step's start, waited for
+    before the first pass of the stage ends, and reduced at the step's end."""
 
     def __init__(self, sharded: Sharded, gathered: Callable[[int], None]) -> None:
         self.sharded = sharded
         self.gathered = gathered
         self._program: RankProgram | None = None  # the step's
+        self._sharded: set[int] = set()  # ids of the units' sharded parameters
 
     def begin(self, program: RankProgram) -> None:
         self._program = program
-        self.sharded.begin(sorted(program.first, key=program.first.__getitem__))
+        beside = self.sharded.beside
+        self._sharded = {id(p) for unit in beside.values() for p in unit.parameters()}
+        self.sharded.begin(sorted(program.first, key=program.first.__getitem__) + list(beside))
 
     def before_action(self, action: Action) -> None:
         assert self._program is not None
@@ -334,8 +355,27 @@ class ShardedSync(StepSync):
             self.sharded.ready(stage)
             self.gathered(stage)
 
+    def before_pass(self) -> None:
+        for unit in self.sharded.beside:
+            self.sharded.ready(unit)  # only the first pass waits
+
     def after_action(self, action: Action) -> None:
         assert self._program is not None
         stage = self._program.closing.get(action)
         if stage is not None:
             self.sharded.release(stage, self._program.train)
+
+    def finish(self) -> None:
+        assert self._program is not None
+        for unit in self.sharded.beside:
+            self.sharded.release(unit, self._program.train)
+
+    def abort(self) -> None:
+        """A failed step: the partial gradients on the units' gathered parameters are
+        dropped (no collective: the replicas may have stopped at different points); the
+        sharded ones, the earlier steps', are kept."""
+        for unit in self.sharded.beside.values():
+            for module in unit.modules():
+                for p in module.parameters(recurse=False):
+                    if id(p) not in self._sharded:
+                        p.grad = None

@@ -71,8 +71,8 @@ class Stepper:
         self.gathers = tuple(gathers)
         self.grads = grads
         self.fsdp_replicas = fsdp_replicas
-        # Vocabulary passes: every rank embeds and scores its rows of the vocabulary.
-        every = bool(engine.schedule.vocab)
+        # Ends whose passes run on every rank read the batch there.
+        every = engine.ends.every_rank
         self._first = 0 in engine.stages or every
         self._last = engine.schedule.stages - 1 in engine.stages or every
         # Whether the last step's loss was a pair (None before the first): a later step
@@ -100,7 +100,7 @@ class Stepper:
         engine = self.engine
         header = engine.header(batch)
         aux_weight = None
-        routed = engine.compute.router_coef is not None and mode != "predict"
+        routed = engine.ends.routed and mode != "predict"
         if header.counts is not None and routed:
             aux_weight = router_weight(header.counts, self.ctx, count)
         if mode != "train":  # no backward: nothing to scale
@@ -152,4 +152,3 @@ class Stepper:
         if self.ctx.distributed and self.ctx.dp_size > 1:
             sum_over_replicas(sums, self.ctx)
         return combine(sums, count)
-

@@ -11,7 +11,8 @@ class StepSync:
     tied-weight sums of the gradients, FSDP's gathers and reduce-scatters.
 
     The engine calls :meth:`begin` before the step's first action, :meth:`before_action`
-    and :meth:`after_action` around every action, :meth:`finish` after the last (every
+    and :meth:`after_action` around every action, :meth:`before_pass` before every pass of
+    the stage ends, :meth:`finish` after the last (every
     member of a group at the same point of the same program: NCCL's order), and
     :meth:`abort` when the step failed. The defaults do nothing.
     """
@@ -21,6 +22,10 @@ class StepSync:
 
     def before_action(self, action: Action) -> None:
         """``action`` is about to run (FSDP waits for its stage's gather)."""
+
+    def before_pass(self) -> None:
+        """A pass of the stage ends is about to run (FSDP waits for the gather of the
+        units beside the stages)."""
 
     def after_action(self, action: Action) -> None:
         """``action`` ran (a reduction may start as soon as a stage's gradients are final)."""

@@ -523,48 +523,85 @@ def merged_order(schedule: Schedule) -> list[Step]:
     """
     if not schedule.vocab:
         return list(execution_order(schedule))
-    parts: list[Step] = []
-    position = [0] * schedule.ranks
-    done: set[Action] = set()
-    for k, v in enumerate(schedule.vocab):
-        slots = [schedule.vocab_slots[r][k] for r in range(schedule.ranks)]
-        parts.extend(_segment(schedule, position, slots, done))
-        parts.append((None, v))
-    parts.extend(_segment(schedule, position, [len(p) for p in schedule.actions], done))
-    return parts
-
-
-def _segment(
-    schedule: Schedule, position: list[int], stop: list[int], done: set[Action]
-) -> list[Step]:
-    """The actions between two barriers in a valid order: each rank runs its program from
-    ``position`` up to ``stop`` (both updated in place, as is ``done``)."""
-    order: list[Step] = []
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, program in enumerate(schedule.actions):
-            while position[rank] < stop[rank]:
-                action = program[position[rank]]
-                if not all(d in done for d in dependencies(schedule, action)):
-                    break
-                done.add(action)
-                order.append((rank, action))
-                position[rank] += 1
-                progressed = True
-    if any(position[r] < stop[r] for r in range(schedule.ranks)):
-        stuck = [
-            f"rank {r} at {p[position[r]]}"
-            for r, p in enumerate(schedule.actions)
-            if position[r] < stop[r]
-        ]
+    parts, _, stuck = _merge(schedule)
+    if stuck:
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocks around its vocabulary passes: "
             + ", ".join(stuck)
             + " wait on work placed after a pass that needs them; place each pass after "
             "the actions it waits for on every rank"
         )
-    return order
+    return parts
+
+
+def _merge(schedule: Schedule) -> tuple[list[Step], list[int], list[str]]:
+    """:func:`merged_order`'s walk: the order, each rank's position where it stopped, and
+    the stuck ranks (empty when every action ran)."""
+    parts: list[Step] = []
+    position = [0] * schedule.ranks
+    done: set[Action] = set()
+    for k, v in enumerate(schedule.vocab):
+        slots = [schedule.vocab_slots[r][k] for r in range(schedule.ranks)]
+        stuck = _segment(schedule, position, slots, done, parts)
+        if stuck:
+            return parts, position, stuck
+        parts.append((None, v))
+    stuck = _segment(schedule, position, [len(p) for p in schedule.actions], done, parts)
+    return parts, position, stuck
+
+
+def _segment(
+    schedule: Schedule, position: list[int], stop: list[int], done: set[Action],
+    order: list[Step],
+) -> list[str]:  # fmt: skip
+    """The actions between two barriers in a valid order, appended to ``order``: each rank
+    runs its program from ``position`` up to ``stop`` (both updated in place, as is
+    ``done``), an overlapped pair as one unit (a pair a barrier splits never runs).
+    Returns the stuck ranks, each with the action it waits at."""
+    starts = [schedule.pair_starts(r) for r in range(schedule.ranks)]
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, program in enumerate(schedule.actions):
+            while position[rank] < stop[rank]:
+                i = position[rank]
+                unit = [program[i]]
+                if i in starts[rank]:
+                    if i + 1 >= stop[rank]:
+                        break
+                    unit.append(program[i + 1])
+                if not all(d in done for a in unit for d in dependencies(schedule, a)):
+                    break
+                for a in unit:
+                    done.add(a)
+                    order.append((rank, a))
+                position[rank] += len(unit)
+                progressed = True
+    return [
+        f"rank {r} at {p[position[r]]}"
+        for r, p in enumerate(schedule.actions)
+        if position[r] < stop[r]
+    ]
+
+
+def paired_with_vocab(schedule: Schedule, pairs: tuple[tuple[int, ...], ...]) -> Schedule:
+    """``schedule`` (with vocabulary passes) with those of ``pairs`` marked that run
+    deadlock-free as units around the passes (as :func:`paired` keeps those that do
+    without passes): a pair a pass splits, or whose B waits on work after a pass, runs
+    apart."""
+    marks = [set(p) for p in pairs]
+    while True:
+        marked = dataclasses.replace(
+            schedule, pairs=tuple(tuple(sorted(p)) for p in marks) if any(marks) else ()
+        )
+        _, position, stuck = _merge(marked)
+        if not stuck:
+            return marked
+        dropped = [(r, i) for r, i in enumerate(position) if i in marks[r]]
+        if not dropped:
+            merged_order(marked)  # raises, naming the stuck ranks
+        for r, i in dropped:
+            marks[r].discard(i)
 
 
 def check_vocab(schedule: Schedule) -> None:

@@ -89,6 +89,8 @@ def shard_grad(
     ``weight`` per token (0 where it does not count). Computed in ``logits``' memory when
     it is float32 (the logits are not needed after it)."""
     grad = logits if logits.dtype == torch.float32 else logits.float()
+    if grad.shape[1] == 0:  # a rank holding no rows: no columns, nothing to scatter into
+        return grad
     grad = torch.sub(grad, lse[:, None], out=grad).exp_()
     if smoothing:
         grad -= smoothing / rows

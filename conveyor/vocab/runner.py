@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,59 +33,42 @@ from conveyor.errors import PipelineError
 from conveyor.losses import output_field
 from conveyor.runtime.step_loss import LossTerm, StepLoss
 from conveyor.runtime.step_state import StepState
+
+__all__ = ["Group", "VocabLoss", "VocabRunner"]
 from conveyor.runtime.transport import collective
 from conveyor.schedules.core import VocabAction
+from conveyor.vocab.config import Group, VocabLoss, wide
 from conveyor.vocab.cross_entropy import combine, local_targets, shard_grad, shard_stats
-from conveyor.vocab.shards import VocabInput, VocabShards
-
-
-@dataclass(frozen=True)
-class VocabLoss:
-    """The token cross-entropy computed from the shards: ``ignore_index``,
-    ``label_smoothing``, ``shift`` (position i predicts target i + 1), whether the targets
-    are the ``labels`` of the inputs (a transformers model's own loss), and what counts a
-    micro-batch's items (None: its counted tokens)."""
-
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    shift: bool = False
-    labels_in_inputs: bool = False
-    counter: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-
-@dataclass
-class Group:
-    """The vocabulary group: the process group, and the global ranks of the first and
-    last stages' pipeline ranks (None in a world of one process)."""
-
-    group: Callable[[], dist.ProcessGroup] | None
-    first: int
-    last: int
-    me: int
-    timeout: float
+from conveyor.vocab.shards import Takes, VocabShards, with_embedding
 
 
 class VocabRunner:
-    """Runs the vocabulary passes of this rank's steps (module doc)."""
+    """The stage ends of vocabulary parallelism (:class:`~conveyor.runtime.ends.StageEnds`):
+    runs the vocabulary passes of this rank's steps (module doc) and hands the first stage
+    its input embedding and the last stage's hidden states to the passes."""
+
+    every_rank = True  # every rank embeds and scores its rows: it reads the batch
 
     def __init__(
         self,
         shards: VocabShards,
         loss: VocabLoss,
-        stand_in: VocabInput,
         group: Group,
         device: torch.device,
         autocast: torch.dtype | None,
+        router_coef: float | None = None,
     ) -> None:
         self.shards = shards
         self.loss = loss
         self.group = group
         self.device = device
         self.autocast = autocast
-        self.current = -1
-        # Waits for the rows' gather before a pass (FSDP over the replicas), else None.
-        self.ready: Callable[[], None] | None = None
-        stand_in.source = self._embedded_now
+        # A transformers MoE model's own loss adds its router auxiliary term (loss_fn=None).
+        self.router_coef = router_coef
+        self.routed = router_coef is not None
+        self._aux: dict[int, torch.Tensor] = {}  # the ones the auxiliary roots start from
+        # How the first stage takes its embedding (:func:`~conveyor.vocab.shards.first_stage`).
+        self.takes: Takes = "inputs_embeds" if shards.layers.transformers else "replace"
         self._state = StepState("train")
         self._inputs: list[Any] = []
         self._targets: list[Any] = []
@@ -108,24 +90,11 @@ class VocabRunner:
         self._inputs = inputs
         self._targets = targets or []
         for kept in (self._embedded, self._hidden, self._kept, self._hidden_grad,
-                     self._input_grad):  # fmt: skip
+                     self._input_grad, self._aux):  # fmt: skip
             kept.clear()
 
     def _ids(self, m: int) -> torch.Tensor:
-        value = self._inputs[m]
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, dict):
-            if "input_ids" in value:
-                return value["input_ids"]  # type: ignore[no-any-return]
-            value = tuple(value.values())
-        found = [x for x in value if isinstance(x, torch.Tensor) and not x.is_floating_point()]
-        if not found:
-            raise PipelineError(
-                "vocab_parallel: the inputs hold no integer tensor of token ids; pass the "
-                "ids as the first input (or as input_ids)"
-            )
-        return found[0]
+        return token_ids(self._inputs[m])
 
     def _labels(self, m: int) -> torch.Tensor:
         if self.loss.labels_in_inputs:
@@ -144,33 +113,26 @@ class VocabRunner:
             )
         return self._targets[m]  # type: ignore[no-any-return]
 
-    def stage_input(self, m: int, value: Any) -> Any:
-        """What the first stage runs on for micro-batch ``m``: a transformers model takes
-        the embedding as ``inputs_embeds`` (and computes no loss: no labels)."""
-        if not self.shards.layers.transformers or not isinstance(value, dict):
-            return value
-        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
-        out["inputs_embeds"] = self._embedded_for(m)
-        return out
+    # ------------------------------------------------------------ the first stage's end
+    def first_input(self, m: int, value: Any) -> Any:
+        """What the first stage runs on for micro-batch ``m``: its embedding (the E pass's
+        leaf) as an input of its own (:data:`Takes`)."""
+        return with_embedding(value, self._embedded_for(m), self.takes)
 
     def sample(self, value: Any) -> Any:
-        """A capture sample as the first stage sees it (:meth:`stage_input`, zeros)."""
-        if not self.shards.layers.transformers or not isinstance(value, dict) or (
-            "input_ids" not in value
-        ):
+        """A capture sample as the first stage sees it (:meth:`first_input`, zeros)."""
+        if self.takes == "replace" or (self.takes == "inputs_embeds" and (
+            not isinstance(value, dict) or "input_ids" not in value
+        )):
             return value
-        ids = value["input_ids"]
+        ids = token_ids(value)
         weight = self.shards.local(self.shards.embedding)
-        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
         # On the meta device for a meta model: export then records the model there.
         where = weight.device if weight.is_meta else ids.device
-        out["inputs_embeds"] = torch.zeros(
+        zeros = torch.zeros(
             (*ids.shape, self.shards.layers.hidden), dtype=weight.dtype, device=where
         )
-        return out
-
-    def _embedded_now(self) -> torch.Tensor:
-        return self._embedded_for(self.current)
+        return with_embedding(value, zeros, self.takes)
 
     def _embedded_for(self, m: int) -> torch.Tensor:
         try:
@@ -181,11 +143,45 @@ class VocabRunner:
                 f"pass (E{m}); the schedule is inconsistent"
             ) from None
 
-    def embedded(self, m: int) -> torch.Tensor | None:
-        """The input embedding leaf of micro-batch ``m`` (None if not on this rank)."""
-        return self._embedded.get(m)
+    def input_grad(self, m: int, leaves: list[torch.Tensor], grads: list[Any]) -> None:
+        """The first stage's backward of micro-batch ``m`` computed its embedding's
+        gradient (G broadcasts it)."""
+        embedded = self._embedded.get(m)
+        grad = next((g for x, g in zip(leaves, grads, strict=True) if x is embedded), None)
+        if embedded is not None:
+            self._input_grad[m] = grad if grad is not None else torch.zeros_like(embedded)
 
-    def hidden_of(self, out: Any) -> torch.Tensor:
+    # ------------------------------------------------------------ the last stage's end
+    def last_output(self, m: int, out: Any, recomputing: bool = False) -> list[torch.Tensor]:
+        """The last stage's hidden states of micro-batch ``m``, kept for its S pass; its
+        backward starts from their gradient (the T pass's)."""
+        hidden = self._hidden_of(out)
+        if not recomputing:
+            self._hidden[m] = hidden
+        coef = self.router_coef
+        aux = output_field(out, "aux_loss") if coef is not None else None
+        state = self._state
+        if aux is None or coef is None or state.mode == "predict":
+            return [hidden]
+        # The router's auxiliary term (runtime/step_loss.py router_term): coef times the
+        # micro-batches' mean, over the step's count; no items, no rows of its own.
+        assert state.aux_weight is not None
+        term = LossTerm(wide(aux) * (coef * state.aux_weight), 1, 0, True)
+        if not recomputing:
+            state.loss = state.loss or StepLoss()
+            state.loss.add(term, 0)
+        root = term.root(state.scale)
+        self._aux[m] = torch.ones_like(root)
+        return [hidden, root]
+
+    def output_grad(self, m: int) -> list[torch.Tensor] | None:
+        """The gradient of the last stage's output of micro-batch ``m`` (from T), and of
+        its router auxiliary term (one)."""
+        aux = self._aux.pop(m, None)
+        hidden = self._hidden_grad.pop(m)
+        return [hidden] if aux is None else [hidden, aux]
+
+    def _hidden_of(self, out: Any) -> torch.Tensor:
         """The last stage's output as the hidden states: a tensor, or the ``logits``
         field of a model output (the output layer's stand-in filled it with them)."""
         hidden = out if isinstance(out, torch.Tensor) else output_field(out, "logits")
@@ -196,28 +192,15 @@ class VocabRunner:
             )
         return hidden
 
-    def keep_hidden(self, m: int, hidden: torch.Tensor) -> None:
-        """Keep the last stage's hidden states of micro-batch ``m`` for its S pass."""
-        self._hidden[m] = hidden
-
-    def hidden_grad(self, m: int) -> list[torch.Tensor]:
-        """The gradient of the last stage's output of micro-batch ``m`` (from T)."""
-        return [self._hidden_grad.pop(m)]
-
-    def input_grad(self, m: int, grad: torch.Tensor | None) -> None:
-        """The first stage's backward of micro-batch ``m`` computed its embedding's
-        gradient (G broadcasts it)."""
-        self._input_grad[m] = grad if grad is not None else torch.zeros_like(self._embedded[m])
-
     def leftovers(self) -> list[str]:
         """What the step kept and never used (a schedule missing passes)."""
         return [f"hidden states of micro-batch {m}" for m in self._hidden_grad]
 
     # ------------------------------------------------------------ the passes
-    def run(self, action: VocabAction) -> None:
-        """Run pass ``action`` on this rank's rows."""
-        if self.ready is not None:
-            self.ready()
+    def run_pass(self, step: Any) -> None:
+        """Run pass ``step`` (a :class:`~conveyor.schedules.core.VocabAction`) on this
+        rank's rows."""
+        action: VocabAction = step
         m = action.microbatch
         if action.kind == "E":
             self._embed(m)
@@ -314,10 +297,9 @@ class VocabRunner:
             grad_in = (grad.to(flat.dtype) @ weight.to(flat.dtype)) if weight.shape[0] else (
                 torch.zeros_like(flat)
             )
-            grad_w = grad.t().to(flat.dtype) @ flat if weight.shape[0] else None
+            grad_w = grad.t().to(flat.dtype) @ flat  # [0, hidden] on a rank of no rows
         grad_in = grad_in.to(flat.dtype)
-        if grad_w is not None:
-            shards.add_grad(shards.output, grad_w)
+        shards.add_grad(shards.output, grad_w)
         self._collective(
             "hidden-state gradient sum (reduce)", m,
             lambda pg: dist.reduce(grad_in, g.last, dist.ReduceOp.SUM, group=pg, async_op=True),
@@ -349,6 +331,8 @@ class VocabRunner:
         if weight.shape[0]:
             rows = grad.reshape(-1, grad.shape[-1]) * held[:, None].to(grad.dtype)
             shards.add_rows(shards.embedding, index.clamp(0, weight.shape[0] - 1), rows)
+        else:  # no rows here: the gradient of none, so that every parameter has one
+            shards.add_grad(shards.embedding, torch.zeros_like(weight))
 
     def _gather_logits(self, m: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
         """A predict step's output: every rank's logits, concatenated on the last stage's."""
@@ -381,3 +365,21 @@ class VocabRunner:
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
+
+
+def token_ids(value: Any) -> torch.Tensor:
+    """The token ids of a micro-batch: the tensor, the ``input_ids`` entry, or the first
+    integer tensor of a tuple or dict."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        if "input_ids" in value:
+            return value["input_ids"]  # type: ignore[no-any-return]
+        value = tuple(value.values())
+    found = [x for x in value if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+    if not found:
+        raise PipelineError(
+            "vocab_parallel: the inputs hold no integer tensor of token ids; pass the "
+            "ids as the first input (or as input_ids)"
+        )
+    return found[0]

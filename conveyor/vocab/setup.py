@@ -4,7 +4,6 @@ the stages are cut from, this rank's rows, the vocabulary group and the passes' 
 from __future__ import annotations
 
 import datetime
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,9 @@ from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
-from conveyor.runtime.step_sync import StepSync
-from conveyor.runtime.transport import collective
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
 from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
-from conveyor.vocab.shards import VocabShards, local_tensor, stripped
+from conveyor.vocab.shards import VocabInput, VocabShards, exportable, first_stage, stripped
 
 
 @dataclass
@@ -31,13 +28,34 @@ class VocabSetup:
         layers: The vocabulary layers.
         model: The model the stages are cut from (the layers stood in for).
         shards: This rank's rows of the layers.
-        runner: Runs the passes.
+        runner: The stage ends: runs the passes.
+        stand_in: The input embedding's stand-in in ``model``.
     """
 
     layers: VocabLayers
     model: nn.Module
     shards: VocabShards
     runner: VocabRunner
+    stand_in: VocabInput
+    exported: bool = False
+
+    def split(self, stages: list[nn.Module]) -> None:
+        """The model was cut into ``stages``: the first takes its embedding as an input
+        of its own (:func:`~conveyor.vocab.shards.first_stage`; a model torch.export
+        captures was given it as its first argument before, :func:`exportable`)."""
+        if not self.exported:
+            self.runner.takes = first_stage(stages[0], self.stand_in, self.layers.transformers)
+
+    def note(self, ranks: int, passes: int) -> str:
+        """A line for ``print(pipe)``: which layers are split over the ranks, and how."""
+        layers = self.layers
+        rows = -(-layers.rows // ranks)
+        tied = ", tied" if layers.tied else ""
+        return (
+            f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "
+            f"split over {ranks} ranks ({rows} each, the last ones fewer), "
+            f"{passes} passes (E, S, T, G per micro-batch)"
+        )
 
 
 def vocab_loss(loss_fn: Any, layers: VocabLayers) -> VocabLoss:
@@ -75,10 +93,13 @@ def prepare(
     autocast: torch.dtype | None,
     first_rank: int,
     last_rank: int,
+    router_coef: float | None = None,
 ) -> VocabSetup:
     """Find the layers, shard them over the pipeline ranks and make the runner.
 
-    ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages.
+    ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages;
+    ``router_coef``: a transformers MoE model's own loss adds its router auxiliary term
+    with this coefficient (``loss_fn=None``).
     Collective over the whole world when distributed (every rank makes every vocabulary
     group).
 
@@ -98,30 +119,28 @@ def prepare(
         ctx.rank,
         ctx.timeout,
     )
-    runner = VocabRunner(shards, loss, stand_in, group, ctx.device, autocast)
-    return VocabSetup(layers, cut_from, shards, runner)
+    runner = VocabRunner(shards, loss, group, ctx.device, autocast, router_coef)
+    # A model only torch.export captures takes its embedding as its first argument (a
+    # transformers model has its own: inputs_embeds).
+    exported = not layers.transformers and not fx_traces(cut_from)
+    if exported:
+        exportable(cut_from, stand_in)
+        runner.takes = "prepend"
+    return VocabSetup(layers, cut_from, shards, runner, stand_in, exported)
 
 
-def check_traceable(model: nn.Module) -> None:
-    """A model cut with vocabulary parallelism must be a layer list or torch.fx-traceable
-    (torch.export would trace through the embedding's stand-in and keep one batch's values;
-    transformers models take their embedding as ``inputs_embeds`` instead).
-
-    Raises:
-        ConfigError: fx cannot trace ``model``.
-    """
+def fx_traces(model: nn.Module) -> bool:
+    """Whether ``model`` is a layer list or torch.fx traces it (else torch.export captures
+    it on a sample)."""
     from conveyor.partition.capture import NeedsSample, capture
 
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return
+        return True
     try:
         capture(model)
-    except NeedsSample as error:
-        raise ConfigError(
-            f"vocab_parallel splits a layer list, a model torch.fx traces or a transformers "
-            f"model, but {type(model).__name__} needs torch.export ({error}); make it "
-            f"fx-traceable or train it without vocab_parallel"
-        ) from None
+    except NeedsSample:
+        return False
+    return True
 
 
 def _vocab_group(ctx: Context) -> Any:
@@ -137,47 +156,3 @@ def _vocab_group(ctx: Context) -> Any:
                 mine = group
     held = Held(mine)
     return held.get
-
-
-class VocabReplicas(StepSync):
-    """Data-parallel replicas sum the vocabulary rows' gradients at the step's end (their
-    rows are the same on every replica)."""
-
-    def __init__(self, shards: VocabShards, ctx: Context) -> None:
-        self.params = shards.parameters()
-        self.ctx = ctx
-        self._train = False
-
-    def begin(self, program: Any) -> None:
-        """A step starts (only a training step reduces)."""
-        self._train = program.train
-
-    def finish(self) -> None:
-        """Sum the gradients over the data-parallel group."""
-        if not self._train:
-            return
-        group = self.ctx.dp_group
-        for p in self.params:
-            if p.grad is None:
-                continue
-            grad = local_tensor(p.grad)
-            collective(
-                functools.partial(dist.all_reduce, grad, group=group, async_op=True),
-                self.ctx.timeout,
-                f"rank {self.ctx.rank}: the data-parallel sum of the vocabulary gradients",
-                "another data-parallel replica",
-            )
-
-
-def make_vocab_replicas_equal(shards: VocabShards, ctx: Context) -> None:
-    """Replicas start from replica 0's rows (a model built with different seeds)."""
-    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)
-    for p in shards.parameters():
-        local = local_tensor(p)
-        with torch.no_grad():
-            collective(
-                functools.partial(dist.broadcast, local, src, group=ctx.dp_group, async_op=True),
-                ctx.timeout,
-                f"rank {ctx.rank}: making the vocabulary rows equal over replicas",
-                f"rank {src}",
-            )

@@ -3,7 +3,8 @@
 :func:`stripped` gives the model the stages are cut from: a copy along the paths to the
 two layers (every other module, parameter and buffer is the model's own object) in which
 the input embedding is a :class:`VocabInput` and the output layer an ``nn.Identity``, so
-the last stage returns the hidden states. :class:`VocabShards` keeps this rank's rows of
+the last stage returns the hidden states and the first takes the embedding as an input
+of its own (:func:`first_stage`). :class:`VocabShards` keeps this rank's rows of
 both layers: the original modules, each weight a DTensor ``Shard(0)`` over the pipeline
 ranks (torch's chunk rule for uneven sizes), under the original names.
 """
@@ -11,35 +12,113 @@ ranks (torch's chunk rule for uneven sizes), under the original names.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import fx, nn
 
-from conveyor.errors import PipelineError
+from conveyor.errors import ConfigError, PipelineError
 from conveyor.vocab.layers import VocabLayers
+
+Takes = Literal["inputs_embeds", "replace", "prepend"]
+"""How the first stage takes its input embedding, an input of its own: a transformers
+model as ``inputs_embeds`` (instead of ``input_ids``); a layer list whose first layer is
+the embedding's stand-in instead of the token ids; a captured graph as one more input,
+before the model's own (:func:`first_stage`)."""
+
+EMBEDDING = "conveyor_input_embedding"
+"""The first stage's added input (``prepend``): its placeholder's name."""
 
 
 class VocabInput(nn.Module):
-    """Stands in for the input embedding in the split model: returns the embedding the E
-    pass computed for the micro-batch the first stage is running."""
+    """Stands in for the input embedding in the split model: the first stage is given the
+    embedding the E pass computed for its micro-batch as an input of its own
+    (:func:`first_stage`), and this returns it."""
 
     _conveyor_leaf = True  # torch.fx keeps it whole (a call, not traced through)
 
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
-        self.source: Callable[[], torch.Tensor] | None = None
+        self._traced: torch.Tensor | None = None  # see exportable()
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The current micro-batch's embedding (the arguments, token ids, are unused)."""
-        if self.source is None:
+    def forward(self, embedded: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The micro-batch's embedding, given as the first stage's input."""
+        if self._traced is not None:
+            return self._traced
+        if not isinstance(embedded, torch.Tensor) or not embedded.is_floating_point():
             raise PipelineError(
                 f"model.{self.name} is split over the pipeline ranks (vocab_parallel) and "
                 f"runs only inside a pipeline step; call the pipeline, not the stage"
             )
-        return self.source()
+        return embedded
+
+
+def first_stage(stage: nn.Module, stand_in: VocabInput, transformers: bool) -> Takes:
+    """Make the first stage take its embedding as an input of its own; returns how.
+
+    A graph's call of the stand-in is given a new first input (``prepend``); a layer list
+    starting with it takes the embedding instead of the ids (``replace``).
+
+    Raises:
+        ConfigError: the stand-in is elsewhere (not where the first stage reads it).
+    """
+    if transformers:
+        return "inputs_embeds"
+    if next(iter(stage.children()), None) is stand_in and not isinstance(stage, fx.GraphModule):
+        return "replace"
+    if isinstance(stage, fx.GraphModule):
+        calls = [n for n in stage.graph.nodes if n.op == "call_module"
+                 and stage.get_submodule(str(n.target)) is stand_in]  # fmt: skip
+        inputs = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        if calls and inputs:
+            with stage.graph.inserting_before(inputs[0]):
+                embedding = stage.graph.placeholder(EMBEDDING)
+            for call in calls:
+                call.args, call.kwargs = (embedding,), {}
+            stage.recompile()
+            return "prepend"
+    raise ConfigError(
+        f"vocab_parallel: the first stage does not start from model.{stand_in.name}; the "
+        f"input embedding must be what the first stage computes first from the token ids"
+    )
+
+
+def exportable(model: nn.Module, stand_in: VocabInput) -> None:
+    """Make ``model`` (the split model, a copy) take its input embedding as its first
+    argument, before its own, so that torch.export captures it as an input of the graph.
+
+    While export traces the model's forward, the stand-in returns that argument: the
+    captured graph then reads the embedding from its input, and the stand-in is not in it
+    (export inlines modules). Nothing is read from the stand-in when the stages run.
+    """
+    base = type(model)
+
+    def forward(self: nn.Module, conveyor_input_embedding: torch.Tensor, *args: Any,
+                **kwargs: Any) -> Any:  # fmt: skip
+        stand_in._traced = conveyor_input_embedding
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            stand_in._traced = None
+
+    namespace = {"forward": forward, "__module__": base.__module__}
+    model.__class__ = type(base.__name__, (base,), namespace)
+
+
+def with_embedding(value: Any, embedded: torch.Tensor, takes: Takes) -> Any:
+    """The first stage's input for micro-batch ``value`` given its ``embedded`` ids."""
+    if takes == "replace":
+        return embedded
+    if takes == "inputs_embeds":
+        if not isinstance(value, dict):
+            return value
+        out = {k: v for k, v in value.items() if k not in ("input_ids", "labels")}
+        out["inputs_embeds"] = embedded
+        return out
+    if isinstance(value, dict):
+        return {EMBEDDING: embedded, **value}
+    return (embedded, *(value if isinstance(value, tuple) else (value,)))
 
 
 def stripped(model: nn.Module, layers: VocabLayers) -> tuple[nn.Module, VocabInput]:

@@ -25,7 +25,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("checkpoints", ["conveyor.checkpoint"]),
     ("the pipeline users touch", ["conveyor.pipeline"]),
     ("the planner", ["conveyor.planning"]),
-    ("what one rank runs, built from the options", ["conveyor._build", "conveyor._options"]),
+    (
+        "what one rank runs, built from the options",
+        ["conveyor._build", "conveyor._ends", "conveyor._options"],
+    ),
     ("expert parallelism: experts over the ep ranks", ["conveyor.experts"]),
     ("vocabulary parallelism: the vocabulary layers over the pp ranks", ["conveyor.vocab"]),
     ("seeing what ran", ["conveyor.observe"]),

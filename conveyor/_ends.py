@@ -1,0 +1,84 @@
+"""The stage ends a pipeline is built with: the model's own input and loss
+(:class:`~conveyor.runtime.ends.ModelEnds`), or vocabulary parallelism's
+(:mod:`conveyor.vocab`). What :func:`~conveyor._build.build` needs of them, whichever
+they are, is :class:`Ends`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from conveyor._options import Options
+from conveyor.context import Context
+from conveyor.losses import model_token_loss
+from conveyor.runtime.ends import ModelEnds, StageEnds
+from conveyor.runtime.microbatch import Counter
+from conveyor.schedules import Schedule
+
+HOLDER = -1
+"""The key of the ends' unit among the stages' (whose indices are >= 0)."""
+
+
+@dataclass
+class Ends:
+    """The stage ends of one pipeline on this rank.
+
+    Attributes:
+        model: The model the stages are cut from.
+        runtime: What the stage compute calls (:class:`~conveyor.runtime.ends.StageEnds`).
+        holder: A unit of parameters beside the stages (None: none): reduced over the
+            replicas, sharded by FSDP, saved and loaded as the stages are.
+        counter: Counts a micro-batch's labels for a model's own token loss (None: other
+            losses).
+        sample: A capture sample as the first stage sees it.
+        split: Told the stages the model was cut into (every rank's).
+        note: Lines for ``print(pipe)``, given the pipeline ranks and the schedule.
+    """
+
+    model: nn.Module
+    runtime: StageEnds
+    holder: nn.Module | None = None
+    counter: Counter | None = None
+    sample: Callable[[Any], Any] = lambda value: value
+    split: Callable[[list[nn.Module]], None] = lambda stages: None
+    note: Callable[[Schedule], str] = field(default=lambda schedule: "")
+
+
+def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Schedule) -> Ends:
+    """The ends ``options`` ask for (see the module doc).
+
+    Raises:
+        ConfigError: vocabulary layers or a loss that cannot be split (one sentence).
+    """
+    token_loss = model_token_loss(model) if options.loss_fn is None else None
+    coef = router_coef(model) if token_loss is not None else None
+    counter = token_loss.count if token_loss is not None else None
+    if options.vocab_parallel:
+        from conveyor.vocab.setup import prepare
+
+        setup = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
+                        schedule.placement[0], schedule.placement[-1], coef)  # fmt: skip
+        return Ends(
+            setup.model,
+            setup.runner,
+            setup.shards.holder,
+            # The shards count the tokens; the router's term is weighted by their count.
+            counter=counter if coef is not None else None,
+            sample=setup.runner.sample,
+            split=setup.split,
+            note=lambda s: setup.note(s.ranks, len(s.vocab)),
+        )
+    return Ends(model, ModelEnds(options.loss_fn, coef), counter=counter)
+
+
+def router_coef(model: Any) -> float | None:
+    """A transformers MoE model's ``router_aux_loss_coef`` where its loss adds the router
+    auxiliary term (``output_router_logits=True``), else None."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coef = getattr(model, "router_aux_loss_coef", None)
+    return float(coef) if isinstance(coef, (int, float)) else None

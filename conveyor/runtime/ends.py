@@ -1,0 +1,148 @@
+"""The stage compute's two ends: what the first stage reads and what the last stage's
+output becomes.
+
+:class:`StageEnds` is the interface; :class:`ModelEnds`, the default, is the model's own
+input and ``loss_fn`` (or the model's own loss). Another implementation may put work of
+its own around the stages: passes of the schedule that every pipeline rank runs at the
+same tick (:attr:`~conveyor.runtime.program.Tick.boundary`), a unit of parameters beside
+the stages. Every method names its micro-batch: two of a rank's actions may run
+interleaved (:mod:`~conveyor.runtime.overlap`), and a recomputed first-stage forward
+runs inside its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils import _pytree as pytree
+
+from conveyor.errors import PipelineError
+from conveyor.losses import output_field
+from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term, router_term
+from conveyor.runtime.step_state import StepState
+
+LossFn = Callable[[Any, Any], Any]
+"""``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
+
+
+class StageEnds(Protocol):
+    """The two ends of this process's stage compute (module doc)."""
+
+    every_rank: bool
+    """Every pipeline rank reads the batch (inputs and targets), not only the rank holding
+    the first stage (inputs) and the last (targets)."""
+
+    routed: bool
+    """The loss adds a router auxiliary term weighted per step
+    (:func:`~conveyor.runtime.step_loss.router_weight`)."""
+
+    def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
+        """Start a step: its state and this rank's micro-batches (None where not read)."""
+
+    def first_input(self, m: int, value: Any) -> Any:
+        """What the first stage runs on for micro-batch ``m``, given its micro-batch."""
+
+    def input_grad(self, m: int, leaves: list[torch.Tensor], grads: list[Any]) -> None:
+        """The first stage's backward of ``m`` computed ``grads`` of its input ``leaves``."""
+
+    def last_output(self, m: int, out: Any, recomputing: bool = False) -> list[torch.Tensor]:
+        """What the last stage's output of ``m`` becomes (its loss term in the step's loss,
+        the output of a predict step, or kept for a later pass); returns the tensors its
+        backward differentiates. ``recomputing``: the backward's recompute of the forward,
+        which only needs those tensors."""
+
+    def output_grad(self, m: int) -> list[torch.Tensor] | None:
+        """The gradients of :meth:`last_output`'s tensors of ``m`` (None: they are the
+        loss, whose gradient is 1)."""
+
+    def run_pass(self, step: Any) -> None:
+        """Run a pass of the schedule (a step of ``Schedule.merged_order`` no rank's
+        stage computes) on this rank."""
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss a model computed itself (``loss_fn=None``): its output if that is a scalar,
+    else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = output_field(out, "loss")
+    if loss is None:
+        raise PipelineError(
+            f"loss_fn=None takes the loss from the model's output, but its "
+            f"{type(out).__name__} has no loss; pass what the model needs to compute one "
+            f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
+        )
+    return loss
+
+
+def add_term(state: StepState, term: LossTerm, m: int) -> None:
+    """Add micro-batch ``m``'s loss ``term`` to the step's loss."""
+    if state.loss is None:
+        state.loss = StepLoss()
+    state.loss.add(term, state.sizes[m])
+
+
+class ModelEnds:
+    """The default ends: the first stage runs on the micro-batch as given, and the last
+    stage's output is scored by ``loss_fn`` (None: the model's own loss, with its router
+    auxiliary term where ``router_coef`` is given)."""
+
+    every_rank = False
+
+    def __init__(self, loss_fn: LossFn | None, router_coef: float | None = None) -> None:
+        self.loss_fn = loss_fn
+        self.router_coef = router_coef
+        self.routed = router_coef is not None
+        self.state = StepState("train")
+
+    def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
+        """Start a step (the targets are the state's)."""
+        self.state = state
+
+    def first_input(self, m: int, value: Any) -> Any:
+        """The micro-batch itself."""
+        return value
+
+    def input_grad(self, m: int, leaves: list[torch.Tensor], grads: list[Any]) -> None:
+        """The model's input gradient goes nowhere."""
+
+    def last_output(self, m: int, out: Any, recomputing: bool = False) -> list[torch.Tensor]:
+        """The loss (predict: the output, kept); its scaled total is what B starts from."""
+        state = self.state
+        if state.mode == "predict":
+            state.outputs[m] = pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out
+            )
+            return []
+        term = self.term(out, m)
+        if not recomputing:
+            add_term(state, term, m)
+        return [term.root(state.scale)] if state.train else []
+
+    def output_grad(self, m: int) -> list[torch.Tensor] | None:
+        """None: the backward starts from the loss."""
+        return None
+
+    def run_pass(self, step: Any) -> None:
+        """The default ends have no passes."""
+        raise PipelineError(f"the schedule has a pass {step} that nothing runs")
+
+    def term(self, out: Any, m: int) -> LossTerm:
+        """The micro-batch's loss as a pair (:func:`~conveyor.runtime.step_loss.as_term`)."""
+        state = self.state
+        if self.loss_fn is None:
+            result: Any = model_loss(out)
+            if state.counts is not None:
+                aux = output_field(out, "aux_loss")
+                if self.router_coef is not None and aux is not None:
+                    assert state.aux_weight is not None
+                    return router_term(
+                        result, aux, self.router_coef, state.counts[m], state.aux_weight
+                    )
+                return counted_term(result, state.counts[m])
+        else:
+            assert state.targets is not None
+            result = self.loss_fn(out, state.targets[m])
+        return as_term(result, state.sizes[m])
