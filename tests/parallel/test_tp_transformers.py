@@ -64,9 +64,9 @@ def _pipe(model: Any, **options: Any) -> conveyor.Pipeline:
                              sample=(M.batches()[0], None), **options)  # fmt: skip
 
 
-def _recorded(model: Any, schedule: str) -> list[dict[str, Any]]:
+def _recorded(model: Any, schedule: str, **options: Any) -> list[dict[str, Any]]:
     """What this rank posts in one step (NCCL-rules replay)."""
-    pipe = _pipe(model, schedule=schedule)
+    pipe = _pipe(model, schedule=schedule, **options)
     with recording(functional=True) as trace:
         pipe.train_step(M.batches()[0], None)
     return [r.to_dict() for r in trace]
@@ -74,7 +74,7 @@ def _recorded(model: Any, schedule: str) -> list[dict[str, Any]]:
 
 def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any]:
     ctx = conveyor.init(pp=2, tp=2, timeout=120)
-    out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank}}
+    out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank, "pp": ctx.pp_rank}}
     for kind in KINDS:
         out[kind] = M.train(_pipe(models[kind]))
     pipe = _pipe(models["hand"], tp_plan=hand_plan())
@@ -104,6 +104,9 @@ def world(rank: int, tmp: str, hf: str, models: dict[str, Any]) -> dict[str, Any
     out["norm"] = float(clipped.clip_grad_norm_(0.5))
     for schedule in ("1f1b", "zb-h1"):
         out[f"nccl {schedule}"] = _recorded(models[f"nccl {schedule}"], schedule)
+    # with the vocabulary layers' rows over the pipeline ranks of each tp slice
+    out["vocab"] = M.train(_pipe(models["vocab"], vocab_parallel=True))
+    out["nccl vocab"] = _recorded(models["nccl vocab"], "1f1b", vocab_parallel=True)
     return out
 
 
@@ -132,6 +135,8 @@ def results(tmp_path_factory: Any) -> dict[str, Any]:
     models["clip"] = M.captured(M.tiny("qwen3"), "auto", 2)
     models["meta hf"] = M.captured(_meta_llama(), "auto", 2)
     models["meta init"] = M.captured(_meta_llama(), "auto", 2)
+    models["vocab"] = M.tiny("llama")  # captured by the ranks, without its vocabulary layers
+    models["nccl vocab"] = M.tiny("llama")
     got = run_forked(world, 4, str(tmp / "ckpt"), str(hf), models, timeout=900)
     return dict(want=want, got=got, ckpt=tmp / "ckpt")
 
@@ -140,7 +145,7 @@ def _exact(results: dict[str, Any], key: str, want: str = "llama", steps: int = 
     held: set[str] = set()
     for rank, got in enumerate(results["got"]):
         held |= M.check(got[key][:steps], results["want"][want][:steps], got["ranks"],
-                        {"tp": 2}, f"{key} rank {rank}")  # fmt: skip
+                        {"tp": 2, "pp": 2}, f"{key} rank {rank}")  # fmt: skip
     assert held == set(results["want"][want][0][1]), f"{key}: parameters no rank holds"
 
 
@@ -231,3 +236,15 @@ def test_nccl_rules_replay(results: dict[str, Any], schedule: str) -> None:
     collectives = [[x for x in t if x.kind == "collective"] for t in traces.values()]
     assert all(collectives), "no tp collective recorded"
     check(traces)
+
+
+def test_vocab_parallel_with_tp(results: dict[str, Any]) -> None:
+    """vocab_parallel=True on the Llama under tp_plan='auto': the embedding's and the output
+    layer's rows over the 2 pipeline ranks of each tensor-parallel slice, the attention
+    and MLPs over tp, exact; what every rank posts replays under NCCL's rules."""
+    _exact(results, "vocab")
+    got = results["got"][0]["vocab"][0][1]
+    local, placement = got["lm_head.weight"]
+    assert placement == "pp:S(0)" and local.shape[0] == M.tiny("llama").config.vocab_size // 2
+    runs = [r["nccl vocab"] for r in results["got"]]
+    check({rank: [Record.from_dict(x) for x in run] for rank, run in enumerate(runs)})
