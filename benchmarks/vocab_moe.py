@@ -150,15 +150,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     memory = {run: on_processes(PP * DP, memory_rank, args, shape, run) for run in RUNS}
     return {"shape": shape, "medians": medians, "times": ranks[0]["times"],
             "shares": [r["shares"] for r in ranks], "losses": ranks[0]["losses"],
-            "memory": memory, "table": table(medians, ranks, memory)}  # fmt: skip
+            "memory": memory, "table": table(shape, medians, ranks, memory)}  # fmt: skip
 
 
 def table(
-    medians: dict[str, float], ranks: list[dict[str, Any]], memory: dict[str, Any]
+    shape: dict[str, int],
+    medians: dict[str, float],
+    ranks: list[dict[str, Any]],
+    memory: dict[str, Any],
 ) -> str:
     """The markdown table of the two runs."""
     lines = [
-        "\nMixtral, 32k vocabulary, pp=2 x dp=2 x ep=2 (4 processes), 1F1B\n",
+        f"\nMixtral, vocabulary {shape['vocab']}, pp=2 x dp=2 x ep=2 (4 processes), 1F1B\n",
         "| run | step (ms) | x ep=2 | params / equal share (ranks) | peak RSS MiB (ranks) |",
         "|---|---|---|---|---|",
     ]

@@ -5,6 +5,7 @@ simulator's prediction of both.
 
     python benchmarks/vocab_parallel.py [--rounds 2] [--steps 3] [--warmup 1] [--json FILE]
     python benchmarks/vocab_parallel.py --quick      # tiny sizes, 1 round: a smoke run
+    python benchmarks/vocab_parallel.py --no-moe     # without the mixture-of-experts row
 
 The model: ``examples/gpt.py``'s GPT (token and position embeddings, pre-norm blocks,
 a bias-free output layer tied to the token embedding), hidden 256, 4 blocks, 4 heads,
@@ -34,6 +35,10 @@ the loss, the embeddings; the vocabulary passes cost the output layer's (and
 embedding's) time over the ranks. It also gives 4 ranks (simulated only: 4 busy processes
 on 2 cores would time nothing): the best split of the blocks against vocabulary
 parallelism with the blocks spread evenly.
+
+Then the mixture-of-experts row (``benchmarks/vocab_moe.py``): a Mixtral with a 32k
+vocabulary on pp=2 x dp=2 x ep=2, vocabulary parallelism with expert parallelism against
+expert parallelism alone.
 """
 
 from __future__ import annotations
@@ -252,6 +257,7 @@ def simulated_p4(shape: dict[str, Any], c: dict[str, float]) -> tuple[str, float
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table (and write ``--json``)."""
     p = timing_parser(__doc__, rounds=2)
+    p.add_argument("--no-moe", action="store_true", help="skip the mixture-of-experts row")
     args = p.parse_args(argv)
     shape = QUICK if args.quick else FULL
     if args.quick:
@@ -281,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         print(table(vocab, medians, best, ranks, memory, sim, sim_best))
         print(f"4 ranks, simulated: best split {p4[0]}, vocab parallel {p4[2] / p4[1]:.2f}x it")
+    if not args.no_moe:
+        import vocab_moe
+
+        results["moe"] = vocab_moe.measure(args)
+        print(results["moe"]["table"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
