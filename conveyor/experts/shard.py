@@ -59,6 +59,18 @@ def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
     return _classes[cls]
 
 
+def unroute(module: nn.Module) -> bool:
+    """Undo :func:`shard_experts`'s class swap on ``module``, a collection an earlier
+    pipeline sharded (the caller makes its parameters whole): its own class and forward
+    again. Returns whether it was routed."""
+    cls = type(module)
+    if cls not in _classes.values():
+        return False
+    module.__dict__.pop(SHARD_ATTR, None)
+    module.__class__ = cls.__bases__[1]  # (ExpertParallel, the original class)
+    return True
+
+
 def check_divisible(name: str, module: nn.Module, ep: int) -> int:
     """The experts of ``module`` (named ``name``), which ``ep`` must divide.
 

@@ -1,0 +1,168 @@
+"""A model an earlier pipeline sharded, made whole again for a new split.
+
+A pipeline shards parts of the user's model in place, on the modules the user holds:
+expert collections over ``ep`` (class swapped, each parameter a DTensor), the vocabulary
+layers' rows over the pipeline ranks, ``tp_plan`` modules (DTensor parameters and torch's
+input / output hooks) and FSDP units (DTensor parameters, class, hooks and state). So a
+DTensor parameter of a model means "an earlier pipeline sharded this".
+
+:func:`make_whole` turns each such parameter back into a plain one holding the whole
+trained value, gathered one tensor at a time over the DTensor's own mesh, and undoes the
+swapped classes, hooks and state. A new :class:`~conveyor.Pipeline` (any layout: with or
+without ``ep``, ``tp_plan``, ``fsdp``, ``vocab_parallel``) then splits the trained model
+as it splits a fresh one, and shards again what its own layout shards.
+
+What a rank holds of the trained model is what its pipeline rank held: the new split
+starts from the trained values where each pipeline rank keeps its stages (the same
+``pp`` and cut); to move stages between pipeline ranks, go through
+:func:`conveyor.save` / :func:`conveyor.load`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.experts.shard import unroute
+
+_HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
+"""Where the forward hooks an earlier pipeline left on the user's modules come from:
+torch's tensor parallel styles and FSDP, and conveyor's FSDP units' own-storage hook."""
+
+
+def adopt(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Make ``model`` hold a new pipeline's parameters under their original names.
+
+    A split whose stages hold their own copies of the parameter slots (a graph
+    ``torch.export`` captured, which FSDP then shards) would otherwise leave the user's
+    model with the values from before training; now the model holds the very parameters
+    the optimizer steps (DTensors where sharded), so that a later split, ``state_dict()``
+    or save of the model sees the trained values. Every slot of a tied weight follows.
+
+    Args:
+        model: The user's model.
+        named: The pipeline's ``(name, parameter)`` pairs, names as in ``model``.
+    """
+    new: dict[int, nn.Parameter] = {}
+    for name, p in named:
+        prefix, _, field = name.rpartition(".")
+        try:
+            owner = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        old = owner._parameters.get(field)
+        if old is not None and old is not p and isinstance(p, nn.Parameter):
+            new[id(old)] = p
+    if not new:
+        return
+    for module in model.modules():
+        for field, old in list(module._parameters.items()):
+            if old is not None and id(old) in new:
+                module._parameters[field] = new[id(old)]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (sharded or replicated over a device mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def has_sharded(model: nn.Module) -> bool:
+    """Whether an earlier pipeline left DTensor parameters in ``model``."""
+    return any(is_sharded(p) for p in model.parameters())
+
+
+def make_whole(model: nn.Module) -> bool:
+    """Undo, in place, what earlier pipelines sharded of ``model`` (see the module doc).
+
+    A collective where the model has DTensor parameters: each is gathered over its
+    mesh's ranks, so every rank of the world calls it (a :class:`~conveyor.Pipeline`
+    does, on every rank). The gathers go mesh by mesh, in the same order on every rank
+    (by mesh dimension names, then the model's order), and the ranks of one mesh hold the
+    same modules, so they post the same gathers.
+
+    Returns:
+        Whether anything was sharded.
+    """
+    sharded = _sharded_slots(model)
+    whole: dict[int, nn.Parameter] = {}
+    for module, name, param in sharded:
+        if id(param) not in whole:
+            with torch.no_grad():
+                value = param.full_tensor().detach()  # type: ignore[attr-defined]
+            whole[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
+        module._parameters[name] = whole[id(param)]
+    changed = bool(sharded)
+    for module in model.modules():
+        changed |= _unwrap(module)
+    return changed
+
+
+def _sharded_slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(module, name, parameter)`` for each DTensor parameter slot of ``model`` (a tied
+    one in each module holding it), ordered by mesh, then as the model lists them."""
+    slots = [
+        (module, name, p)
+        for module in model.modules()
+        for name, p in module._parameters.items()
+        if p is not None and is_sharded(p)
+    ]
+
+    def mesh_key(slot: tuple[nn.Module, str, torch.Tensor]) -> tuple[str, ...]:
+        mesh = slot[2].device_mesh  # type: ignore[attr-defined]
+        return tuple(mesh.mesh_dim_names or ())
+
+    return sorted(slots, key=mesh_key)  # stable: the model's order within a mesh
+
+
+def _unwrap(module: nn.Module) -> bool:
+    """Take off ``module`` what an earlier pipeline put on it besides its parameters:
+    FSDP's class, state and hooks, the expert routing, tensor parallelism's hooks."""
+    changed = _unwrap_fsdp(module)
+    changed |= unroute(module)
+    for hooks in (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+    ):
+        for key, hook in list(hooks.items()):
+            if _origin(hook).startswith(_HOOK_LIBRARIES):
+                del hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+                changed = True
+    return changed
+
+
+def _origin(hook: Any) -> str:
+    """The module a hook function (or bound method, or lambda) was defined in."""
+    func = getattr(hook, "__func__", hook)
+    return str(getattr(func, "__module__", "") or "")
+
+
+def _unwrap_fsdp(module: nn.Module) -> bool:
+    """``module``'s class and state as before ``fully_shard``; its hooks go with the
+    others (:func:`_unwrap`). These are torch internals: FSDP2 has no public undo."""
+    # the module, not the function torch.distributed._composable exports by that name
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule
+
+    flags = [
+        f for f in ("_is_fsdp_managed_module", "_fsdp_use_orig_params") if f in module.__dict__
+    ]
+    for flag in flags:  # on every module a unit manages
+        del module.__dict__[flag]
+    cls = type(module)
+    if not (issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule):
+        return bool(flags)
+    module.__class__ = cls.__bases__[1]  # fully_shard's class is (FSDPModule, original)
+    module.__dict__.pop(contract.STATE_KEY, None)
+    module.__dict__.pop(contract.REGISTRY_KEY, None)
+    _module_state_mapping.pop(module, None)
+    return True
