@@ -12,21 +12,26 @@ swapped classes, hooks and state. A new :class:`~conveyor.Pipeline` (any layout:
 without ``ep``, ``tp_plan``, ``fsdp``, ``vocab_parallel``) then splits the trained model
 as it splits a fresh one, and shards again what its own layout shards.
 
-What a rank holds of the trained model is what its pipeline rank held: the new split
-starts from the trained values where each pipeline rank keeps its stages (the same
-``pp`` and cut); to move stages between pipeline ranks, go through
-:func:`conveyor.save` / :func:`conveyor.load`.
+What a rank holds of the trained model is what its pipeline rank held (the other
+stages' parameters there keep the values they had before training): the new split starts
+from the trained values where each process keeps the stages it trained. A split that
+gives a process a parameter another process trained is refused on every rank
+(:func:`check_moves`): such a move goes through :func:`conveyor.save` /
+:func:`conveyor.load`.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from conveyor.errors import ConfigError
 from conveyor.experts.shard import unroute
 
 _HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
@@ -63,6 +68,73 @@ def adopt(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         for field, old in list(module._parameters.items()):
             if old is not None and id(old) in new:
                 module._parameters[field] = new[id(old)]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a pipeline over a model held on this process: its parameters (canonical
+    names), whether that was all of them, and the pipeline (whether it trained)."""
+
+    names: frozenset[str]
+    whole: bool
+    pipe: weakref.ref[Any]
+
+    def trained(self) -> bool:
+        """Whether its values may differ from the model's first ones: it ran a training
+        step, or it is gone (and might have)."""
+        pipe = self.pipe()
+        return pipe is None or getattr(pipe, "_last_train", None) is not None
+
+
+_HELD: weakref.WeakKeyDictionary[nn.Module, _Held] = weakref.WeakKeyDictionary()
+
+
+def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> None:
+    """Refuse, on every rank, a split that gives this process parameters of ``model`` an
+    earlier pipeline trained on another process (here they have their first values), and
+    remember what ``pipe`` holds here. A collective when an earlier pipeline was built
+    over ``model`` (which every rank then did).
+
+    Args:
+        model: The user's model.
+        pipe: The new pipeline.
+        names: The names of the parameters it holds on this process.
+        ctx: Its :class:`~conveyor.context.Context`.
+
+    Raises:
+        ConfigError: such a parameter, on some rank.
+    """
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canon[name] = first.setdefault(id(p), name)
+    held = frozenset(canon.get(n, n) for n in names)
+    before = _HELD.get(model)
+    _HELD[model] = _Held(held, held >= set(first.values()), weakref.ref(pipe))
+    if before is None:
+        return
+    moved = sorted(held - before.names) if before.trained() and not before.whole else []
+    everyone: list[Any] = [moved]
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        from conveyor.runtime.transport import guarded
+
+        everyone = [None] * ctx.world_size
+        guarded(
+            lambda: dist.all_gather_object(everyone, moved),
+            f"rank {ctx.rank}: checking what the new split moves between processes",
+            "another rank (every rank builds the Pipeline)",
+        )
+    where = [(rank, m) for rank, m in enumerate(everyone) if m]
+    if where:
+        rank, names_moved = where[0]
+        raise ConfigError(
+            f"this split gives rank {rank} model.{names_moved[0]} (and "
+            f"{len(names_moved) - 1} more), which an earlier pipeline over this model trained "
+            f"on another rank; keep that pipeline's pp and cut, or move the trained values "
+            f"with conveyor.save(old_pipe, path) and conveyor.load(new_pipe, path)"
+        )
 
 
 def is_sharded(t: torch.Tensor) -> bool:

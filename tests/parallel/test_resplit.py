@@ -16,7 +16,8 @@ the unsplit model trained the same way (SGD between the steps); 4 processes, glo
 - the fx-traced TinyGPT on pp 2 x dp 2 with its vocabulary rows split (vocab_parallel),
   then again with and without vocab_parallel;
 - the GPT example (fx, tied embedding, token loss over padded rows) on pp 2 x tp 2 with
-  its tp_plan, then on pp 2 without tensor parallelism.
+  its tp_plan, then on pp 2 without tensor parallelism; then pp 2 x dp 2, which would give
+  two processes a stage they did not train, is refused on every rank.
 """
 
 from __future__ import annotations
@@ -223,6 +224,14 @@ def _rows_world(rank: int) -> dict[str, Any]:
     out["tp"] = _gpt_trace(first, range(1))
     second = conveyor.Pipeline(model, loss_fn=TokenCrossEntropy(), microbatches=2, context=tp)
     out["tp"] += _gpt_trace(second, range(1, 3))
+    # pp 2 x dp 2 gives ranks 1 and 2 the other pipeline rank's stage, which they did not
+    # train: refused on every rank (a save and load moves it)
+    try:
+        conveyor.Pipeline(model, loss_fn=TokenCrossEntropy(), microbatches=2,
+                          context=conveyor.init(pp=2, dp=2))  # fmt: skip
+        out["moved"] = None
+    except conveyor.ConfigError as error:
+        out["moved"] = str(error)
     return out
 
 
@@ -251,6 +260,10 @@ def test_rows_and_tensor_parallel_shards_are_split_again_exactly() -> None:
                 what = f"{run} rank {rank} step {step}"
                 assert loss == pytest.approx(want_loss, rel=TOL), (what, loss, want_loss)
                 assert_close(grads, {n: want_grads[n] for n in grads}, what, tol=TOL)
+    for rank, got in enumerate(results):
+        assert got["moved"] is not None, rank
+        assert "which an earlier pipeline over this model trained on another rank" in got["moved"]
+        assert got["moved"] == results[0]["moved"]  # the same sentence on every rank
     trace = _gpt_reference()
     aliases = tied_names(_gpt_model())  # the GPT example ties its embedding and head
     for rank, got in enumerate(results):
