@@ -21,6 +21,7 @@ from torch import nn
 from conveyor.errors import ConfigError
 from conveyor.experts.collections import find_experts, num_experts
 from conveyor.experts.dispatch import ExpertShard, routed_forward
+from conveyor.partition.resplit import INSTANCE_STATE, ORIGINAL_CLASS
 
 SHARD_ATTR = "_conveyor_expert_shard"
 """The attribute of a sharded collection holding its :class:`ExpertShard`."""
@@ -54,21 +55,15 @@ def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
         _classes[cls] = type(
             f"ExpertParallel{cls.__name__}",
             (ExpertParallel, cls),
-            {"_conveyor_base_forward": cls.forward, "__module__": __name__},
+            {
+                "_conveyor_base_forward": cls.forward,
+                "__module__": __name__,
+                # what a later split undoes (conveyor/partition/resplit.py)
+                ORIGINAL_CLASS: cls,
+                INSTANCE_STATE: (SHARD_ATTR,),
+            },
         )
     return _classes[cls]
-
-
-def unroute(module: nn.Module) -> bool:
-    """Undo :func:`shard_experts`'s class swap on ``module``, a collection an earlier
-    pipeline sharded (the caller makes its parameters whole): its own class and forward
-    again. Returns whether it was routed."""
-    cls = type(module)
-    if cls not in _classes.values():
-        return False
-    module.__dict__.pop(SHARD_ATTR, None)
-    module.__class__ = cls.__bases__[1]  # (ExpertParallel, the original class)
-    return True
 
 
 def check_divisible(name: str, module: nn.Module, ep: int) -> int:

@@ -32,7 +32,12 @@ import torch
 from torch import nn
 
 from conveyor.errors import ConfigError
-from conveyor.experts.shard import unroute
+
+ORIGINAL_CLASS = "_conveyor_original_class"
+"""In the class dict of a class conveyor swapped a user's module to (the expert
+routing): the module's own class, which :func:`make_whole` gives it back."""
+INSTANCE_STATE = "_conveyor_instance_state"
+"""In the same class dict: the names of the per-module attributes the swap added."""
 
 _HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
 """Where the forward hooks an earlier pipeline left on the user's modules come from:
@@ -118,14 +123,8 @@ def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> 
     if ctx.distributed:
         import torch.distributed as dist
 
-        from conveyor.runtime.transport import guarded
-
         everyone = [None] * ctx.world_size
-        guarded(
-            lambda: dist.all_gather_object(everyone, moved),
-            f"rank {ctx.rank}: checking what the new split moves between processes",
-            "another rank (every rank builds the Pipeline)",
-        )
+        dist.all_gather_object(everyone, moved)
     where = [(rank, m) for rank, m in enumerate(everyone) if m]
     if where:
         rank, names_moved = where[0]
@@ -196,7 +195,7 @@ def _unwrap(module: nn.Module) -> bool:
     """Take off ``module`` what an earlier pipeline put on it besides its parameters:
     FSDP's class, state and hooks, the expert routing, tensor parallelism's hooks."""
     changed = _unwrap_fsdp(module)
-    changed |= unroute(module)
+    changed |= _unswap(module)
     for hooks in (
         module._forward_pre_hooks,
         module._forward_hooks,
@@ -209,6 +208,18 @@ def _unwrap(module: nn.Module) -> bool:
                 module._forward_hooks_always_called.pop(key, None)
                 changed = True
     return changed
+
+
+def _unswap(module: nn.Module) -> bool:
+    """``module``'s own class again, where conveyor swapped it (:data:`ORIGINAL_CLASS`)."""
+    cls = type(module)
+    original = cls.__dict__.get(ORIGINAL_CLASS)
+    if original is None:
+        return False
+    for name in cls.__dict__.get(INSTANCE_STATE, ()):
+        module.__dict__.pop(name, None)
+    module.__class__ = original
+    return True
 
 
 def _origin(hook: Any) -> str:
