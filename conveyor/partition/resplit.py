@@ -136,6 +136,37 @@ def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> 
         )
 
 
+def trained_here(model: nn.Module) -> set[str] | None:
+    """For :func:`conveyor.save` of the user's model in a distributed world after
+    pipelines trained it: the names of its state dict whose values this process holds
+    as trained (its last pipeline's parameters, and the buffers of their modules or of
+    modules without parameters; DTensors where sharded). None for any other model or a
+    world of one process: it is saved as one process saves a module.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    held = _HELD.get(model)
+    if held is None and not has_sharded(model):
+        return None
+    names = set(model.state_dict(keep_vars=True))
+    if held is None or held.whole:
+        return names
+    first: dict[int, str] = {}
+    canon = {
+        n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
+    }
+    keep = {n for n in names if n in canon and canon[n] in held.names}
+    for name in names - set(canon):  # a buffer: kept with its module's parameters
+        prefix = name.rpartition(".")[0]
+        own = model.get_submodule(prefix)._parameters if prefix else model._parameters
+        mine = [f"{prefix}.{f}" if prefix else f for f, p in own.items() if p is not None]
+        if not mine or any(canon.get(n, n) in held.names for n in mine):
+            keep.add(name)
+    return keep
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (sharded or replicated over a device mesh)."""
     from torch.distributed.tensor import DTensor

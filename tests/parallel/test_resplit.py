@@ -10,7 +10,8 @@ the unsplit model trained the same way (SGD between the steps); 4 processes, glo
 - a tiny Mixtral on pp 2 x dp 2 x ep 2 (padded rows of other lengths per step, its own
   token loss): again at ep 2; at ep 1; from ep 2 under FSDP to ep 2 without; through
   ``conveyor.save`` / ``conveyor.load`` into a pipeline at ep 1, whose own save then holds
-  the unsplit model's trained values; and experts frozen before ep shards them stay
+  the unsplit model's trained values, as does ``conveyor.save`` of the user's model (each
+  rank writing what it trained); and experts frozen before ep shards them stay
   frozen (issue 45: no gradient, no change after an optimizer step, also in the second
   pipeline);
 - the fx-traced TinyGPT on pp 2 x dp 2 with its vocabulary rows split (vocab_parallel),
@@ -72,6 +73,7 @@ def _experts_world(rank: int, path: str, models: list[torch.nn.Module]) -> dict[
     # ep 2, then ep 2 again over the same model
     out["again"] = train(_pipe(again, shards[0]), shards[:1])
     out["again"] += train(_pipe(again, shards[0]), shards[1:])
+    conveyor.save(again, f"{path}/model")  # the user's model: each rank what it trained
     # ep 2 under FSDP, then ep 2 without
     out["fsdp"] = train(_pipe(from_fsdp, shards[0], fsdp=True), shards[:1])
     out["fsdp"] += train(_pipe(from_fsdp, shards[0]), shards[1:])
@@ -135,15 +137,17 @@ def test_a_model_ep_trained_is_split_again_exactly(tmp_path: Path) -> None:
             assert frozen or rank % 2, (rank, i)  # pipeline rank 0 holds layer 0
             for name, (trainable, no_grad, same) in frozen.items():
                 assert (trainable, no_grad, same) == (False, True, True), (rank, i, name)
-    # The pipeline at ep 1 saved the unsplit model's values after step 2.
-    trained = conveyor.load_model_state(tmp_path / "ep1")
+    # The pipeline at ep 1, and the user's model after the pipelines at ep 2, saved the
+    # unsplit model's values after step 2.
     model = model_of("mixtral", False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _, grads in want:
         for n, p in model.named_parameters():
             p.grad = grads[n]
         opt.step()
-    assert_close(trained, dict(model.state_dict()), "saved at ep 1", tol=1e-5)
+    for saved in ("ep1", "model"):
+        trained = conveyor.load_model_state(tmp_path / saved)
+        assert_close(trained, dict(model.state_dict()), f"saved {saved}", tol=1e-5)
 
 
 # ------------------------------------------------------------------ vocabulary rows, tp
