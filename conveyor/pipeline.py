@@ -28,7 +28,7 @@ from conveyor.context import Context, current
 from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt, check_moves, make_whole
+from conveyor.partition.resplit import adopt, make_whole
 from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
@@ -167,8 +167,7 @@ class Pipeline:
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
             self._parts = build(model, self.schedule, options, ctx, first)
-            adopt(model, self._parts.named_parameters())
-            check_moves(model, self, (n for n, _ in self._parts.named_parameters()), ctx)
+            adopt(model, self, self._parts.named_parameters(), ctx)
 
     @property
     def loss_fn(self) -> LossFn | None:
@@ -256,9 +255,7 @@ class Pipeline:
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-            adopt(self._model, self._parts.named_parameters())
-            names = (n for n, _ in self._parts.named_parameters())
-            check_moves(self._model, self, names, self.context)
+            adopt(self._model, self, self._parts.named_parameters(), self.context)
         step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record

@@ -44,8 +44,9 @@ _HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
 torch's tensor parallel styles and FSDP, and conveyor's FSDP units' own-storage hook."""
 
 
-def adopt(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Make ``model`` hold a new pipeline's parameters under their original names.
+def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx: Any) -> None:
+    """Make ``model`` hold a new pipeline's parameters under their original names, after
+    refusing a split that moves trained values between processes (:func:`check_moves`).
 
     A split whose stages hold their own copies of the parameter slots (a graph
     ``torch.export`` captured, which FSDP then shards) would otherwise leave the user's
@@ -54,9 +55,18 @@ def adopt(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     or save of the model sees the trained values. Every slot of a tied weight follows.
 
     Args:
-        model: The user's model.
-        named: The pipeline's ``(name, parameter)`` pairs, names as in ``model``.
+        model: The user's model (a module or a list of layers).
+        pipe: The new pipeline.
+        named: Its ``(name, parameter)`` pairs on this process, names as in ``model``.
+        ctx: Its :class:`~conveyor.context.Context`.
+
+    Raises:
+        ConfigError: see :func:`check_moves`.
     """
+    if not isinstance(model, nn.Module):
+        model = nn.ModuleList(model)  # a list of layers: the same names, not remembered
+    named = list(named)
+    check_moves(model, pipe, (n for n, _ in named), ctx)
     new: dict[int, nn.Parameter] = {}
     for name, p in named:
         prefix, _, field = name.rpartition(".")
@@ -179,7 +189,7 @@ def has_sharded(model: nn.Module) -> bool:
     return any(is_sharded(p) for p in model.parameters())
 
 
-def make_whole(model: nn.Module) -> bool:
+def make_whole(model: Any) -> bool:
     """Undo, in place, what earlier pipelines sharded of ``model`` (see the module doc).
 
     A collective where the model has DTensor parameters: each is gathered over its
@@ -191,6 +201,8 @@ def make_whole(model: nn.Module) -> bool:
     Returns:
         Whether anything was sharded.
     """
+    if not isinstance(model, nn.Module):
+        model = nn.ModuleList(model)  # a list of layers
     sharded = _sharded_slots(model)
     whole: dict[int, nn.Parameter] = {}
     for module, name, param in sharded:
