@@ -67,22 +67,20 @@ def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx:
         model = nn.ModuleList(model)  # a list of layers: the same names, not remembered
     named = list(named)
     check_moves(model, pipe, (n for n, _ in named), ctx)
-    new: dict[int, nn.Parameter] = {}
+    # A tied weight's slots as they were before the build (sharding replaces the slot of
+    # the module a stage holds, not its alias in a module another rank's stage holds).
+    aliases = _ALIASES.get(model) or _alias_groups(model)
     for name, p in named:
-        prefix, _, field = name.rpartition(".")
-        try:
-            owner = model.get_submodule(prefix)
-        except AttributeError:
+        if not isinstance(p, nn.Parameter):
             continue
-        old = owner._parameters.get(field)
-        if old is not None and old is not p and isinstance(p, nn.Parameter):
-            new[id(old)] = p
-    if not new:
-        return
-    for module in model.modules():
-        for field, old in list(module._parameters.items()):
-            if old is not None and id(old) in new:
-                module._parameters[field] = new[id(old)]
+        for alias in aliases.get(name, (name,)):
+            prefix, _, field = alias.rpartition(".")
+            try:
+                owner = model.get_submodule(prefix)
+            except AttributeError:
+                continue
+            if owner._parameters.get(field) is not None:
+                owner._parameters[field] = p
 
 
 @dataclass(frozen=True)
@@ -102,6 +100,19 @@ class _Held:
 
 
 _HELD: weakref.WeakKeyDictionary[nn.Module, _Held] = weakref.WeakKeyDictionary()
+_ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per model, when a Pipeline was built over it: each parameter name -> every name of
+that parameter (its ties), taken before the build shards anything."""
+
+
+def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each parameter name of ``model`` -> all names of that parameter object."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: tuple(names) for names in by_id.values() for name in names}
 
 
 def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> None:
@@ -119,13 +130,12 @@ def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> 
     Raises:
         ConfigError: such a parameter, on some rank.
     """
-    canon: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        canon[name] = first.setdefault(id(p), name)
+    # ties as before the build (sharding may have replaced one slot of a tied weight)
+    aliases = _ALIASES.get(model) or _alias_groups(model)
+    canon = {name: group[0] for name, group in aliases.items()}
     held = frozenset(canon.get(n, n) for n in names)
     before = _HELD.get(model)
-    _HELD[model] = _Held(held, held >= set(first.values()), weakref.ref(pipe))
+    _HELD[model] = _Held(held, held >= set(canon.values()), weakref.ref(pipe))
     if before is None:
         return
     moved = sorted(held - before.names) if before.trained() and not before.whole else []
@@ -163,10 +173,8 @@ def trained_here(model: nn.Module) -> set[str] | None:
     names = set(model.state_dict(keep_vars=True))
     if held is None or held.whole:
         return names
-    first: dict[int, str] = {}
-    canon = {
-        n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)
-    }
+    aliases = _ALIASES.get(model) or _alias_groups(model)
+    canon = {name: group[0] for name, group in aliases.items()}
     keep = {n for n in names if n in canon and canon[n] in held.names}
     for name in names - set(canon):  # a buffer: kept with its module's parameters
         prefix = name.rpartition(".")[0]
@@ -214,6 +222,7 @@ def make_whole(model: Any) -> bool:
     changed = bool(sharded)
     for module in model.modules():
         changed |= _unwrap(module)
+    _ALIASES[model] = _alias_groups(model)
     return changed
 
 

@@ -16,9 +16,10 @@ the unsplit model trained the same way (SGD between the steps); 4 processes, glo
   pipeline);
 - the fx-traced TinyGPT on pp 2 x dp 2 with its vocabulary rows split (vocab_parallel),
   then again with and without vocab_parallel;
-- the GPT example (fx, tied embedding, token loss over padded rows) on pp 2 x tp 2 with
-  its tp_plan, then on pp 2 without tensor parallelism; then pp 2 x dp 2, which would give
-  two processes a stage they did not train, is refused on every rank.
+- the GPT example (fx, tied embedding, token loss over padded rows) on pp 2 x dp 2 under
+  ``fsdp="reshard"`` (its blocks FSDP units), then ``fsdp=True``, then without FSDP; and on
+  pp 2 x tp 2 with its tp_plan, then on pp 2 without tensor parallelism; then pp 2 x dp 2,
+  which would give two processes a stage they did not train, is refused on every rank.
 """
 
 from __future__ import annotations
@@ -204,8 +205,11 @@ def _gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gpt_trace(pipe: conveyor.Pipeline, steps: range) -> Any:
-    return sgd_trace(pipe.named_parameters(), pipe.train_step, [_gpt_data(s) for s in steps],
-                     LR, _whole)  # fmt: skip
+    """SGD steps of the GPT example, each replica on its rows (round-robin) of the batch."""
+    ctx = pipe.context
+    mine = slice(ctx.dp_rank, None, ctx.dp_size)
+    data = [(x[mine], y[mine]) for x, y in (_gpt_data(s) for s in steps)]
+    return sgd_trace(pipe.named_parameters(), pipe.train_step, data, LR, _whole)
 
 
 def _rows_world(rank: int) -> dict[str, Any]:
@@ -221,6 +225,14 @@ def _rows_world(rank: int) -> dict[str, Any]:
         pipe = conveyor.Pipeline(model, loss_fn=VOCAB_LOSS, microbatches=2, context=ctx,
                                  vocab_parallel=second)  # fmt: skip
         out[f"vocab then vocab={second}"] = got + _vocab_train(pipe, steps[1:])
+    # FSDP with a unit per block (the user's blocks become FSDP modules), then one per
+    # stage, then none
+    model = _gpt_model()
+    out["fsdp"] = []
+    for step, fsdp in enumerate(("reshard", True, False)):
+        pipe = conveyor.Pipeline(model, loss_fn=TokenCrossEntropy(), microbatches=2,
+                                 context=ctx, fsdp=fsdp)  # fmt: skip
+        out["fsdp"] += _gpt_trace(pipe, range(step, step + 1))
     tp = conveyor.init(pp=2, tp=2)
     model = _gpt_model()
     first = conveyor.Pipeline(model, loss_fn=TokenCrossEntropy(), microbatches=2, context=tp,
@@ -271,9 +283,10 @@ def test_rows_and_tensor_parallel_shards_are_split_again_exactly() -> None:
     trace = _gpt_reference()
     aliases = tied_names(_gpt_model())  # the GPT example ties its embedding and head
     for rank, got in enumerate(results):
-        for step, (loss, grads, params) in enumerate(trace):
-            got_loss, got_grads, got_params = got["tp"][step]
-            what = f"tp then none rank {rank} step {step}"
+        for run, step in ((r, s) for r in ("tp", "fsdp") for s in range(len(trace))):
+            loss, grads, params = trace[step]
+            got_loss, got_grads, got_params = got[run][step]
+            what = f"{run} then others, rank {rank} step {step}"
             assert got_loss == pytest.approx(loss, rel=TOL), what
             floor = 1e-3 * max(float(g.norm()) for g in grads.values())
             for table, ref in ((got_grads, grads), (got_params, params)):
