@@ -119,8 +119,10 @@ class Plan:
             peak = ", ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
             chosen = (c.schedule, c.chunks, c.microbatches, c.balance, c.recompute,
                       c.vocab) == mine  # fmt: skip
-            name = c.schedule + (" + recompute" if c.recompute else "") + (
-                " + vocab parallel" if c.vocab else ""
+            name = (
+                c.schedule
+                + (" + recompute" if c.recompute else "")
+                + (" + vocab parallel" if c.vocab else "")
             )
             lines.append(
                 f"| {i} | {name} | {c.chunks} | {c.microbatches} | "
@@ -200,11 +202,7 @@ def plan(
     first = microbatch.divide(inputs, min(batch, ranks), "inputs")[0]
     cut = units(model, first)
     n_units = len(cut)
-    found = (
-        vocab_units(model, cut, loss_fn, _exported(model, first))
-        if vocab is not False and ranks > 1
-        else None
-    )
+    found = vocab_units(model, cut, loss_fn, first) if vocab is not False and ranks > 1 else None
     if vocab and found is None:
         raise ConfigError(
             "the plan was asked for vocabulary parallelism, but it needs a model with an "
@@ -384,19 +382,6 @@ def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Sc
             return None
     costs = prof.costs(bal, True)
     return zero_bubble_auto(ranks, m, costs, microbatch_cap=cap, comm=prof.comm(bal))
-
-
-def _exported(model: Any, sample: Any) -> bool:
-    """Whether ``model`` is a graph torch.export captured (the capture :func:`units` made,
-    from the cache)."""
-    if not isinstance(model, nn.Module) or isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return False
-    from conveyor.partition.capture import capture
-
-    try:
-        return bool(capture(model, sample).exported)
-    except Exception:  # not a graph (an execution sequence, say): its units are its own
-        return False
 
 
 def _distributed() -> bool:

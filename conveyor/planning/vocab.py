@@ -56,11 +56,12 @@ def takes_loss(loss_fn: Any, layers: VocabLayers) -> bool:
 
 
 def vocab_units(
-    model: Any, units: Sequence[nn.Module], loss_fn: Any, exported: bool = False
+    model: Any, units: Sequence[nn.Module], loss_fn: Any, sample: Any = None
 ) -> VocabUnits | None:
     """The units of ``model`` holding its vocabulary layers, when vocabulary parallelism
     can run it (layers :func:`find_vocab_layers` finds, a loss :func:`takes_loss`);
-    else None. ``exported``: ``units`` are of a graph torch.export captured."""
+    else None. ``sample``: what ``units`` were cut on (tells a graph torch.export
+    captured)."""
     if not isinstance(model, nn.Module):
         return None
     try:
@@ -78,7 +79,21 @@ def vocab_units(
         return None
     weights = {id(emb): emb, id(out): out}
     size = sum(w.numel() * w.element_size() for w in weights.values())
+    exported = sample is not None and _exported(model, sample)
     return VocabUnits(first[0], last[-1], size, layers.rows / layers.hidden, exported)
+
+
+def _exported(model: Any, sample: Any) -> bool:
+    """Whether ``model`` is a graph torch.export captured (the capture :func:`units` made,
+    from the cache)."""
+    if not isinstance(model, nn.Module) or isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return False
+    from conveyor.partition.capture import capture
+
+    try:
+        return bool(capture(model, sample).exported)
+    except Exception:  # not a graph (an execution sequence, say): its units are its own
+        return False
 
 
 def evaluate_vocab(
