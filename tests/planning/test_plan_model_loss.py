@@ -169,7 +169,7 @@ def _auto(rank: int, vocab: int) -> dict[str, Any]:
         assert pipe.plan is not None
         out[asked] = dict(
             steps=train(pipe, batches), considered=any(c.vocab for c in pipe.plan.alternatives),
-            vocab=bool(pipe.schedule.vocab),
+            vocab=bool(pipe.schedule.vocab), schedule=(pipe.schedule.name, pipe.plan.balance),
         )  # fmt: skip
     return out
 
@@ -189,6 +189,7 @@ def test_schedule_auto_with_the_models_own_loss_on_two_processes() -> None:
             run = got[asked]
             assert run["considered"], (asked, rank)
             assert run["vocab"] or not asked, rank
-            check(run["steps"], want, f"vocab_parallel={asked} rank {rank}", every=False)
+            what = f"vocab_parallel={asked} rank {rank} {run['schedule']}"
+            check(run["steps"], want, what, every=False)
         names = set().union(*(set(r[asked]["steps"][0][1]) for r in results))
         assert names == set(want[0][1]), asked
