@@ -28,6 +28,7 @@ from conveyor.context import Context, current
 from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
+from conveyor.partition.resplit import adopt, make_whole
 from conveyor.planning.planner import Plan, plan_pipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
@@ -143,6 +144,7 @@ class Pipeline:
                           fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
                           weights, init_seed, ep_plan, vocab_parallel)
         options.check_context(ctx)  # before a plan's collective profiling run
+        make_whole(model)  # what an earlier pipeline sharded of it (collective)
         self.plan: Plan | None = None
         if schedule == "auto":
             self.plan = plan_pipeline(model, ctx, options, memory_limit)
@@ -169,6 +171,7 @@ class Pipeline:
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
             self._parts = build(model, self.schedule, options, ctx, first)
+            adopt(model, self, self._parts.named_parameters(), ctx)
 
     @property
     def loss_fn(self) -> LossFn | None:
@@ -245,6 +248,7 @@ class Pipeline:
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
+            adopt(self._model, self, self._parts.named_parameters(), self.context)
         step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record

@@ -79,7 +79,9 @@ def save(
     checkpoints in ``path`` are removed after the new one is committed.
 
     Args:
-        pipe: The pipeline, or a plain ``nn.Module`` (one process).
+        pipe: The pipeline, or a plain ``nn.Module``: in one process; or, in a distributed
+            world, the model pipelines trained (each rank writes what it trained: call it
+            on every rank).
         path: The checkpoint directory, created if missing; every rank must see the same
             one.
         optimizer: This rank's optimizer, built from ``pipe.parameters()``; its state and
@@ -96,7 +98,7 @@ def save(
     """
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
-    view = view_of(pipe)
+    view = view_of(pipe, saving=True)
     root = Path(path)
     error = None
     if root.exists() and not root.is_dir():

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from conveyor.checkpoint.errors import CheckpointError
 from conveyor.errors import ConfigError
+from conveyor.partition.resplit import trained_here
 from conveyor.runtime.transport import guarded
 
 if TYPE_CHECKING:
@@ -44,11 +45,22 @@ def is_pipeline(target: Any) -> bool:
     return isinstance(target, Pipeline)
 
 
-def view_of(target: Pipeline | nn.Module) -> View:
-    """Entries of a Pipeline (this rank's stages) or of a plain module (one process)."""
+def view_of(target: Pipeline | nn.Module, saving: bool = False) -> View:
+    """Entries of a Pipeline (this rank's stages) or of a plain module (one process).
+
+    ``saving`` a module that pipelines trained in a distributed world: every rank's
+    entries are what it trained (:func:`~conveyor.partition.resplit.trained_here`), and
+    the save is a collective of the world, as a pipeline's is.
+    """
+    keep: set[str] | None = None
     if isinstance(target, nn.Module):
         stages: list[tuple[int, nn.Module]] = [(0, target)]
-        view = View([], 0, 1, False, {"model": type(target).__name__})
+        keep = trained_here(target) if saving else None
+        layout = {"model": type(target).__name__}
+        if keep is None:
+            view = View([], 0, 1, False, layout)
+        else:
+            view = View([], dist.get_rank(), dist.get_world_size(), True, layout)
         links: dict[int, tuple[int, ...]] = {}
     elif is_pipeline(target):
         ctx = target.context
@@ -80,6 +92,8 @@ def view_of(target: Pipeline | nn.Module) -> View:
     for s, stage in stages:
         params = {id(p) for p in stage.parameters()}
         for pos, (name, value) in enumerate(stage.state_dict(keep_vars=True).items()):
+            if keep is not None and name not in keep:
+                continue  # another rank trained it
             if isinstance(value, Tensor) and id(value) in by_id:
                 by_id[id(value)].names.append((s, pos, name))
                 continue

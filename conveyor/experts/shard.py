@@ -21,6 +21,7 @@ from torch import nn
 from conveyor.errors import ConfigError
 from conveyor.experts.collections import find_experts, num_experts
 from conveyor.experts.dispatch import ExpertShard, routed_forward
+from conveyor.partition.resplit import INSTANCE_STATE, ORIGINAL_CLASS
 
 SHARD_ATTR = "_conveyor_expert_shard"
 """The attribute of a sharded collection holding its :class:`ExpertShard`."""
@@ -54,7 +55,13 @@ def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
         _classes[cls] = type(
             f"ExpertParallel{cls.__name__}",
             (ExpertParallel, cls),
-            {"_conveyor_base_forward": cls.forward, "__module__": __name__},
+            {
+                "_conveyor_base_forward": cls.forward,
+                "__module__": __name__,
+                # what a later split undoes (conveyor/partition/resplit.py)
+                ORIGINAL_CLASS: cls,
+                INSTANCE_STATE: (SHARD_ATTR,),
+            },
         )
     return _classes[cls]
 

@@ -119,8 +119,10 @@ class Plan:
             peak = ", ".join(f"{b / 2**20:.1f}" for b in c.peak_memory)
             chosen = (c.schedule, c.chunks, c.microbatches, c.balance, c.recompute,
                       c.vocab) == mine  # fmt: skip
-            name = c.schedule + (" + recompute" if c.recompute else "") + (
-                " + vocab parallel" if c.vocab else ""
+            name = (
+                c.schedule
+                + (" + recompute" if c.recompute else "")
+                + (" + vocab parallel" if c.vocab else "")
             )
             lines.append(
                 f"| {i} | {name} | {c.chunks} | {c.microbatches} | "
@@ -134,7 +136,7 @@ def plan(
     model: nn.Module | Sequence[nn.Module],
     inputs: Any,
     targets: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     ranks: int,
     memory_limit: float | None = None,
     *,
@@ -158,8 +160,9 @@ def plan(
     Args:
         model: A module, a layer list or an execution sequence.
         inputs: One sample batch, as for ``train_step``.
-        targets: Its targets.
-        loss_fn: ``loss_fn(output, targets)``.
+        targets: Its targets (None with ``loss_fn=None``).
+        loss_fn: ``loss_fn(output, targets)``; None: the loss the model computes itself
+            (e.g. a transformers model given ``labels`` among the inputs).
         ranks: Pipeline ranks.
         memory_limit: The most bytes any pipeline rank may need for its stages'
             parameters, their gradients and the activations the schedule holds at once
@@ -184,7 +187,8 @@ def plan(
             :func:`~conveyor.planning.profiler.profile`).
         vocab: Also predict each schedule with the vocabulary layers split over every rank
             (``vocab_parallel``, :mod:`~conveyor.planning.vocab`); None: where the model
-            has them and the loss is a token cross-entropy; False: never.
+            has them and takes the loss (the runtime's rule,
+            :func:`conveyor.vocab.setup.vocab_loss`); False: never.
 
     Returns:
         The chosen configuration and every candidate, ranked.
@@ -195,14 +199,16 @@ def plan(
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
     batch = microbatch.batch_size(inputs, "inputs")
-    cut = units(model, microbatch.divide(inputs, min(batch, ranks), "inputs")[0])
+    first = microbatch.divide(inputs, min(batch, ranks), "inputs")[0]
+    cut = units(model, first)
     n_units = len(cut)
-    found = vocab_units(model, cut, loss_fn) if vocab is not False and ranks > 1 else None
+    found = vocab_units(model, cut, loss_fn, first) if vocab is not False and ranks > 1 else None
     if vocab and found is None:
         raise ConfigError(
             "the plan was asked for vocabulary parallelism, but it needs a model with an "
-            "input embedding and a bias-free output layer onto its rows and a "
-            "TokenCrossEntropy loss"
+            "input embedding and a bias-free output layer onto its rows and a loss "
+            "vocab_parallel computes from the shards (a TokenCrossEntropy, or loss_fn=None "
+            "on a transformers causal LM)"
         )
     counts = (
         sorted({min(k * ranks, batch) for k in (1, 2, 4, 8)})
@@ -338,17 +344,12 @@ def plan_pipeline(
     micro-batch count.
 
     Raises:
-        ConfigError: no ``sample`` to profile on, or no ``loss_fn``.
+        ConfigError: no ``sample`` to profile on.
     """
     if options.sample is None:
         raise ConfigError(
             "schedule='auto' profiles the model on a batch: pass sample=(inputs, targets), "
             "e.g. your first batch"
-        )
-    if options.loss_fn is None:
-        raise ConfigError(
-            "schedule='auto' needs a loss_fn to profile the last layers with; pass one, or "
-            "name a schedule"
         )
     shards = (ctx.dp_size if options.fsdp else 1) * (ctx.tp_size if options.tp_plan else 1)
     return plan(

@@ -31,7 +31,7 @@ from conveyor.partition.sequential import layers_of, split_sequential
 from conveyor.planning.link import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, measure_link_speed
 from conveyor.planning.meta import RealUnits, is_meta, profiling_device, release
 from conveyor.planning.profile_data import LayerProfile, Profile, mean_layers
-from conveyor.planning.unit_profile import Clock, LossFn, measure_unit
+from conveyor.planning.unit_profile import Clock, LossFn, measure_unit, own_loss
 from conveyor.runtime import microbatch
 from conveyor.weights import Weights
 
@@ -76,7 +76,7 @@ def profile(
     model: nn.Module | Sequence[nn.Module],
     inputs: Any,
     targets: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     microbatches: int,
     *,
     repeats: int = 5,
@@ -98,8 +98,10 @@ def profile(
     Args:
         model: A module, a layer list or an execution sequence.
         inputs: A whole batch, as for ``Pipeline.train_step``.
-        targets: Its targets.
-        loss_fn: ``loss_fn(output, targets)``, charged to the last unit.
+        targets: Its targets (None with ``loss_fn=None``).
+        loss_fn: ``loss_fn(output, targets)``, charged to the last unit; None: the loss
+            the model computes itself (read from its output, as ``Pipeline(loss_fn=None)``
+            reads it).
         microbatches: Into how many micro-batches the batch is cut.
         repeats: Timed runs per unit; the median is kept.
         warmup: Untimed runs per unit before them.
@@ -139,7 +141,7 @@ def _profile_units(
     model: nn.Module | Sequence[nn.Module],
     inputs: Any,
     targets: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     microbatches: int,
     repeats: int,
     warmup: int,
@@ -157,13 +159,18 @@ def _profile_units(
     clock = Clock(device)
     value = microbatch.to_device(microbatch.first(inputs, microbatches, "inputs"), device)
     parts = units(model, value)
-    target = microbatch.to_device(microbatch.first(targets, microbatches, "targets"), device)
+    target = (
+        None
+        if targets is None
+        else microbatch.to_device(microbatch.first(targets, microbatches, "targets"), device)
+    )
+    last_loss = loss_fn if loss_fn is not None else own_loss
     out: list[LayerProfile] = []
     for i, unit in enumerate(parts):
         last = i == len(parts) - 1
         timed = real.real(unit) if real is not None else unit
         layer, value = measure_unit(
-            i, timed, value, target, loss_fn if last else None, repeats, warmup, clock
+            i, timed, value, target, last_loss if last else None, repeats, warmup, clock
         )
         if real is not None:
             release(timed)  # before the next unit is made real

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.planning.profile_data import LayerProfile
 from conveyor.runtime.call import StageCaller
-from conveyor.runtime.compute import LossFn, grad_leaves
+from conveyor.runtime.compute import LossFn, grad_leaves, model_loss
 from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.split_backward import backward_input
@@ -30,6 +30,12 @@ def _loss(loss_fn: LossFn | None, out: Any, target: Any) -> torch.Tensor | None:
     result = loss_fn(out, target)
     loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
     return loss
+
+
+def own_loss(out: Any, target: Any) -> torch.Tensor:
+    """The loss a model computes itself (``loss_fn=None``), read from its output as the
+    pipeline reads it; ``target`` is unused (the labels are among the inputs)."""
+    return model_loss(out)
 
 
 class Clock:
@@ -179,4 +185,4 @@ def _describe(unit: nn.Module) -> str:
     return type(unit).__name__
 
 
-__all__ = ["Clock", "LossFn", "measure_unit"]
+__all__ = ["Clock", "LossFn", "measure_unit", "own_loss"]

@@ -25,7 +25,8 @@ from conveyor.planning.profile_data import LayerProfile, Profile
 from conveyor.schedules import Schedule
 from conveyor.schedules.simulation import simulate
 from conveyor.schedules.vocab import with_vocab
-from conveyor.vocab.layers import find_vocab_layers
+from conveyor.vocab.layers import VocabLayers, find_vocab_layers
+from conveyor.vocab.setup import vocab_loss
 
 
 @dataclass(frozen=True)
@@ -37,18 +38,37 @@ class VocabUnits:
     output: int
     parameter_bytes: int
     widening: float
+    vanish: bool = False
+    """The split with the layers stood in for has no units for them: a graph torch.export
+    captured, where the model takes the embedding as ``inputs_embeds`` and the output
+    stand-in reads no parameter; else they stay units that cost nothing."""
 
 
-def vocab_units(model: Any, units: Sequence[nn.Module], loss_fn: Any) -> VocabUnits | None:
+def takes_loss(loss_fn: Any, layers: VocabLayers) -> bool:
+    """Whether vocabulary parallelism computes ``loss_fn`` from the shards of ``layers``:
+    the runtime's own rule (:func:`~conveyor.vocab.setup.vocab_loss`), so that the planner
+    never offers what the pipeline would refuse, nor leaves out what it would run."""
+    try:
+        vocab_loss(loss_fn, layers)
+    except ConfigError:
+        return False
+    return True
+
+
+def vocab_units(
+    model: Any, units: Sequence[nn.Module], loss_fn: Any, sample: Any = None
+) -> VocabUnits | None:
     """The units of ``model`` holding its vocabulary layers, when vocabulary parallelism
-    can run it (a token cross-entropy, layers :func:`find_vocab_layers` finds); else None."""
-    from conveyor.losses import TokenCrossEntropy
-
-    if not isinstance(model, nn.Module) or not isinstance(loss_fn, TokenCrossEntropy):
+    can run it (layers :func:`find_vocab_layers` finds, a loss :func:`takes_loss`);
+    else None. ``sample``: what ``units`` were cut on (tells a graph torch.export
+    captured)."""
+    if not isinstance(model, nn.Module):
         return None
     try:
         layers = find_vocab_layers(model, True)
     except ConfigError:
+        return None
+    if not takes_loss(loss_fn, layers):
         return None
     emb = _weight(model.get_submodule(layers.input))
     out = _weight(model.get_submodule(layers.output))
@@ -59,7 +79,21 @@ def vocab_units(model: Any, units: Sequence[nn.Module], loss_fn: Any) -> VocabUn
         return None
     weights = {id(emb): emb, id(out): out}
     size = sum(w.numel() * w.element_size() for w in weights.values())
-    return VocabUnits(first[0], last[-1], size, layers.rows / layers.hidden)
+    exported = sample is not None and _exported(model, sample)
+    return VocabUnits(first[0], last[-1], size, layers.rows / layers.hidden, exported)
+
+
+def _exported(model: Any, sample: Any) -> bool:
+    """Whether ``model`` is a graph torch.export captured (the capture :func:`units` made,
+    from the cache)."""
+    if not isinstance(model, nn.Module) or isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return False
+    from conveyor.partition.capture import capture
+
+    try:
+        return bool(capture(model, sample).exported)
+    except Exception:  # not a graph (an execution sequence, say): its units are its own
+        return False
 
 
 def evaluate_vocab(
@@ -77,6 +111,9 @@ def evaluate_vocab(
     for i in {found.embedding, found.output}:
         u = layers[i]
         layers[i] = LayerProfile(u.name, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, u.output)
+    if found.vanish:  # the balance counts the split's own units
+        gone = {found.embedding, found.output}
+        layers = [u for i, u in enumerate(layers) if i not in gone]
     stripped = Profile(tuple(layers), prof.microbatches, prof.microbatch_size, prof.latency,
                        prof.bandwidth)  # fmt: skip
     bal = balanced(schedule, stripped, None)
