@@ -17,8 +17,9 @@ from torch.utils import _pytree as pytree
 
 from conveyor.planning.profile_data import LayerProfile
 from conveyor.runtime.call import StageCaller
-from conveyor.runtime.compute import LossFn, grad_leaves, model_loss
+from conveyor.runtime.compute import LossFn, grad_leaves
 from conveyor.runtime.deferred_linear import LinearWeightStore
+from conveyor.runtime.ends import model_loss
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.split_backward import backward_input
 
