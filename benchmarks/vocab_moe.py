@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import alternate, on_processes, status_kib, step_times, timing_parser  # noqa: E402
+from moe import mixtral, replica_batch  # noqa: E402
 
 PP, DP, EP = 2, 2, 2
 MIB = 2**20
@@ -47,37 +48,6 @@ FULL = {"hidden": 128, "layers": 2, "experts": 8, "top_k": 2, "intermediate": 25
 QUICK = {"hidden": 32, "layers": 2, "experts": 8, "top_k": 2, "intermediate": 64,
          "vocab": 2048, "heads": 4, "batch": 8, "tokens": 16, "microbatches": 4}  # fmt: skip
 RUNS = ("ep=2", "ep=2 + vocab parallel")
-
-
-def mixtral(shape: dict[str, int]) -> Any:
-    """The benchmark model on the meta device (each rank gives its own share values)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    import conveyor
-
-    cfg = MixtralConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["heads"],
-        num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"],
-        max_position_embeddings=shape["tokens"], router_jitter_noise=0.0,
-        tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    with conveyor.empty_weights():
-        model = MixtralForCausalLM(cfg)
-    return model.train()
-
-
-def replica_batch(shape: dict[str, int], dp_rank: int) -> dict[str, Any]:
-    """This replica's share of the global batch (the same in every run)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["tokens"]), generator=gen)
-    rows = shape["batch"] // DP
-    mine = ids[dp_rank * rows : (dp_rank + 1) * rows]
-    return {"input_ids": mine, "labels": mine.clone()}
 
 
 def build(shape: dict[str, int], run: str, ctx: Any) -> tuple[Any, Any, dict[str, Any]]:

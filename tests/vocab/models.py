@@ -3,6 +3,8 @@ traces it), a layer list, and a transformers causal LM from a config; padded bat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -72,3 +74,16 @@ def padded_batch(
             ids[r, length - pad :] = 0
             targets[r, length - pad :] = -100
     return ids, targets
+
+
+def unsplit_steps(
+    model: nn.Module, steps: list[tuple[torch.Tensor, torch.Tensor]], loss: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsplit ``model``'s whole-batch token loss of each of ``steps`` (a ``(total,
+    count)`` loss), its gradients accumulated over them."""
+    losses = []
+    for ids, targets in steps:
+        total, count = loss(model(ids), targets)
+        (total / count).backward()
+        losses.append(float((total / count).detach()))
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

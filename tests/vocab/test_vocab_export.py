@@ -19,7 +19,7 @@ from torch import nn
 import conveyor
 from tests.support import distributed
 from tests.support.real_models import ViTBlock
-from tests.vocab.models import HIDDEN, VOCAB, padded_batch
+from tests.vocab.models import HIDDEN, VOCAB, padded_batch, unsplit_steps
 from tests.vocab.test_vocab_pipeline import LOSS, compare, grads_of
 
 
@@ -50,13 +50,7 @@ def steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = ExportOnlyLM(tied)
-    losses = []
-    for ids, targets in steps():
-        total, count = LOSS(model(ids), targets)
-        (total / count).backward()
-        losses.append((total / count).item())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return unsplit_steps(ExportOnlyLM(tied), steps(), LOSS)
 
 
 def run(pp: int, tied: bool, schedule: str, ctx: Any) -> tuple[list[float], dict[str, Any], float]:

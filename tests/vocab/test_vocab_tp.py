@@ -19,7 +19,7 @@ from torch import nn
 import conveyor
 from tests.support import distributed
 from tests.support.nccl_model import Record, check
-from tests.vocab.models import HIDDEN, VOCAB, padded_batch
+from tests.vocab.models import HIDDEN, VOCAB, padded_batch, unsplit_steps
 from tests.vocab.test_vocab_pipeline import LOSS, TOL, rel
 
 CASES = [("1f1b", False), ("zb-h1", True)]
@@ -53,13 +53,7 @@ def steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(tied: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = MlpGPT(tied)
-    losses = []
-    for ids, targets in steps():
-        total, count = LOSS(model(ids), targets)
-        (total / count).backward()
-        losses.append(float((total / count).detach()))
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return unsplit_steps(MlpGPT(tied), steps(), LOSS)
 
 
 def _world(rank: int) -> dict[str, Any]:
