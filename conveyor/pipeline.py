@@ -171,7 +171,7 @@ class Pipeline:
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
             self._parts = build(model, self.schedule, options, ctx, first)
-            adopt(model, self, self._parts.named_parameters(), ctx)
+            adopt(model, self._parts.named_parameters(), ctx)
 
     @property
     def loss_fn(self) -> LossFn | None:
@@ -248,7 +248,7 @@ class Pipeline:
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
             self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-            adopt(self._model, self, self._parts.named_parameters(), self.context)
+            adopt(self._model, self._parts.named_parameters(), self.context)
         step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record

@@ -15,13 +15,14 @@ as it splits a fresh one, and shards again what its own layout shards.
 What a rank holds of the trained model is what its pipeline rank held (the other
 stages' parameters there keep the values they had before training): the new split starts
 from the trained values where each process keeps the stages it trained. A split that
-gives a process a parameter another process trained is refused on every rank
-(:func:`check_moves`): such a move goes through :func:`conveyor.save` /
-:func:`conveyor.load`.
+gives a process a parameter whose value there differs from its earlier holder's (trained
+or loaded there) is refused on every rank (:func:`check_moves`, by fingerprints of the
+values): such a move goes through :func:`conveyor.save` / :func:`conveyor.load`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import weakref
 from collections.abc import Iterable
@@ -44,7 +45,7 @@ _HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
 torch's tensor parallel styles and FSDP, and conveyor's FSDP units' own-storage hook."""
 
 
-def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx: Any) -> None:
+def adopt(model: Any, named: Iterable[tuple[str, torch.Tensor]], ctx: Any) -> None:
     """Make ``model`` hold a new pipeline's parameters under their original names, after
     refusing a split that moves trained values between processes (:func:`check_moves`).
 
@@ -56,7 +57,6 @@ def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx:
 
     Args:
         model: The user's model (a module or a list of layers).
-        pipe: The new pipeline.
         named: Its ``(name, parameter)`` pairs on this process, names as in ``model``.
         ctx: Its :class:`~conveyor.context.Context`.
 
@@ -66,7 +66,7 @@ def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx:
     if not isinstance(model, nn.Module):
         model = nn.ModuleList(model)  # a list of layers: the same names, not remembered
     named = list(named)
-    check_moves(model, pipe, (n for n, _ in named), ctx)
+    check_moves(model, named, ctx)
     # A tied weight's slots as they were before the build (sharding replaces the slot of
     # the module a stage holds, not its alias in a module another rank's stage holds).
     aliases = _ALIASES.get(model) or _alias_groups(model)
@@ -83,20 +83,36 @@ def adopt(model: Any, pipe: Any, named: Iterable[tuple[str, torch.Tensor]], ctx:
                 owner._parameters[field] = p
 
 
+Fingerprint = tuple[float, float] | None
+"""Two sums of a tensor's values (plain and position-weighted, in float64); None for a
+tensor without values (on the meta device)."""
+
+
 @dataclass(frozen=True)
 class _Held:
     """What a pipeline over a model held on this process: its parameters (canonical
-    names), whether that was all of them, and the pipeline (whether it trained)."""
+    names), whether that was all of them, and (once :func:`make_whole` read them before
+    a new split) a fingerprint of each of the model's parameters here."""
 
     names: frozenset[str]
     whole: bool
-    pipe: weakref.ref[Any]
+    prints: dict[str, Fingerprint] | None = None
 
-    def trained(self) -> bool:
-        """Whether its values may differ from the model's first ones: it ran a training
-        step, or it is gone (and might have)."""
-        pipe = self.pipe()
-        return pipe is None or getattr(pipe, "_last_train", None) is not None
+
+def _fingerprint(t: torch.Tensor) -> Fingerprint:
+    if t.is_meta:
+        return None
+    with torch.no_grad():
+        flat = t.detach().reshape(-1).to(torch.float64)
+        ramp = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+        return float(flat.sum()), float(flat @ ramp)
+
+
+def _same(a: Fingerprint, b: Fingerprint) -> bool:
+    """Equal up to float64 rounding of the sums (summation order may differ)."""
+    if a is None or b is None:
+        return a is b
+    return all(abs(x - y) <= 1e-9 * max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True))
 
 
 _HELD: weakref.WeakKeyDictionary[nn.Module, _Held] = weakref.WeakKeyDictionary()
@@ -115,16 +131,15 @@ def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {name: tuple(names) for names in by_id.values() for name in names}
 
 
-def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> None:
-    """Refuse, on every rank, a split that gives this process parameters of ``model`` an
-    earlier pipeline trained on another process (here they have their first values), and
-    remember what ``pipe`` holds here. A collective when an earlier pipeline was built
-    over ``model`` (which every rank then did).
+def check_moves(model: nn.Module, named: list[tuple[str, torch.Tensor]], ctx: Any) -> None:
+    """Refuse, on every rank, a split that gives a process a parameter of ``model`` whose
+    value there differs from the one the process that held it before has (trained there,
+    or loaded), and remember what the new pipeline holds here. A collective when an
+    earlier pipeline was built over ``model`` (which every rank then did).
 
     Args:
         model: The user's model.
-        pipe: The new pipeline.
-        names: The names of the parameters it holds on this process.
+        named: The new pipeline's ``(name, parameter)`` pairs on this process.
         ctx: Its :class:`~conveyor.context.Context`.
 
     Raises:
@@ -133,26 +148,39 @@ def check_moves(model: nn.Module, pipe: Any, names: Iterable[str], ctx: Any) -> 
     # ties as before the build (sharding may have replaced one slot of a tied weight)
     aliases = _ALIASES.get(model) or _alias_groups(model)
     canon = {name: group[0] for name, group in aliases.items()}
-    held = frozenset(canon.get(n, n) for n in names)
+    held = frozenset(canon.get(n, n) for n, _ in named)
     before = _HELD.get(model)
-    _HELD[model] = _Held(held, held >= set(canon.values()), weakref.ref(pipe))
-    if before is None:
+    _HELD[model] = _Held(held, held >= set(canon.values()))
+    if before is None or before.prints is None:
         return
-    moved = sorted(held - before.names) if before.trained() and not before.whole else []
-    everyone: list[Any] = [moved]
+    # Each process: the fingerprints of what it held (the values it may have changed),
+    # and of what it now holds that it did not hold before (the values it starts from).
+    prints = before.prints
+    moved = [] if before.whole else sorted(held - before.names)
+    mine = ({n: prints.get(n) for n in before.names}, {n: prints.get(n) for n in moved})
+    everyone: list[Any] = [mine]
     if ctx.distributed:
         import torch.distributed as dist
 
         everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, moved)
-    where = [(rank, m) for rank, m in enumerate(everyone) if m]
-    if where:
-        rank, names_moved = where[0]
+        dist.all_gather_object(everyone, mine)
+    holders: dict[str, Fingerprint] = {}
+    for had, _ in everyone:
+        holders.update(had)
+    differ = [
+        (rank, name)
+        for rank, (_, new) in enumerate(everyone)
+        for name, value in new.items()
+        if name in holders and not _same(value, holders[name])
+    ]
+    if differ:
+        rank, name = differ[0]
+        more = sum(1 for r, _ in differ if r == rank) - 1
         raise ConfigError(
-            f"this split gives rank {rank} model.{names_moved[0]} (and "
-            f"{len(names_moved) - 1} more), which an earlier pipeline over this model trained "
-            f"on another rank; keep that pipeline's pp and cut, or move the trained values "
-            f"with conveyor.save(old_pipe, path) and conveyor.load(new_pipe, path)"
+            f"this split gives rank {rank} model.{name} (and {more} more), whose value there "
+            f"differs from the one the rank that held it has (trained or loaded there); keep "
+            f"the earlier pipeline's pp and cut, or move the values with "
+            f"conveyor.save(old_pipe, path) and conveyor.load(new_pipe, path)"
         )
 
 
@@ -223,6 +251,10 @@ def make_whole(model: Any) -> bool:
     for module in model.modules():
         changed |= _unwrap(module)
     _ALIASES[model] = _alias_groups(model)
+    held = _HELD.get(model)
+    if held is not None:  # the values here, whole, before a new build writes to them
+        prints = {n: _fingerprint(p) for n, p in model.named_parameters()}
+        _HELD[model] = dataclasses.replace(held, prints=prints)
     return changed
 
 
