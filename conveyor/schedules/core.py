@@ -8,7 +8,7 @@ stages are global stage indices and micro-batches are numbered from 0.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -443,20 +443,39 @@ def paired(schedule: Schedule) -> Schedule:
         ScheduleError: If ``schedule`` itself deadlocks. (A pair that would deadlock, e.g.
             an F of 1F1B's warm-up with the first B, is left unpaired.)
     """
-    pairs = [set(p) for p in forward_backward_pairs(schedule)]
-    while True:
-        marks = tuple(tuple(sorted(p)) for p in pairs) if any(pairs) else ()
-        marked = dataclasses.replace(schedule, pairs=marks)
+    def stops(marked: Schedule) -> list[int] | None:
         order, position = _run(marked)
-        if len(order) == sum(len(p) for p in schedule.actions):
+        return None if len(order) == sum(len(p) for p in marked.actions) else position
+
+    # A pair whose B waits on its own F's consequences (a warm-up F before the first B)
+    # runs apart; if no pair is stuck, the schedule itself deadlocks.
+    return _runnable_pairs(
+        schedule, forward_backward_pairs(schedule), stops, lambda _: execution_order(schedule)
+    )
+
+
+def _runnable_pairs(
+    schedule: Schedule,
+    pairs: Sequence[Iterable[int]],
+    stops: Callable[[Schedule], list[int] | None],
+    fail: Callable[[Schedule], object],
+) -> Schedule:
+    """``schedule`` with those of ``pairs`` (per rank, the indices of paired Fs) marked that
+    let it run: ``stops`` walks a marked schedule (None: every action ran; else where each
+    rank stopped); each pair a walk stops at is dropped and the walk repeated. Stopped at
+    no pair, ``fail`` raises, naming the stuck ranks."""
+    marks = [set(p) for p in pairs]
+    while True:
+        kept = tuple(tuple(sorted(p)) for p in marks) if any(marks) else ()
+        marked = dataclasses.replace(schedule, pairs=kept)
+        position = stops(marked)
+        if position is None:
             return marked
-        # A pair whose B waits on its own F's consequences (a warm-up F before the first
-        # B): it runs apart. Unstuck pairs only; if none, the schedule itself deadlocks.
-        stuck = [(r, i) for r, i in enumerate(position) if i in pairs[r]]
+        stuck = [(r, i) for r, i in enumerate(position) if i in marks[r]]
         if not stuck:
-            execution_order(schedule)  # raises, naming the stuck ranks
+            fail(marked)
         for r, i in stuck:
-            pairs[r].discard(i)
+            marks[r].discard(i)
 
 
 def unpaired(schedule: Schedule) -> Schedule:
@@ -589,19 +608,11 @@ def paired_with_vocab(schedule: Schedule, pairs: tuple[tuple[int, ...], ...]) ->
     deadlock-free as units around the passes (as :func:`paired` keeps those that do
     without passes): a pair a pass splits, or whose B waits on work after a pass, runs
     apart."""
-    marks = [set(p) for p in pairs]
-    while True:
-        marked = dataclasses.replace(
-            schedule, pairs=tuple(tuple(sorted(p)) for p in marks) if any(marks) else ()
-        )
+    def stops(marked: Schedule) -> list[int] | None:
         _, position, stuck = _merge(marked)
-        if not stuck:
-            return marked
-        dropped = [(r, i) for r, i in enumerate(position) if i in marks[r]]
-        if not dropped:
-            merged_order(marked)  # raises, naming the stuck ranks
-        for r, i in dropped:
-            marks[r].discard(i)
+        return position if stuck else None
+
+    return _runnable_pairs(schedule, pairs, stops, merged_order)
 
 
 def check_vocab(schedule: Schedule) -> None:
