@@ -125,15 +125,9 @@ def test_the_planner_takes_exactly_the_losses_the_runtime_takes() -> None:
 
 # ----------------------------------------------------------------------------- one process
 @pytest.mark.slow
-def test_the_plan_weighs_vocabulary_parallelism_for_the_models_own_loss(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """loss_fn=None on a Llama: both kinds of split are candidates; the vocabulary split
-    wins where the vocabulary dwarfs the hidden size, the plain one where it does not.
-
-    Each unit's measured times are replaced by times proportional to its parameters (the
-    memory stays measured): timed on a loaded machine, the 65536-row choice flipped once
-    in a fresh clone's run."""
+def steady_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's unit times made proportional to each unit's parameters (its memory
+    stays measured), so that its choice does not follow a loaded machine's timing noise."""
     import dataclasses
 
     from conveyor.planning import planner
@@ -151,6 +145,18 @@ def test_the_plan_weighs_vocabulary_parallelism_for_the_models_own_loss(
         return dataclasses.replace(prof, layers=tuple(layers))
 
     monkeypatch.setattr(planner, "profile", steady)
+
+
+def test_the_plan_weighs_vocabulary_parallelism_for_the_models_own_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """loss_fn=None on a Llama: both kinds of split are candidates; the vocabulary split
+    wins where the vocabulary dwarfs the hidden size, the plain one where it does not.
+
+    Each unit's measured times are replaced by times proportional to its parameters (the
+    memory stays measured): timed on a loaded machine, the 65536-row choice flipped once
+    in a fresh clone's run."""
+    steady_profile(monkeypatch)
     picked = {}
     for vocab in (64, 65536):
         model, b = llama(vocab), batch(vocab)
@@ -164,10 +170,13 @@ def test_the_plan_weighs_vocabulary_parallelism_for_the_models_own_loss(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", [64, 65536])
-def test_schedule_auto_with_the_models_own_loss_trains_exactly(vocab: int) -> None:
+def test_schedule_auto_with_the_models_own_loss_trains_exactly(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pipeline(Llama, loss_fn=None, schedule="auto") in one process running pp=2: two
     steps of padded rows (the second of another length, 6 rows over 4 micro-batches)
     against the unsplit model's loss and gradients."""
+    steady_profile(monkeypatch)
     batches = [batch(vocab), batch(vocab, rows=6, length=9, seed=1)]
     want = reference(vocab, batches)
     pipe = conveyor.Pipeline(llama(vocab), loss_fn=None, microbatches=4, schedule="auto",
