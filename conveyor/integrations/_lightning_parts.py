@@ -21,7 +21,7 @@ from conveyor.losses import output_field
 
 
 class Runner(Protocol):
-    """What the stand-ins call back into (the strategy)."""
+    """What the stand-ins call back into (the strategy's step interceptor)."""
 
     def network_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
@@ -40,7 +40,7 @@ class PipelineOutput:
     """The network's output inside a step: its inputs, waiting for the loss.
 
     Args:
-        runner: The strategy that runs the step.
+        runner: The step interceptor that runs the step.
         inputs: The network's inputs as the pipeline takes them (tensor, tuple or dict).
     """
 
@@ -75,25 +75,38 @@ class PipelineNetwork(nn.Module):
     gets them); calling it inside a step records the inputs for the pipeline.
 
     Args:
-        runner: The strategy.
+        runner: The strategy's step interceptor.
         network: The network it stands for (kept for its modes: a graph captured with
             torch.export reads dropout and batch norm modes from it).
     """
 
     def __init__(self, runner: Runner, network: nn.Module) -> None:
         super().__init__()
+        # Kept out of the module tree: not submodules of the LightningModule.
         self.__dict__["runner"] = runner
         self.__dict__["original"] = network
         self.stages = nn.ModuleList()
 
+    @property
+    def runner(self) -> Runner:
+        """What its calls go to."""
+        runner: Runner = self.__dict__["runner"]
+        return runner
+
+    @property
+    def original(self) -> nn.Module:
+        """The network it stands for."""
+        network: nn.Module = self.__dict__["original"]
+        return network
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Record the inputs of a step (a :class:`PipelineOutput`), or predict."""
-        return self.__dict__["runner"].network_call(args, kwargs)
+        return self.runner.network_call(args, kwargs)
 
     def train(self, mode: bool = True) -> PipelineNetwork:
         """Set the mode of the stages and of the original network."""
         super().train(mode)
-        self.__dict__["original"].train(mode)
+        self.original.train(mode)
         return self
 
 
@@ -102,7 +115,7 @@ class PipelineLoss(nn.Module):
     :class:`PipelineOutput` it runs the step; given anything else, the loss itself.
 
     Args:
-        runner: The strategy.
+        runner: The strategy's step interceptor.
         loss_fn: The user's loss.
     """
 
@@ -110,6 +123,18 @@ class PipelineLoss(nn.Module):
         super().__init__()
         self.__dict__["runner"] = runner
         self.__dict__["loss_fn"] = loss_fn
+
+    @property
+    def runner(self) -> Runner:
+        """What its calls go to."""
+        runner: Runner = self.__dict__["runner"]
+        return runner
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The user's loss."""
+        loss_fn: Callable[..., Any] = self.__dict__["loss_fn"]
+        return loss_fn
 
     def forward(self, output: Any, targets: Any = None, *args: Any, **kwargs: Any) -> Any:
         """The pipeline's loss for a step's output; else ``loss_fn(output, targets)``."""
@@ -119,8 +144,8 @@ class PipelineLoss(nn.Module):
                     "under PipelineStrategy self.loss_fn takes (output, targets) only; put "
                     "other arguments into the loss (e.g. functools.partial)"
                 )
-            return self.__dict__["runner"].loss_call(output, targets)
-        return self.__dict__["loss_fn"](output, targets, *args, **kwargs)
+            return self.runner.loss_call(output, targets)
+        return self.loss_fn(output, targets, *args, **kwargs)
 
 
 class Scaled:

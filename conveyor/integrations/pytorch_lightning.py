@@ -1,36 +1,82 @@
 """:class:`~conveyor.integrations.lightning.PipelineStrategy` for the standalone
-``pytorch_lightning`` package (``import pytorch_lightning as pl``).
-
-Its Trainer accepts only its own strategy classes, so this module builds the same strategy
-from the same source on ``pytorch_lightning`` and ``lightning_fabric`` instead of
-``lightning.pytorch`` and ``lightning.fabric``: one implementation, two packages.
+``pytorch_lightning`` package (``import pytorch_lightning as pl``), whose Trainer accepts
+only its own strategy classes: the same body
+(:class:`~conveyor.integrations._lightning.strategy.StrategyBody`) joined with
+``pytorch_lightning``'s ``ParallelStrategy``, and ``lightning_fabric``'s pieces.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
+
+import pytorch_lightning as pl
+from lightning_fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
+from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from pytorch_lightning.trainer.states import TrainerFn
+
+from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
+from conveyor.integrations._lightning.processes import rank_zero_results
+from conveyor.integrations._lightning.strategy import Package, StrategyBody
 
 __all__ = ["TRAINER_STATE", "PipelineStrategy"]
 
-_PACKAGES = (("lightning.pytorch", "pytorch_lightning"), ("lightning.fabric", "lightning_fabric"))
+PACKAGE = Package(
+    trainer_fn=TrainerFn,
+    precision=Precision,
+    mixed_precision=MixedPrecision,
+    script_launcher=_SubprocessScriptLauncher,
+    init_process_group=_init_dist_connection,
+    default_backend=_get_default_process_group_backend_for_device,
+    reduce=_sync_ddp_if_available,
+    rng_states=_collect_rng_states,
+    set_rng_states=_set_rng_states,
+    reset_seed=reset_seed,
+    rank_zero_only=rank_zero_only,
+)
+"""What the strategy's body uses of ``pytorch_lightning`` and ``lightning_fabric``."""
 
 
-def _build() -> dict[str, Any]:
-    """The names of :mod:`conveyor.integrations.lightning`, made on ``pytorch_lightning``."""
-    spec = importlib.util.find_spec("conveyor.integrations.lightning")
-    assert spec is not None and spec.origin is not None
-    source = Path(spec.origin).read_text()
-    for old, new in _PACKAGES:
-        source = source.replace(old, new)
-    names: dict[str, Any] = {"__name__": __name__, "__file__": spec.origin}
-    exec(compile(source, spec.origin, "exec"), names)
-    return names
+class Launcher(_MultiProcessingLauncher):
+    """``pytorch_lightning``'s spawn / fork launcher, handing the main process the whole
+    trained network (as :class:`conveyor.integrations.lightning.Launcher`)."""
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        strategy = trainer.strategy
+        assert isinstance(strategy, PipelineStrategy)
+        whole = strategy.gathered_network(trainer)
+        output = super()._collect_rank_zero_results(trainer, results)
+        save = self._strategy.checkpoint_io.save_checkpoint
+        return rank_zero_results(output, whole, f"{strategy.module_attr}.", save)
 
 
-_NAMES = _build()
-PipelineStrategy: Any = _NAMES["PipelineStrategy"]
-"""The strategy, a ``pytorch_lightning.strategies.ParallelStrategy``."""
-TRAINER_STATE: str = _NAMES["TRAINER_STATE"]
-"""The file with Lightning's own state in a checkpoint directory."""
+class PipelineStrategy(StrategyBody, ParallelStrategy):
+    """:class:`conveyor.integrations.lightning.PipelineStrategy` (same arguments, same
+    behaviour) as a ``pytorch_lightning.strategies.ParallelStrategy``."""
+
+    strategy_name = "conveyor_pipeline"
+    package = PACKAGE
+    launcher_class = Launcher
+
+    def __init__(
+        self,
+        pp: int | None = None,
+        dp: int = 1,
+        *,
+        module_attr: str = "model",
+        loss_attr: str = "loss_fn",
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        **pipeline_options: Any,
+    ) -> None:
+        ParallelStrategy.__init__(self)
+        StrategyBody.__init__(self, pp, dp, module_attr, loss_attr, start_method,
+                              process_group_backend, pipeline_options)  # fmt: skip

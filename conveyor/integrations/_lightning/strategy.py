@@ -1,0 +1,429 @@
+"""Lightning's strategy methods over the core, for either package: ``PipelineStrategy``
+is ``class PipelineStrategy(StrategyBody, ParallelStrategy)`` in each package's module,
+which hands this body that package's pieces (:class:`Package`) and its launcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from conveyor.context import Context, in_torchrun, init
+from conveyor.errors import ConfigError, one_line
+from conveyor.integrations._hf_model import gather_state_dict
+from conveyor.integrations._lightning import checkpoints
+from conveyor.integrations._lightning.building import build, check_optimizers
+from conveyor.integrations._lightning.options import StrategyOptions
+from conveyor.integrations._lightning.processes import (
+    check_one_process,
+    process_group_options,
+    sampler_arguments,
+)
+from conveyor.integrations._lightning.steps import Interceptor, Kind, SampleFound
+from conveyor.integrations._lightning_parts import PipelineNetwork
+from conveyor.pipeline import Pipeline
+from conveyor.weights import has_meta
+
+
+@dataclass(frozen=True)
+class Package:
+    """What the body uses of one Lightning package (``lightning`` or ``pytorch_lightning``
+    with its ``lightning_fabric``).
+
+    Attributes:
+        trainer_fn: ``TrainerFn``, the Trainer's entry points.
+        precision: The 32-bit ``Precision`` plugin class.
+        mixed_precision: The ``MixedPrecision`` plugin class.
+        script_launcher: ``_SubprocessScriptLauncher`` (``start_method="popen"``).
+        init_process_group: ``_init_dist_connection``.
+        default_backend: ``_get_default_process_group_backend_for_device``.
+        reduce: ``_sync_ddp_if_available``.
+        rng_states: ``_collect_rng_states``.
+        set_rng_states: ``_set_rng_states``.
+        reset_seed: ``reset_seed``.
+        rank_zero_only: ``rank_zero_only`` (its ``rank`` is set per process).
+    """
+
+    trainer_fn: Any
+    precision: type
+    mixed_precision: type
+    script_launcher: Callable[..., Any]
+    init_process_group: Callable[..., Any]
+    default_backend: Callable[[torch.device], str]
+    reduce: Callable[..., Any]
+    rng_states: Callable[[], dict[str, Any]]
+    set_rng_states: Callable[[dict[str, Any]], None]
+    reset_seed: Callable[[], None]
+    rank_zero_only: Any
+
+
+class StrategyBody:
+    """The strategy's Lightning methods (see :class:`conveyor.integrations.lightning.
+    PipelineStrategy`). Joined with a package's ``ParallelStrategy``, which comes after
+    it in the class's bases and provides what is declared below for type checking."""
+
+    package: ClassVar[Package]
+    launcher_class: ClassVar[Callable[..., Any]]  # the package module's spawn / fork launcher
+
+    if TYPE_CHECKING:  # Lightning's Strategy's members this body uses
+        accelerator: Any
+        precision_plugin: Any
+        optimizers: Any
+        checkpoint_io: Any
+        cluster_environment: Any
+        parallel_devices: Any
+        model: Any
+        _launcher: Any
+
+        @property
+        def lightning_module(self) -> Any: ...
+        @property
+        def local_rank(self) -> int: ...
+        @property
+        def global_rank(self) -> int: ...
+        @property
+        def node_rank(self) -> int: ...
+        @property
+        def is_global_zero(self) -> bool: ...
+        def setup_optimizers(self, trainer: Any) -> None: ...
+        def setup_precision_plugin(self) -> None: ...
+        def batch_to_device(
+            self, batch: Any, device: Any = None, dataloader_idx: int = 0
+        ) -> Any: ...  # fmt: skip
+
+    def __init__(
+        self,
+        pp: int | None,
+        dp: int,
+        module_attr: str,
+        loss_attr: str,
+        start_method: str,
+        process_group_backend: str | None,
+        pipeline_options: dict[str, Any],
+    ) -> None:
+        options = StrategyOptions.sort(pp, dp, start_method, pipeline_options)
+        self.init_options = options.init_options
+        self.pipeline_options = options.pipeline_options
+        self.module_attr = module_attr
+        self.loss_attr = loss_attr
+        self.start_method = start_method
+        self.process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self.context: Context | None = None
+        self.pipe: Pipeline | None = None
+        self.steps = Interceptor(module_attr, loss_attr)
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        device: torch.device = self.parallel_devices[self.local_rank]
+        return device
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node (Lightning's ``devices``)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether there are several processes (then the data is sharded per replica)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every pipeline rank of a replica reads that replica's shard."""
+        replicas, rank = sampler_arguments(self.context)
+        return {"num_replicas": replicas, "rank": rank}
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher for ``devices`` processes, unless one started them; also
+        refuses a precision the pipeline cannot run (here, when the Trainer is made)."""
+        self.autocast()
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally or not self.is_distributed:
+            return
+        if self.start_method == "popen":
+            self._launcher = self.package.script_launcher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = type(self).launcher_class(self, start_method=self.start_method)
+
+    def set_world_ranks(self) -> None:
+        """This process's rank from the cluster environment."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        self.package.rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        """This process's device, the process group (several processes) and conveyor's
+        context."""
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)  # Lightning's Strategy's own
+        if self.is_distributed or in_torchrun():
+            self.package.reset_seed()
+            self.set_world_ranks()
+            device = self.root_device
+            backend = self.process_group_backend or self.package.default_backend(device)
+            options = process_group_options(device, backend, self.init_options.get("timeout"))
+            self.package.init_process_group(self.cluster_environment, backend, **options)
+        else:
+            check_one_process(self.root_device)
+        self.context = init(**self.init_options)
+
+    def autocast(self) -> torch.dtype | None:
+        """The pipeline's autocast for Lightning's precision plugin.
+
+        Raises:
+            ConfigError: a precision other than ``32-true`` and ``bf16-mixed``.
+        """
+        precision = self.precision_plugin
+        package = self.package
+        name = getattr(precision, "precision", type(precision).__name__)
+        if isinstance(precision, package.mixed_precision) and name == "bf16-mixed":
+            return torch.bfloat16
+        if type(precision) is package.precision:
+            return None
+        raise ConfigError(
+            f"PipelineStrategy runs precision '32-true' and 'bf16-mixed' (conveyor's "
+            f"bfloat16 autocast), not {name!r}; pick one of those"
+        )
+
+    # ------------------------------------------------------------------ the pipeline
+    def setup(self, trainer: Any) -> None:
+        """Split the network into the pipeline (on the first call), then the optimizers."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ConfigError(
+                "PipelineStrategy runs Lightning's automatic optimization (the pipeline does "
+                "forward and backward in one step); remove automatic_optimization = False and "
+                "return the loss from training_step"
+            )
+        stand_in = getattr(module, self.module_attr, None)
+        if not (isinstance(stand_in, PipelineNetwork) and stand_in.runner is self.steps):
+            assert self.context is not None  # first use of this module here
+            self.pipe = build(module, self.steps, self.context, self.pipeline_options,
+                              self.autocast(), lambda: self._sample(trainer, module))  # fmt: skip
+        self.model_to_device()
+        if trainer.state.fn == self.package.trainer_fn.FITTING:
+            self.setup_optimizers(trainer)
+            assert self.pipe is not None
+            check_optimizers(self.optimizers, self.pipe, self.module_attr)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _sample(self, trainer: Any, module: Any) -> tuple[Any, Any]:
+        """The network's inputs and targets on a first batch: the module's step run until
+        it calls the loss (the loader's random state is put back afterwards)."""
+        fn = self.package.trainer_fn
+        loop, step, kind = {
+            fn.FITTING: (trainer.fit_loop, "training_step", Kind.TRAIN),
+            fn.VALIDATING: (trainer.validate_loop, "validation_step", Kind.EVAL),
+            fn.TESTING: (trainer.test_loop, "test_step", Kind.EVAL),
+            fn.PREDICTING: (trainer.predict_loop, "predict_step", Kind.PREDICT),
+        }[trainer.state.fn]
+        states = self.package.rng_states()
+        try:
+            loader = loop._data_source.dataloader()
+            if isinstance(loader, (list, tuple)):
+                loader = loader[0]
+            batch = self.batch_to_device(next(iter(loader)))
+        except Exception as exc:
+            raise ConfigError(
+                f"PipelineStrategy splits this network on a first batch but could not read "
+                f"one ({one_line(exc, 120)}); pass sample=(inputs, targets) to the strategy"
+            ) from exc
+        finally:
+            self.package.set_rng_states(states)
+        try:
+            with self.steps.step(kind, dry=True):
+                getattr(module, step)(batch, 0)
+        except SampleFound as found:
+            return found.inputs, found.targets
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"PipelineStrategy ran {step} on a first batch to find the network's inputs "
+                f"and it raised {one_line(exc, 120)}; pass sample=(inputs, targets) to the "
+                f"strategy"
+            ) from exc
+        raise ConfigError(
+            f"{step} never passed self.{self.module_attr}'s output to self.{self.loss_attr}; "
+            f"compute the loss as self.{self.loss_attr}(self.{self.module_attr}(inputs), "
+            f"targets) (or self.{self.module_attr}(**batch).loss)"
+        )
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``training_step``; its loss is the pipeline step's."""
+        module = self.lightning_module
+        factor = int(module.trainer.accumulate_grad_batches)
+        step = module.training_step
+        return self.steps.run("training_step", Kind.TRAIN, lambda: step(*args, **kwargs), factor)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``validation_step``; its loss is ``pipe.eval_step``'s."""
+        step = self.lightning_module.validation_step
+        return self.steps.run("validation_step", Kind.EVAL, lambda: step(*args, **kwargs))
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``test_step``; its loss is ``pipe.eval_step``'s."""
+        step = self.lightning_module.test_step
+        return self.steps.run("test_step", Kind.EVAL, lambda: step(*args, **kwargs))
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's ``predict_step``; the network's output is ``pipe.predict``'s."""
+        step = self.lightning_module.predict_step
+        return self.steps.run("predict_step", Kind.PREDICT, lambda: step(*args, **kwargs))
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Lightning's hooks, and the training step's gradients added to ``.grad``: the
+        pipeline step already ran the backward."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.steps.backward()
+        loss: torch.Tensor = self.precision_plugin.post_backward(closure_loss, module)
+        return loss
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the whole network's gradient norm, over every stage and replica."""
+        assert self.pipe is not None
+        self.pipe.clip_grad_norm_(float(clip_val))
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every process."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every process."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over the processes (``self.log(..., sync_dist=True)``)."""
+        if isinstance(tensor, torch.Tensor):
+            return self.package.reduce(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        """The module (this rank's stages) on this process's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the pipeline, which ``setup`` makes."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The optimizer's state comes from conveyor's checkpoint."""
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Nothing: the network's state goes into conveyor's checkpoint."""
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Nothing: the optimizer's state goes into conveyor's checkpoint."""
+        return {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing: :meth:`load_checkpoint` loaded the network."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing: :meth:`load_checkpoint` loaded the optimizer."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """Write a checkpoint directory: conveyor's checkpoint of the network (and the
+        optimizer), each rank its part, and Lightning's state in ``TRAINER_STATE``.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            filepath: The directory (every rank takes rank 0's).
+            storage_options: Not taken.
+        """
+        if storage_options is not None:
+            raise ConfigError(
+                "PipelineStrategy writes conveyor checkpoints without a CheckpointIO; drop "
+                "storage_options"
+            )
+        assert self.pipe is not None
+        path = Path(self.broadcast(str(filepath)))
+        optimizer = self.optimizers[0] if self.optimizers else None
+        checkpoints.save(self.pipe, path, checkpoint, optimizer, self.is_global_zero,
+                         self.barrier)  # fmt: skip
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Load a checkpoint directory :meth:`save_checkpoint` wrote (any split, schedule
+        or process count) into the pipeline (and the optimizer, when fitting).
+
+        Returns:
+            Lightning's state (loops, callbacks, LR schedulers, ...).
+        """
+        assert self.pipe is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return checkpoints.load(self.pipe, path, optimizer)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint directory (rank 0)."""
+        if self.is_global_zero:
+            checkpoints.remove(Path(filepath))
+
+    def network_on_meta(self) -> bool:
+        """Whether any tensor of the network this rank was given is still on the meta
+        device (built under ``conveyor.empty_weights``, other ranks' stages unset)."""
+        return has_meta([self._original()])
+
+    def whole_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole network's state dict, gathered from every stage. A collective: call
+        it on every rank.
+
+        Returns:
+            The state dict under the network's own names on rank 0, ``{}`` elsewhere.
+        """
+        assert self.pipe is not None
+        return gather_state_dict(self.pipe, self._original())
+
+    def gathered_network(self, trainer: Any) -> dict[str, torch.Tensor] | None:
+        """What a spawn / fork launcher hands the main process: :meth:`whole_state_dict`
+        after fitting, None otherwise or for a network on the meta device. A collective
+        (the same answer on every rank: each keeps the others' stages on meta)."""
+        if trainer.state.fn != self.package.trainer_fn.FITTING or self.network_on_meta():
+            return None
+        return self.whole_state_dict()
+
+    def _original(self) -> torch.nn.Module:
+        stand_in = getattr(self.lightning_module, self.module_attr)
+        assert isinstance(stand_in, PipelineNetwork)
+        return stand_in.original
+
+    def teardown(self) -> None:
+        """Lightning's teardown (the process group stays for conveyor's exit)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
