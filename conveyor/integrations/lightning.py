@@ -35,8 +35,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
+from conveyor.integrations._lightning.package import Package
 from conveyor.integrations._lightning.processes import rank_zero_results
-from conveyor.integrations._lightning.strategy import Package, StrategyBody
+from conveyor.integrations._lightning.strategy import StrategyBody
 
 __all__ = ["TRAINER_STATE", "PipelineStrategy"]
 

@@ -24,8 +24,9 @@ from pytorch_lightning.strategies.launchers.multiprocessing import _MultiProcess
 from pytorch_lightning.trainer.states import TrainerFn
 
 from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
+from conveyor.integrations._lightning.package import Package
 from conveyor.integrations._lightning.processes import rank_zero_results
-from conveyor.integrations._lightning.strategy import Package, StrategyBody
+from conveyor.integrations._lightning.strategy import StrategyBody
 
 __all__ = ["TRAINER_STATE", "PipelineStrategy"]
 

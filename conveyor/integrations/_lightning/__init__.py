@@ -4,7 +4,7 @@
 :mod:`conveyor.integrations.lightning` and :mod:`conveyor.integrations.pytorch_lightning`
 each define ``PipelineStrategy`` on their own package's ``ParallelStrategy`` with
 :class:`~conveyor.integrations._lightning.strategy.StrategyBody`, handing it that package's
-pieces as a :class:`~conveyor.integrations._lightning.strategy.Package`.
+pieces as a :class:`~conveyor.integrations._lightning.package.Package`.
 
 - :mod:`.options`: the strategy's keywords, sorted into ``conveyor.init``'s and
   ``Pipeline``'s;
@@ -13,5 +13,6 @@ pieces as a :class:`~conveyor.integrations._lightning.strategy.Package`.
 - :mod:`.steps`: the step interceptor that turns ``self.loss_fn(self.model(x), y)`` into a
   pipeline step;
 - :mod:`.checkpoints`: checkpoint directories (conveyor's checkpoint and Lightning's state);
+- :mod:`.package`: what the body uses of one Lightning package;
 - :mod:`.strategy`: Lightning's strategy methods over these.
 """

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from conveyor.context import Context
-from conveyor.errors import ConfigError
-from conveyor.integrations._lightning.steps import Interceptor, LossStyle
+from conveyor.errors import ConfigError, one_line
+from conveyor.integrations._lightning.steps import Interceptor, Kind, LossStyle, SampleFound
 from conveyor.integrations._lightning_parts import (
     OutputLoss,
     PipelineLoss,
@@ -107,6 +107,35 @@ def build(
     steps.bind(pipe, loss, style, ctx)
     stand_in.stages = nn.ModuleList(pipe.stages)
     return pipe
+
+
+def dry_run(
+    steps: Interceptor, module: nn.Module, step: str, kind: Kind, batch: Any
+) -> tuple[Any, Any]:
+    """The network's ``(inputs, targets)`` on ``batch``: the module's ``step`` run until
+    it calls the loss (the pipeline is not run).
+
+    Raises:
+        ConfigError: the step failed, or never reached the loss, in one sentence.
+    """
+    try:
+        with steps.step(kind, dry=True):
+            getattr(module, step)(batch, 0)
+    except SampleFound as found:
+        return found.inputs, found.targets
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(
+            f"PipelineStrategy ran {step} on a first batch to find the network's inputs "
+            f"and it raised {one_line(exc, 120)}; pass sample=(inputs, targets) to the "
+            f"strategy"
+        ) from exc
+    raise ConfigError(
+        f"{step} never passed self.{steps.module_attr}'s output to self.{steps.loss_attr}; "
+        f"compute the loss as self.{steps.loss_attr}(self.{steps.module_attr}(inputs), "
+        f"targets) (or self.{steps.module_attr}(**batch).loss)"
+    )
 
 
 def check_optimizers(optimizers: Sequence[Any], pipe: Pipeline, module_attr: str) -> None:

@@ -5,7 +5,6 @@ which hands this body that package's pieces (:class:`Package`) and its launcher.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -16,49 +15,18 @@ from conveyor.context import Context, in_torchrun, init
 from conveyor.errors import ConfigError, one_line
 from conveyor.integrations._hf_model import gather_state_dict
 from conveyor.integrations._lightning import checkpoints
-from conveyor.integrations._lightning.building import build, check_optimizers
+from conveyor.integrations._lightning.building import build, check_optimizers, dry_run
 from conveyor.integrations._lightning.options import StrategyOptions
+from conveyor.integrations._lightning.package import Package
 from conveyor.integrations._lightning.processes import (
     check_one_process,
     process_group_options,
     sampler_arguments,
 )
-from conveyor.integrations._lightning.steps import Interceptor, Kind, SampleFound
+from conveyor.integrations._lightning.steps import Interceptor, Kind
 from conveyor.integrations._lightning_parts import PipelineNetwork
 from conveyor.pipeline import Pipeline
 from conveyor.weights import has_meta
-
-
-@dataclass(frozen=True)
-class Package:
-    """What the body uses of one Lightning package (``lightning`` or ``pytorch_lightning``
-    with its ``lightning_fabric``).
-
-    Attributes:
-        trainer_fn: ``TrainerFn``, the Trainer's entry points.
-        precision: The 32-bit ``Precision`` plugin class.
-        mixed_precision: The ``MixedPrecision`` plugin class.
-        script_launcher: ``_SubprocessScriptLauncher`` (``start_method="popen"``).
-        init_process_group: ``_init_dist_connection``.
-        default_backend: ``_get_default_process_group_backend_for_device``.
-        reduce: ``_sync_ddp_if_available``.
-        rng_states: ``_collect_rng_states``.
-        set_rng_states: ``_set_rng_states``.
-        reset_seed: ``reset_seed``.
-        rank_zero_only: ``rank_zero_only`` (its ``rank`` is set per process).
-    """
-
-    trainer_fn: Any
-    precision: type
-    mixed_precision: type
-    script_launcher: Callable[..., Any]
-    init_process_group: Callable[..., Any]
-    default_backend: Callable[[torch.device], str]
-    reduce: Callable[..., Any]
-    rng_states: Callable[[], dict[str, Any]]
-    set_rng_states: Callable[[dict[str, Any]], None]
-    reset_seed: Callable[[], None]
-    rank_zero_only: Any
 
 
 class StrategyBody:
@@ -246,24 +214,7 @@ class StrategyBody:
             ) from exc
         finally:
             self.package.set_rng_states(states)
-        try:
-            with self.steps.step(kind, dry=True):
-                getattr(module, step)(batch, 0)
-        except SampleFound as found:
-            return found.inputs, found.targets
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise ConfigError(
-                f"PipelineStrategy ran {step} on a first batch to find the network's inputs "
-                f"and it raised {one_line(exc, 120)}; pass sample=(inputs, targets) to the "
-                f"strategy"
-            ) from exc
-        raise ConfigError(
-            f"{step} never passed self.{self.module_attr}'s output to self.{self.loss_attr}; "
-            f"compute the loss as self.{self.loss_attr}(self.{self.module_attr}(inputs), "
-            f"targets) (or self.{self.module_attr}(**batch).loss)"
-        )
+        return dry_run(self.steps, module, step, kind, batch)
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
