@@ -76,7 +76,7 @@ def build(
 
     Args:
         module: The LightningModule.
-        steps: The interceptor the stand-ins call (bound to the pipeline here).
+        steps: The interceptor the stand-ins call (given the loss and the pipeline here).
         ctx: The process's context.
         options: ``Pipeline``'s keywords (``microbatches`` defaults to ``pp``).
         autocast: The precision's autocast dtype.
@@ -92,6 +92,7 @@ def build(
     if isinstance(user_loss, PipelineLoss):  # another strategy's stand-in
         user_loss = user_loss.loss_fn
     loss, style = loss_of(network, user_loss)
+    steps.use_loss(loss, style)
     config: Any = getattr(network, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # a key/value cache cannot cross stages
@@ -104,7 +105,7 @@ def build(
     if kwargs.get("sample") is None and not fx_traces(network):
         kwargs["sample"] = find_sample()  # the stand-ins record the dry run's inputs
     pipe = Pipeline(network, loss_fn=loss, context=ctx, autocast=autocast, **kwargs)
-    steps.bind(pipe, loss, style, ctx)
+    steps.use_pipeline(pipe, ctx)
     stand_in.stages = nn.ModuleList(pipe.stages)
     return pipe
 

@@ -90,9 +90,13 @@ class Interceptor:
         self.context: Context | None = None
         self._held: StepGradients | None = None  # the last training step's, until backward
 
-    def bind(self, pipe: Pipeline, loss: Scaled, style: LossStyle, context: Context) -> None:
-        """The pipeline the steps run on, its loss and where the loss comes from."""
-        self.pipe, self.loss, self.style, self.context = pipe, loss, style, context
+    def use_loss(self, loss: Scaled, style: LossStyle) -> None:
+        """The pipeline's loss and where it comes from (before a dry run reads inputs)."""
+        self.loss, self.style = loss, style
+
+    def use_pipeline(self, pipe: Pipeline, context: Context) -> None:
+        """The pipeline the steps run on."""
+        self.pipe, self.context = pipe, context
 
     @contextlib.contextmanager
     def step(self, kind: Kind, factor: int = 1, dry: bool = False) -> Iterator[StepCall]:
