@@ -5,7 +5,9 @@ whole batches."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,24 @@ import conveyor
 from tests.support import lightning_launched as script
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_the_strategy_and_its_launcher_pickle_by_name(package: str) -> None:
+    """What spawn sends to each worker: the strategy (in the Trainer) and the launcher,
+    each a class of its package's module, found there by name."""
+    module = importlib.import_module(f"conveyor.integrations.{package}")
+    parallel = importlib.import_module(
+        "lightning.pytorch.strategies" if package == "lightning" else "pytorch_lightning.strategies"
+    ).ParallelStrategy
+    assert issubclass(module.PipelineStrategy, parallel)
+    strategy = module.PipelineStrategy(pp=2, microbatches=4, start_method="spawn")
+    copy = pickle.loads(pickle.dumps(strategy))
+    assert type(copy) is module.PipelineStrategy
+    assert copy.init_options == {"pp": 2, "dp": 1}
+    assert copy.pipeline_options == {"microbatches": 4}
+    launcher = module.Launcher(strategy, start_method="spawn")
+    assert type(pickle.loads(pickle.dumps(launcher))) is module.Launcher
 
 
 def unsplit_run() -> tuple[list[float], dict[str, torch.Tensor]]:
