@@ -192,10 +192,6 @@ class VocabRunner:
             )
         return hidden
 
-    def leftovers(self) -> list[str]:
-        """What the step kept and never used (a schedule missing passes)."""
-        return [f"hidden states of micro-batch {m}" for m in self._hidden_grad]
-
     # ------------------------------------------------------------ the passes
     def run_pass(self, step: Any) -> None:
         """Run pass ``step`` (a :class:`~conveyor.schedules.core.VocabAction`) on this
