@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from conveyor._groups import Held, forget_mesh_groups, release_all
-from conveyor._mesh import backend_timeout, device_mesh, local_rank
+from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
+from conveyor._mesh import device_mesh, local_rank
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
