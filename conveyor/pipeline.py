@@ -17,19 +17,14 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, held_stages, shared_sample
-from conveyor._options import (
-    Options,
-    check_step_arguments,
-    pipeline_ranks,
-    pipeline_schedule,
-    schedule_chunks,
-)
+from conveyor._options import Options, check_step_arguments, schedule_chunks
+from conveyor._setup import settle
 from conveyor.context import Context, current
 from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt, make_whole
-from conveyor.planning.planner import Plan, plan_pipeline
+from conveyor.partition.resplit import adopt
+from conveyor.planning.planner import Plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
@@ -38,9 +33,7 @@ from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
-from conveyor.schedules import Schedule, validate
-from conveyor.schedules.core import paired_with_vocab
-from conveyor.schedules.vocab import with_vocab
+from conveyor.schedules import Schedule
 from conveyor.weights import Weights
 
 
@@ -140,29 +133,16 @@ class Pipeline:
         vocab_parallel: bool | str | Sequence[str] = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
-        options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
-                          fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
-                          weights, init_seed, ep_plan, vocab_parallel)
-        options.check_context(ctx)  # before a plan's collective profiling run
-        make_whole(model)  # what an earlier pipeline sharded of it (collective)
-        self.plan: Plan | None = None
-        if schedule == "auto":
-            self.plan = plan_pipeline(model, ctx, options, memory_limit)
-            schedule = self.plan.built
-            recompute = self.plan.recompute or options.recompute  # where nothing else fits
-            vocab = options.vocab_parallel or self.plan.vocab_parallel  # where it wins
-            options = dataclasses.replace(
-                options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute,
-                vocab_parallel=vocab,
-            )  # fmt: skip
-        ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
-        self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
-        if options.vocab_parallel and not self.schedule.vocab:
-            # The passes placed, and the schedule's overlapped pairs kept where they still
-            # run as units around them (expert parallelism's paired F/B).
-            placed = with_vocab(self.schedule)
-            self.schedule = validate(paired_with_vocab(placed, self.schedule.pairs))
-        options.check_schedule(self.schedule)
+        options = Options(
+            loss_fn=loss_fn, microbatches=microbatches, chunks=schedule_chunks(schedule, chunks),
+            balance=balance, fsdp=fsdp, tp_plan=tp_plan, sample=sample, recompute=recompute,
+            autocast=autocast, track_memory=track_memory, compile=compile, weights=weights,
+            init_seed=init_seed, ep_plan=ep_plan, vocab_parallel=vocab_parallel,
+        )  # fmt: skip
+        settled = settle(model, ctx, schedule, options, memory_limit)
+        self.plan: Plan | None = settled.plan
+        self.schedule = settled.schedule
+        options = settled.options
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self._model = model
         self._parts: RankParts | None = None
