@@ -12,7 +12,6 @@ to T).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,9 +136,9 @@ def evaluate_vocab(
     step = simulate(placed, costs, stripped.comm(bal), vocab=passes).makespan + overhead
     # The rows and their gradients, and one micro-batch's logits (held from S to T), on
     # the first ranks, which hold the most rows.
-    share = rows_per_rank(found.rows, ranks) / found.rows
-    logits = int(emb.output * found.widening * share)  # as many tokens as the embedding's
-    shared = 2 * math.ceil(found.parameter_bytes * share) + logits
+    held = rows_per_rank(found.rows, ranks)
+    logits = int(emb.output * found.widening * held / found.rows)  # the embedding's tokens
+    shared = 2 * -(-(found.parameter_bytes * held) // found.rows) + logits
     peaks = [p + shared for p in peak_memory(schedule, stripped, bal)]
     return Candidate(
         schedule=schedule.name,
