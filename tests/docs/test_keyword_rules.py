@@ -3,7 +3,9 @@ where it says, and listed in the reference page's table exactly as the code list
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -52,6 +54,10 @@ def test_options_take_keywords_only() -> None:
     with pytest.raises(TypeError):
         Options(loss, 2)  # type: ignore[call-arg]
     assert Options(loss_fn=loss, microbatches=2, chunks=3).chunks == 3
+    # Pipeline's keywords, less the three it settles itself, each under its own name
+    keywords = set(inspect.signature(conveyor.Pipeline.__init__).parameters) - {"self", "model"}
+    own = {f.name for f in dataclasses.fields(Options)}
+    assert own == keywords - {"schedule", "context", "memory_limit"}
 
 
 def _pipe(**kw: object) -> conveyor.Pipeline:
