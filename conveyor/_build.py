@@ -19,6 +19,7 @@ from torch import nn
 
 from conveyor._ends import HOLDER, Ends, stage_ends
 from conveyor._options import Options
+from conveyor._rules import every_rank_trains, ties_for_fsdp
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.experts import apply_ep, check_tp_plan, chosen
@@ -149,7 +150,7 @@ def build(
                              schedule.placement, kept)  # fmt: skip
     ends.split(all_stages)
     if options.balance is None and annotated_stages(model) is None:
-        _check_every_rank_trains(schedule, all_stages)
+        every_rank_trains(schedule, all_stages)
     held = held_stages(schedule, ctx)
     # Meta tensors (conveyor.empty_weights) get values only where they are held, after
     # any sharding: a rank allocates its own stages (under FSDP, its own shards).
@@ -200,7 +201,7 @@ def build(
     compiled = None if keywords is None else compile_stages(stages, keywords, split)
     if options.fsdp:
         assert ctx.mesh is not None
-        _check_ties_for_fsdp(ties, schedule.placement)
+        ties_for_fsdp(ties, schedule.placement)
         sharded = Sharded(
             stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard",
             experts=_experts_fsdp(stages, experts, ctx),
@@ -305,41 +306,7 @@ def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:
     return moved
 
 
-def _check_every_rank_trains(schedule: Schedule, all_stages: list[nn.Module]) -> None:
-    """An automatic split must give every rank parameters (an optimizer over none fails);
-    the balance does so whenever the model has enough layers with parameters."""
-    if not any(p.requires_grad for stage in all_stages for p in stage.parameters()):
-        return
-    for rank in range(schedule.ranks):
-        held = schedule.stages_of(rank)
-        if not any(p.requires_grad for s in held for p in all_stages[s].parameters()):
-            raise ConfigError(
-                f"the automatic split leaves pipeline rank {rank} (stages "
-                f"{', '.join(map(str, held))}) without parameters: the model has too few "
-                f"layers with parameters for {schedule.stages} stages; use fewer ranks or "
-                f"chunks, or say where to cut with balance= or pipeline_stage annotations"
-            )
-
-
 def _name_of(stage: nn.Module, first: nn.Module, name: str) -> str:
     """The name ``stage`` uses for the parameter ``first`` holds as ``name``."""
     param = dict(first.named_parameters())[name]
     return next(n for n, p in stage.named_parameters() if p is param)
-
-
-def _check_ties_for_fsdp(
-    ties: list[tuple[dict[int, str], list[int]]], placement: tuple[int, ...]
-) -> None:
-    """FSDP shards each stage on its own: a weight two stages of one rank share would
-    become two. Checked over every rank's stages (every rank knows the whole placement),
-    so every rank raises the same error instead of only those holding the weight."""
-    for names, holders in ties:
-        for rank in sorted({placement[s] for s in holders}):
-            local = [s for s in holders if placement[s] == rank]
-            if len(local) > 1:
-                raise ConfigError(
-                    f"fsdp cannot shard the weight {names[local[0]]!r}, which stages "
-                    f"{local[0]} and {local[1]} of pipeline rank {rank} share (a V schedule "
-                    f"with tied weights); use a schedule that places stages in a loop "
-                    f"(1f1b, zb-h1, interleaved-1f1b) or untie the weight"
-                )

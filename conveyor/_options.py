@@ -1,8 +1,9 @@
 """The keywords of :class:`conveyor.Pipeline`, checked in one place.
 
-:class:`Options` holds them (frozen); its checks run in the order a user meets them: the
-values alone at construction, then against the context (:meth:`Options.check_context`)
-and the schedule (:func:`pipeline_schedule`, :meth:`Options.check_schedule`).
+:class:`Options` holds them (frozen, keywords only); each value alone is checked at
+construction. The rules between keywords are :mod:`conveyor._rules`'s, run against the
+context (:meth:`Options.check_context`) and the schedule (:func:`pipeline_schedule`,
+:meth:`Options.check_schedule`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from conveyor import _rules
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.experts.collections import check_plan
@@ -22,17 +24,18 @@ from conveyor.partition.annotations import annotated_stages
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import compile_keywords
 from conveyor.runtime.compute import LossFn
-from conveyor.runtime.recompute import autocast_dtype, recompute_stages
+from conveyor.runtime.recompute import autocast_dtype
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.registry import default_chunks, get_schedule
 from conveyor.weights import Weights
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """What a pipeline was asked for, besides the model, schedule and context.
 
-    Attributes mirror :class:`conveyor.Pipeline`'s keywords of the same names.
+    Attributes mirror :class:`conveyor.Pipeline`'s keywords of the same names, and are
+    given by name (a field added anywhere shifts nothing).
     """
 
     loss_fn: LossFn | None
@@ -76,6 +79,7 @@ class Options:
             )
         check_plan(self.ep_plan)
         self._check_vocab()
+        self._check_sharding()
         sample = self.sample
         if sample is not None and (not isinstance(sample, tuple) or len(sample) != 2):
             raise ConfigError(
@@ -94,35 +98,11 @@ class Options:
         if isinstance(spec, (list, tuple)):
             object.__setattr__(self, "vocab_parallel", tuple(spec))
 
-    def check_context(self, ctx: Context) -> None:
-        """Check ``fsdp`` and ``tp_plan`` against the processes ``ctx`` describes.
-
-        Raises:
-            ConfigError: a bad value, or sharding over a mesh dimension of size 1.
-        """
+    def _check_sharding(self) -> None:
         if self.fsdp not in (False, True, "reshard"):
             raise ConfigError(
                 f"fsdp must be False, True (gather each stage once per step) or 'reshard' "
                 f"(gather each block per use), got {self.fsdp!r}"
-            )
-        if self.fsdp and (not ctx.distributed or ctx.dp_size < 2):
-            raise ConfigError(
-                "fsdp=True shards over the data-parallel replicas; start them with "
-                "conveyor.init(pp=P, dp=D) on P x D processes, D >= 2"
-            )
-        if self.tp_plan is not None and (not ctx.distributed or ctx.tp_size < 2):
-            raise ConfigError(
-                "tp_plan shards layers over tensor-parallel ranks; start them with "
-                "conveyor.init(pp=P, tp=T) on P x T processes, T >= 2"
-            )
-        keywords = self.compile_keywords()
-        dynamic = keywords is not None and keywords.get("dynamic") is not False
-        if self.tp_plan is not None and dynamic:
-            raise ConfigError(
-                "compile with tp_plan needs static shapes: tracing tensor-parallel (DTensor) "
-                "stages with dynamic shapes fails in AOTAutograd (RecursionError); pass "
-                "compile={'dynamic': False} (each new sequence length then compiles once), or "
-                "compile=False"
             )
         plan = self.tp_plan
         if plan is not None and not isinstance(plan, Mapping) and plan != "auto":
@@ -132,21 +112,25 @@ class Options:
                 "{'blocks.*.mlp.fc1': ColwiseParallel(), 'blocks.*.mlp.fc2': RowwiseParallel()}"
             )
 
+    def check_context(self, ctx: Context) -> None:
+        """Check the rules between the keywords and the processes ``ctx`` describes
+        (:func:`conveyor._rules.check_context`).
+
+        Raises:
+            ConfigError: sharding over a mesh dimension of size 1, or dynamic compiling
+                with ``tp_plan``.
+        """
+        _rules.check_context(self, ctx)
+
     def check_schedule(self, schedule: Schedule) -> None:
-        """Check the options that depend on the schedule.
+        """Check the rules between the keywords and the schedule
+        (:func:`conveyor._rules.check_schedule`).
 
         Raises:
             ConfigError: ``fsdp='reshard'`` with a split backward, or ``recompute`` naming
                 stages the schedule does not have.
         """
-        if self.fsdp == "reshard" and schedule.split_backward:
-            raise ConfigError(
-                f"fsdp='reshard' frees each block's gathered weights after every use, but "
-                f"{schedule.name!r} splits the backward and needs them from B until W; use "
-                f"fsdp=True with it, or a schedule without a split backward (1f1b, gpipe, "
-                f"interleaved-1f1b)"
-            )
-        recompute_stages(self.recompute, schedule.stages)  # checked once, here
+        _rules.check_schedule(self, schedule)
 
     def compile_keywords(self) -> dict[str, Any] | None:
         """The :func:`torch.compile` keywords stages compile with (None: eager)."""
@@ -201,12 +185,7 @@ def pipeline_schedule(
             f"schedule must be a name or a conveyor.schedules.Schedule, got "
             f"{type(schedule).__name__}"
         )
-    if schedule.ranks != ranks or schedule.microbatches != microbatches:
-        raise ConfigError(
-            f"schedule {schedule.name!r} is for {schedule.ranks} ranks and "
-            f"{schedule.microbatches} micro-batches, but the pipeline has {ranks} ranks and "
-            f"microbatches={microbatches}; build the schedule for the same numbers"
-        )
+    _rules.schedule_fits(schedule, ranks, microbatches, chunks)
     return validate(schedule)
 
 
@@ -232,41 +211,15 @@ def pipeline_ranks(
     """
     if ctx.distributed or ctx.pp_explicit:
         if ctx.distributed and balance is not None and not isinstance(schedule, Schedule):
-            _check_balance_fits(ctx, balance, chunks)
+            _rules.balance_fits_launch(ctx, balance, chunks)
         return ctx.pp_size
     if isinstance(schedule, Schedule):
         return schedule.ranks
     stages = len(balance) if balance is not None else annotated_stages(model)
     if stages is None:
         return ctx.pp_size
-    if stages % chunks:
-        where = "balance" if balance is not None else "the pipeline_stage annotations"
-        raise ConfigError(
-            f"{where} describe {stages} stages, which {chunks} chunks per rank cannot "
-            f"share out; give a multiple of {chunks} stages"
-        )
+    _rules.stages_share_out(stages, chunks, balance is not None)
     return stages // chunks
-
-
-def _check_balance_fits(ctx: Context, balance: list[int], chunks: int) -> None:
-    """A balance for another stage count than pp x chunks of a launched run, in words
-    that say how many processes it needs (one process runs as many ranks as it says)."""
-    if not isinstance(balance, (list, tuple)) or len(balance) == ctx.pp_size * chunks:
-        return
-    stages, have = len(balance), ctx.pp_size * chunks
-    head = (
-        f"balance {list(balance)} describes {stages} stages, but this run has {ctx.pp_size} "
-        f"pipeline ranks x {chunks} chunk(s) = {have} stages"
-    )
-    if stages % chunks:
-        raise ConfigError(f"{head}; give balance {have} entries, one layer count per stage")
-    ranks = stages // chunks
-    need = ranks * ctx.dp_size * ctx.tp_size
-    mesh = f" x dp {ctx.dp_size} x tp {ctx.tp_size}" if need != ranks else ""
-    raise ConfigError(
-        f"{head}; launch {need} processes for {ranks} pipeline ranks{mesh} (conveyor launch "
-        f"--nproc-per-node {need} script.py), or give balance {have} entries"
-    )
 
 
 def check_step(loss_fn: LossFn | None, inputs: Any, targets: Any) -> None:

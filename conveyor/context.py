@@ -6,7 +6,6 @@ import atexit
 import contextlib
 import datetime
 import gc
-import inspect
 import math
 import numbers
 import os
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from conveyor._groups import Held, forget_mesh_groups, release_all
+from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
+from conveyor._mesh import device_mesh, local_rank
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -225,7 +226,8 @@ def init(
             divides ``dp``), and tokens reach their experts by all-to-all
             (``Pipeline(ep_plan=...)``).
         backend: The process-group backend. Default: ``"nccl"`` with CUDA, else
-            ``"gloo"``. Ignored when a default process group exists.
+            ``"gloo"``. When a default process group exists, its own; asking for
+            another raises.
         timeout: Seconds any wait on another rank may take, so that a dead or stalled
             peer raises instead of hanging. Default: ``$CONVEYOR_TIMEOUT``, else 300.
 
@@ -235,8 +237,9 @@ def init(
     Raises:
         ConfigError: For a ``pp``, ``dp``, ``tp`` or ``ep`` that is not an int >= 1, an
             ``ep`` that does not divide ``dp``, a timeout that is not a finite number > 0,
-            ``dp`` or ``tp`` above 1 in a world of one process, or a world size that is
-            not ``pp * dp * tp``.
+            ``dp`` or ``tp`` above 1 in a world of one process, a world size that is
+            not ``pp * dp * tp``, or a ``backend`` other than the existing default
+            process group's.
     """
     global _current
     seconds = _timeout_from(timeout)
@@ -263,14 +266,17 @@ def init(
             pp_explicit=pp is not None,
         )
         return _current
-    if backend is None:
+    if dist.is_initialized():
+        _check_backend(backend, str(dist.get_backend()))
+    elif backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
+        assert backend is not None
         init_kwargs: dict[str, Any] = {}
         if backend == "nccl":
             # Bound to its GPU at once: the communicators are made eagerly, not lazily on
             # each rank pair's first transfer.
-            init_kwargs["device_id"] = torch.device("cuda", _local_rank())
+            init_kwargs["device_id"] = torch.device("cuda", local_rank())
         group_seconds = backend_timeout(backend, seconds)
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=group_seconds), **init_kwargs
@@ -296,12 +302,12 @@ def init(
             f"{pp * dp * tp} processes or change pp/dp/tp so that pp * dp * tp == {world}"
         )
     if backend == "nccl":
-        local = _local_rank()
+        local = local_rank()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    mesh = _device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
+    mesh = device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
     names = ("dp", "pp", "tp", "ep", "edp") if ep > 1 else ("dp", "pp", "tp")
     dp_rank = rank // (pp * tp)
     _current = Context(
@@ -325,73 +331,18 @@ def init(
     return _current
 
 
-def _device_mesh(
-    device_type: str, backend: str, dp: int, pp: int, tp: int, seconds: float, ep: int = 1
-) -> DeviceMesh:
-    """The ``(dp, pp, tp)`` mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank; its groups
-    get our time-out.
-
-    With ``ep > 1`` the mesh is ``(edp, ep, pp, tp)`` with ``dp_rank = edp_rank * ep +
-    ep_rank`` (the same global ranks), and ``"dp"`` is ``("edp", "ep")`` flattened, so
-    that ``mesh["dp"]`` is the data-parallel sub-mesh as before.
-
-    Collective over the whole world (every rank creates every group).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names: tuple[str, ...] = ("dp", "pp", "tp")
-    shape: tuple[int, ...] = (dp, pp, tp)
-    if ep > 1:
-        names, shape = ("edp", "ep", "pp", "tp"), (dp // ep, ep, pp, tp)
-    kwargs: dict[str, Any] = {}
-    options = _group_options(backend, backend_timeout(backend, seconds), len(names) + 1)
-    if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
-        kwargs["backend_override"] = {
-            name: (backend, option) for name, option in zip(names, options, strict=False)
-        }
-    # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, **kwargs)
-    if ep > 1:
-        flat = (backend, options[-1]) if options is not None else None
-        mesh["edp", "ep"]._flatten("dp", backend_override=flat)
-    return mesh
-
-
-def backend_timeout(backend: str, seconds: float) -> float:
-    """The process groups' own time-out for conveyor's time-out of ``seconds``.
-
-    On NCCL, waits are stream-ordered and conveyor's watchdog names a stalled transfer
-    after ``seconds`` (:mod:`conveyor.runtime.watchdog`); NCCL's watchdog, which ends the
-    process without naming the action, gets longer so that ours speaks first.
-
-    Args:
-        backend: The process-group backend, e.g. ``"nccl"`` or ``"gloo"``.
-        seconds: conveyor's time-out.
-
-    Returns:
-        ``seconds + max(30, seconds / 4)`` for NCCL, else ``seconds``.
-    """
-    return seconds + max(30.0, seconds / 4) if backend == "nccl" else seconds
-
-
-def _local_rank() -> int:
-    """This process's GPU: ``LOCAL_RANK``, else the global rank modulo the GPU count."""
-    fallback = int(os.environ.get("RANK", "0")) % max(torch.cuda.device_count(), 1)
-    return int(os.environ.get("LOCAL_RANK", fallback))
-
-
-def _group_options(backend: str, seconds: float, count: int) -> list[Any] | None:
-    """Fresh backend options (one per mesh dimension) carrying a ``seconds`` time-out."""
-    if backend == "gloo":
-        make: Any = dist.ProcessGroupGloo._Options  # type: ignore[attr-defined]
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        make = dist.ProcessGroupNCCL.Options
-    else:
-        return None
-    out = [make() for _ in range(count)]
-    for options in out:
-        options._timeout = datetime.timedelta(seconds=seconds)
-    return out
+def _check_backend(asked: str | None, existing: str) -> None:
+    """``init(backend=asked)`` where a default process group of ``existing`` backend(s)
+    (``"gloo"``, or per device ``"cpu:gloo,cuda:nccl"``) was made before: no backend
+    asked, or one it has, is honoured; any other cannot be, and raises."""
+    have = {part.rpartition(":")[2] for part in existing.split(",")}
+    if asked is not None and asked not in have:
+        raise ConfigError(
+            f"backend={asked!r} cannot be honoured: the default process group already "
+            f"exists with backend {existing!r} (made before conveyor.init, e.g. by "
+            f"Lightning or the script); pass backend={existing!r} or none, or make the "
+            f"group with {asked!r}"
+        )
 
 
 def _destroy() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -17,34 +16,25 @@ import torch
 from torch import nn
 
 from conveyor._build import RankParts, build, held_stages, shared_sample
-from conveyor._options import (
-    Options,
-    check_step_arguments,
-    pipeline_ranks,
-    pipeline_schedule,
-    schedule_chunks,
-)
+from conveyor._options import Options, check_step_arguments, schedule_chunks
+from conveyor._setup import settle
 from conveyor.context import Context, current
-from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
+from conveyor.observe.last_step import LastStep
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt, make_whole
-from conveyor.planning.planner import Plan, plan_pipeline
+from conveyor.partition.resplit import adopt
+from conveyor.planning.planner import Plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
-from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
-from conveyor.runtime.timing import Timing
-from conveyor.schedules import Schedule, validate
-from conveyor.schedules.core import paired_with_vocab
-from conveyor.schedules.vocab import with_vocab
+from conveyor.schedules import Schedule
 from conveyor.weights import Weights
 
 
-class Pipeline:
+class Pipeline(LastStep):
     """A model cut into stages and trained by a pipeline schedule.
 
     Build it the same way on every rank; ``train_step`` leaves in each local parameter's
@@ -140,29 +130,16 @@ class Pipeline:
         vocab_parallel: bool | str | Sequence[str] = False,
     ) -> None:
         self.context = ctx = context if context is not None else current()
-        options = Options(loss_fn, microbatches, schedule_chunks(schedule, chunks), balance,
-                          fsdp, tp_plan, sample, recompute, autocast, track_memory, compile,
-                          weights, init_seed, ep_plan, vocab_parallel)
-        options.check_context(ctx)  # before a plan's collective profiling run
-        make_whole(model)  # what an earlier pipeline sharded of it (collective)
-        self.plan: Plan | None = None
-        if schedule == "auto":
-            self.plan = plan_pipeline(model, ctx, options, memory_limit)
-            schedule = self.plan.built
-            recompute = self.plan.recompute or options.recompute  # where nothing else fits
-            vocab = options.vocab_parallel or self.plan.vocab_parallel  # where it wins
-            options = dataclasses.replace(
-                options, chunks=self.plan.chunks, balance=self.plan.balance, recompute=recompute,
-                vocab_parallel=vocab,
-            )  # fmt: skip
-        ranks = pipeline_ranks(ctx, model, schedule, options.chunks, options.balance)
-        self.schedule = pipeline_schedule(schedule, ranks, microbatches, options.chunks)
-        if options.vocab_parallel and not self.schedule.vocab:
-            # The passes placed, and the schedule's overlapped pairs kept where they still
-            # run as units around them (expert parallelism's paired F/B).
-            placed = with_vocab(self.schedule)
-            self.schedule = validate(paired_with_vocab(placed, self.schedule.pairs))
-        options.check_schedule(self.schedule)
+        options = Options(
+            loss_fn=loss_fn, microbatches=microbatches, chunks=schedule_chunks(schedule, chunks),
+            balance=balance, fsdp=fsdp, tp_plan=tp_plan, sample=sample, recompute=recompute,
+            autocast=autocast, track_memory=track_memory, compile=compile, weights=weights,
+            init_seed=init_seed, ep_plan=ep_plan, vocab_parallel=vocab_parallel,
+        )  # fmt: skip
+        settled = settle(model, ctx, schedule, options, memory_limit)
+        self.plan: Plan | None = settled.plan
+        self.schedule = settled.schedule
+        options = settled.options
         self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
         self._model = model
         self._parts: RankParts | None = None
@@ -325,57 +302,7 @@ class Pipeline:
         outputs = self._step("predict", inputs, None).record.outputs
         return microbatch.merge(outputs) if outputs else None
 
-    # ------------------------------------------------------------------ measurement
-    def last_step_timings(self) -> list[Timing]:
-        """A :class:`~conveyor.runtime.timing.Timing` per action of this process in the
-        last training step, seconds from the step start (start: when the action's inputs
-        had arrived, so waits on other ranks are not work)."""
-        self._split("pipe.last_step_timings()")
-        return list(self._last_train.timings) if self._last_train is not None else []
-
-    def last_step_waits(self) -> list[Timing]:
-        """A :class:`~conveyor.runtime.timing.Timing` per wait of this process for another
-        rank's output in the last training step (the producer's kind, stage, micro-batch)."""
-        self._split("pipe.last_step_waits()")
-        return list(self._last_train.waits) if self._last_train is not None else []
-
-    def last_step_memory(self) -> MemoryReport:
-        """This process's activation memory in the last training step.
-
-        Returns:
-            Bytes autograd kept for backward work (and the split backward kept for W) at
-            their peak, beside the peak of the schedule's memory model with the sizes each
-            F really saved.
-
-        Raises:
-            ConfigError: without ``track_memory=True``, or before any training step.
-        """
-        self._split("pipe.last_step_memory()")
-        return memory_report(self.options.track_memory, self._last_train)
-
-    def measured_bubble(self) -> float:
-        """The bubble of the last training step over all pipeline ranks (of this replica):
-        1 - busy time / (ranks x (last end - first start)).
-
-        A collective in a distributed world: call it on every rank.
-        """
-        timings = self.last_step_timings()
-        return pipeline_bubble(timings, self.context, self.schedule.ranks)
-
-    def save_trace(self, path: str | os.PathLike[str]) -> None:
-        """Write the last training step as one Chrome trace JSON (open it in Perfetto or
-        chrome://tracing): a track per rank, an event per action and per transfer wait.
-
-        The file also records the schedule's order and the measured and simulated bubble;
-        ``conveyor trace FILE --png PICTURE`` draws it. A collective in a distributed
-        world: call it on every rank; rank 0 writes (with data parallelism, replica 0's).
-
-        Args:
-            path: the file to write.
-        """
-        timings, waits = self.last_step_timings(), self.last_step_waits()
-        write_trace(path, timings, waits, self.schedule, self.context)
-
+    # ------------------------------------------------------------------ gradients
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the whole model's gradients like :func:`torch.nn.utils.clip_grad_norm_`.
 

@@ -20,16 +20,130 @@ from __future__ import annotations
 
 import argparse
 import math
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from loop import add_pipeline_options, context, printer, train, where
-from text import corpus, encode, windows
 from torch import nn
 from torch.nn import functional as F
 
 import conveyor
+from conveyor.checkpoint import exists
+from conveyor.observe.progress import Progress
 from conveyor.schedules import check_chunks
+
+# --- what the other examples have too, copied so that this file runs on its own ---
+
+
+def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
+    """``--pp``, ``--schedule``, ``--chunks``, ``--microbatches``, ``--checkpoint`` and
+    ``--save-every``."""
+    ap.add_argument(
+        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
+    )
+    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
+    ap.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
+    ap.add_argument(
+        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
+    )
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="steps between saves (default: %(default)s)",
+    )
+
+
+def context(args: argparse.Namespace, dp: int = 1, tp: int = 1) -> conveyor.Context:
+    """``--pp`` pipeline ranks; without it, as many as the launched processes allow, or two
+    in one process when started with plain ``python``."""
+    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
+    return conveyor.init(pp=pp, dp=dp, tp=tp)
+
+
+def printer(ctx: conveyor.Context) -> Callable[..., None]:
+    """``print`` on rank 0, nothing elsewhere."""
+    return print if ctx.rank == 0 else (lambda *a, **k: None)
+
+
+def train(
+    pipe: conveyor.Pipeline,
+    opt: torch.optim.Optimizer,
+    step_of: Callable[[int], torch.Tensor],
+    steps: int,
+    args: argparse.Namespace,
+    say: Callable[..., Any],
+) -> torch.Tensor:
+    """Resume from ``--checkpoint`` if it holds one, run the steps that are left
+    (``step_of(k)`` trains step k and returns its loss), log a tenth of the way each, save
+    every ``--save-every`` steps and at the end; returns the last loss."""
+    start = 0
+    if args.checkpoint and exists(args.checkpoint):
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, steps)
+        say(f"resumed from {args.checkpoint} at step {start}")
+    progress = Progress(pipe, steps - start, every=max(steps // 10, 1))
+    progress.count = start
+    loss = torch.tensor(0.0)
+    for step in range(start, steps):
+        loss = step_of(step)
+        opt.step()
+        opt.zero_grad()
+        progress.step(loss, args.batch_size)
+        done = step + 1
+        if args.checkpoint and (done % args.save_every == 0 or done == steps):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
+    progress.close()
+    return loss
+
+
+def where(ctx: conveyor.Context, fsdp: bool = False) -> str:
+    """Where the stages run, for the first line a run prints."""
+    if not ctx.distributed:
+        return f"in one process ({ctx.pp_size} pipeline ranks simulated)"
+    place = f"on {ctx.pp_size} ranks"
+    if ctx.dp_size > 1 or ctx.tp_size > 1:
+        replicas = f"{ctx.dp_size} replicas{' (FSDP)' if fsdp else ''}"
+        place += f" x {replicas} x {ctx.tp_size} tensor-parallel"
+    return place
+
+
+def corpus(limit: int) -> str:
+    """Up to ``limit`` characters of the standard library's Python source, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    size = 0
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= limit:
+            break
+    return "".join(parts)[:limit]
+
+
+def encode(text: str) -> tuple[list[str], torch.Tensor]:
+    """The characters of ``text`` (the vocabulary, sorted) and ``text`` as their indices."""
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    return vocab, torch.tensor([lookup[c] for c in text], dtype=torch.long)
+
+
+def windows(data: torch.Tensor, step: int, rows: int, length: int) -> torch.Tensor:
+    """``rows`` windows of ``length + 1`` tokens; the batch of a step depends on the step
+    alone, so a run resumed from a checkpoint repeats nothing."""
+    gen = torch.Generator().manual_seed(step)
+    at = torch.randint(len(data) - length - 1, (rows,), generator=gen)
+    return torch.stack([data[i : i + length + 1] for i in at.tolist()])
+
+
+# --- this example ---
 
 
 class Block(nn.Module):
@@ -157,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         "--lr", type=float, default=3e-3, help="AdamW's learning rate (default: %(default)s)"
     )
     ap.add_argument(
-        "--chars", type=int, default=2_000_000,
+        "--chars",
+        type=int,
+        default=2_000_000,
         help="corpus size in characters (default: %(default)s)",
     )
     ap.add_argument(
@@ -167,12 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         "--dp", type=int, default=1, help="data-parallel replicas (default: %(default)s)"
     )
     ap.add_argument(
-        "--tp", type=int, default=1,
+        "--tp",
+        type=int,
+        default=1,
         help="tensor-parallel ranks per pipeline rank, sharding attention and MLP "
         "(default: %(default)s)",
     )
     ap.add_argument(
-        "--fsdp", action="store_true",
+        "--fsdp",
+        action="store_true",
         help="shard parameters, gradients and optimizer state over the --dp replicas",
     )
     args = ap.parse_args(argv)

@@ -19,16 +19,70 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
-from hf_trainer import Counting, gpt2, options
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import conveyor
 from conveyor.integrations.lightning import PipelineStrategy
+
+# --- what the other examples have too, copied so that this file runs on its own ---
+
+
+class Counting(Dataset[dict[str, torch.Tensor]]):
+    """``n`` sequences ``start, start + stride, ...`` (mod ``vocab``), as inputs and labels."""
+
+    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        stride = torch.randint(1, 4, (n, 1), generator=g)
+        self.ids = (start + stride * torch.arange(length)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2(args: argparse.Namespace) -> GPT2LMHeadModel:
+    """The model, from a config (no download): the same on every rank."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=args.vocab, n_positions=args.length, n_embd=args.width, n_layer=args.layers,
+            n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=None, eos_token_id=None,
+        )
+    )  # fmt: skip
+
+
+def options(ap: argparse.ArgumentParser) -> Callable[[str, object, str], None]:
+    """The model's, data's and pipeline's options; returns the helper that adds one."""
+
+    def option(name: str, default: object, what: str) -> None:
+        kind = type(default) if default is not None else int
+        ap.add_argument(name, type=kind, default=default, help=f"{what} (default: %(default)s)")
+
+    option("--steps", 200, "optimizer steps")
+    option("--layers", 4, "GPT-2 blocks")
+    option("--width", 64, "model width")
+    option("--vocab", 64, "vocabulary size")
+    option("--length", 32, "tokens per sequence")
+    option("--batch-size", 16, "sequences per replica and step")
+    option("--microbatches", 4, "micro-batches per step")
+    option("--schedule", "1f1b", "pipeline schedule")
+    option("--pp", None, "pipeline ranks; None: processes / dp, or 2 in one process")
+    option("--dp", 1, "data-parallel replicas")
+    return option
+
+
+# --- this example ---
 
 
 class LitGPT(L.LightningModule):

@@ -32,20 +32,95 @@ or skipped.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from loop import add_pipeline_options, context, printer, trainer, where
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import conveyor
 from conveyor.schedules import check_chunks
+from conveyor.training import Callback, ProgressBar
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
+
+
+# --- what the other examples have too, copied so that this file runs on its own ---
+
+
+def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
+    """``--pp``, ``--schedule``, ``--chunks``, ``--microbatches``, ``--checkpoint`` and
+    ``--save-every``."""
+    ap.add_argument(
+        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
+    )
+    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
+    ap.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
+    ap.add_argument(
+        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
+    )
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="steps between saves (default: %(default)s)",
+    )
+
+
+def context(args: argparse.Namespace, dp: int = 1, tp: int = 1) -> conveyor.Context:
+    """``--pp`` pipeline ranks; without it, as many as the launched processes allow, or two
+    in one process when started with plain ``python``."""
+    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
+    return conveyor.init(pp=pp, dp=dp, tp=tp)
+
+
+def printer(ctx: conveyor.Context) -> Callable[..., None]:
+    """``print`` on rank 0, nothing elsewhere."""
+    return print if ctx.rank == 0 else (lambda *a, **k: None)
+
+
+def trainer(
+    pipe: conveyor.Pipeline,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    callbacks: tuple[Callback, ...] = (),
+    **options: Any,
+) -> conveyor.Trainer:
+    """A :class:`conveyor.Trainer` that logs a tenth of the way and, with ``--checkpoint``,
+    saves every ``--save-every`` steps (resume with ``fit(..., resume=True)``);
+    ``options`` are the Trainer's other keywords (``lr_scheduler``, ``max_grad_norm``)."""
+    return conveyor.Trainer(
+        pipe,
+        opt,
+        callbacks=[ProgressBar(), *callbacks],
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.save_every if args.checkpoint else None,
+        **options,
+    )
+
+
+def where(ctx: conveyor.Context, fsdp: bool = False) -> str:
+    """Where the stages run, for the first line a run prints."""
+    if not ctx.distributed:
+        return f"in one process ({ctx.pp_size} pipeline ranks simulated)"
+    place = f"on {ctx.pp_size} ranks"
+    if ctx.dp_size > 1 or ctx.tp_size > 1:
+        replicas = f"{ctx.dp_size} replicas{' (FSDP)' if fsdp else ''}"
+        place += f" x {replicas} x {ctx.tp_size} tensor-parallel"
+    return place
+
+
+# --- this example ---
 
 
 class Bottleneck(nn.Module):

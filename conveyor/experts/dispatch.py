@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.experts.all_to_all import all_to_all, exchange_counts
+from conveyor.runtime.local_part import local_shard
 
 
 @dataclass(frozen=True)
@@ -108,21 +109,13 @@ def routed_forward(
     local_ids = torch.arange(n, device=flat.device).repeat(size)
     ids = torch.repeat_interleave(local_ids, received).unsqueeze(-1)
     ones = torch.ones(ids.shape, dtype=top_k_weights.dtype, device=rows.device)
-    params = {name: _local(p) for name, p in module.named_parameters(recurse=False)}
+    params = {name: local_shard(p) for name, p in module.named_parameters(recurse=False)}
     out: torch.Tensor = base_forward(LocalExperts(module, params, n), rows, ids, ones)
     out = _keep_graph(out, rows, params.values())
     back = all_to_all(out, send, recv, group, shard.timeout)  # sorted (token, expert) pairs
     pairs = torch.empty_like(back).index_copy(0, order, back)
     weighted = pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """A DTensor parameter's shard on this rank (by isinstance, which torch.compile
-    traces, where a ``getattr(param, "to_local")`` probe is not)."""
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _keep_graph(

@@ -1,5 +1,6 @@
 """The pieces of :class:`~conveyor.integrations.transformers.PipelineTrainer` that stand
-for the model: this rank's stages as one module, and the whole state dict gathered."""
+for the model: this rank's stages as one module, the whole state dict gathered, and the
+key/value cache turned off (shared with the Lightning strategy)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.pipeline import Pipeline
+
+
+def without_cache(model: nn.Module) -> None:
+    """Turn off a transformers model's key/value cache (``config.use_cache = False``): a
+    cache cannot cross stages, and training does not use one."""
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
 
 
 class Stages(nn.Module):

@@ -30,11 +30,12 @@ from conveyor.checkpoint import save as save_checkpoint
 from conveyor.context import in_torchrun, init
 from conveyor.errors import ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
-from conveyor.integrations._hf_model import Stages, gather_state_dict
+from conveyor.integrations._hf_model import Stages, gather_state_dict, without_cache
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
 
-INIT_KEYS = ("pp", "dp", "tp", "ep", "timeout")
+# conveyor.init's keywords, derived as PIPELINE_KEYS below (a new one needs no edit here).
+INIT_KEYS = tuple(inspect.signature(init).parameters)
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 # Pipeline's keywords, less those the trainer sets itself: derived, so a new keyword of
 # Pipeline is a pipeline option without a second list to keep.
@@ -63,10 +64,10 @@ class PipelineTrainer(Trainer):
         train_dataset: A map-style dataset of feature dicts.
         eval_dataset: A map-style dataset for ``evaluate()``.
         data_collator: Makes a batch of features (default: transformers' default).
-        pipeline_options: ``conveyor.init`` keywords ``pp``, ``dp``, ``tp``, ``timeout`` and
-            ``conveyor.Pipeline`` keywords (``schedule``, ``microbatches`` (default: the
-            smaller of 4 and the per-replica batch), ``chunks``, ``balance``, ``fsdp``,
-            ``recompute``, ...).
+        pipeline_options: ``conveyor.init`` keywords (``pp``, ``dp``, ``tp``, ``ep``,
+            ``backend``, ``timeout``) and ``conveyor.Pipeline`` keywords (``schedule``,
+            ``microbatches`` (default: the smaller of 4 and the per-replica batch),
+            ``chunks``, ``balance``, ``fsdp``, ``recompute``, ...).
         **kwargs: Other ``transformers.Trainer`` arguments (``callbacks``, ``optimizers``,
             ``processing_class``, ...).
 
@@ -103,9 +104,7 @@ class PipelineTrainer(Trainer):
                 f"{os.environ['WORLD_SIZE']} launched (on CPU it counts them only with "
                 f"TrainingArguments(use_cpu=True)); pass use_cpu=True, or run on GPUs"
             )
-        config: Any = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            config.use_cache = False  # a key/value cache cannot cross stages
+        without_cache(model)
         super().__init__(
             model=model,
             args=args,

@@ -9,6 +9,14 @@ from collections.abc import Sequence
 from conveyor.errors import ConfigError
 
 
+def rows_per_rank(rows: int, ranks: int) -> int:
+    """The rows each rank holds (the last ones fewer or none) when ``rows`` are split
+    over ``ranks`` as ``torch.chunk`` splits them, as DTensor's and FSDP's ``Shard(0)``
+    do: ``ceil(rows / ranks)``. The one rule for a vocabulary's rows per pipeline rank
+    and for a sharded parameter's share."""
+    return -(-rows // ranks)
+
+
 def balance(
     costs: Sequence[float], stages: int, placement: Sequence[int] | None = None
 ) -> list[int]:

@@ -19,7 +19,8 @@ from conveyor.partition.annotations import chain_sizes, owner, stage_marks, whol
 from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.partition.tree import install
 
-Step = str | Callable[..., Any]
+SequenceEntry = str | Callable[..., Any]
+"""One entry of an execution sequence: a submodule's name, or a plain function."""
 
 
 class ExecutionSequence(nn.Module):
@@ -34,7 +35,7 @@ class ExecutionSequence(nn.Module):
         steps: Submodule names of ``source`` and callables, in execution order.
     """
 
-    def __init__(self, source: nn.Module, steps: Sequence[Step]) -> None:
+    def __init__(self, source: nn.Module, steps: Sequence[SequenceEntry]) -> None:
         super().__init__()
         self.steps = list(steps)
         # Kept outside the module tree (no "source." prefix): read for annotations only.
@@ -79,7 +80,7 @@ class ExecutionSequence(nn.Module):
         return "steps=[" + ", ".join(self.names()) + "]"
 
 
-def sequence(model: nn.Module, steps: Iterable[Step | nn.Module]) -> ExecutionSequence:
+def sequence(model: nn.Module, steps: Iterable[SequenceEntry | nn.Module]) -> ExecutionSequence:
     """The execution sequence of ``model``.
 
     Args:
@@ -95,7 +96,7 @@ def sequence(model: nn.Module, steps: Iterable[Step | nn.Module]) -> ExecutionSe
             or a parameter of the model belongs to no step.
     """
     path = {id(m): name for name, m in model.named_modules() if name}
-    resolved: list[Step] = []
+    resolved: list[SequenceEntry] = []
     for step in steps:
         if isinstance(step, nn.Module) and id(step) in path:
             resolved.append(path[id(step)])

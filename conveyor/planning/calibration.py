@@ -210,7 +210,8 @@ def _run_reference(
     params = list(module.parameters())
     keep = [p.grad for p in params]
     m = schedule.microbatches
-    options = Options(loss_fn, m, schedule.chunks, list(balance))  # eager: compile=False
+    chunks, cut = schedule.chunks, list(balance)
+    options = Options(loss_fn=loss_fn, microbatches=m, chunks=chunks, balance=cut)  # eager
     if template is not None:
         # Calibration runs only where the world is the pipeline ranks alone: no replicas
         # or tensor-parallel ranks for fsdp / tp_plan to shard over.

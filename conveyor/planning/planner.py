@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor._options import Options, pipeline_ranks
-from conveyor.context import Context
+from conveyor._options import Options
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.planning.calibration import (
@@ -335,36 +334,6 @@ def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
         again = evaluate(built, prof, limit, overhead, recompute=True)
         out.append((again, built, prof, cal))
     return out
-
-
-def plan_pipeline(
-    model: nn.Module, ctx: Context, options: Options, memory_limit: float | None
-) -> Plan:
-    """``Pipeline(schedule="auto")``: the plan for a pipeline's options, keeping its
-    micro-batch count.
-
-    Raises:
-        ConfigError: no ``sample`` to profile on.
-    """
-    if options.sample is None:
-        raise ConfigError(
-            "schedule='auto' profiles the model on a batch: pass sample=(inputs, targets), "
-            "e.g. your first batch"
-        )
-    shards = (ctx.dp_size if options.fsdp else 1) * (ctx.tp_size if options.tp_plan else 1)
-    return plan(
-        model,
-        options.sample[0],
-        options.sample[1],
-        options.loss_fn,
-        pipeline_ranks(ctx, model, "auto", options.chunks, options.balance),
-        memory_limit,
-        microbatch_counts=[options.microbatches],
-        param_shards=shards,
-        options=options,
-        device=ctx.device,
-        vocab=True if options.vocab_parallel else None,
-    )
 
 
 def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Schedule | None:

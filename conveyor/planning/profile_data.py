@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
+from conveyor.partition.cuts import rows_per_rank
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ class Profile:
         if shards <= 1:
             return self
         layers = tuple(
-            dataclasses.replace(u, parameters=-(-u.parameters // shards)) for u in self.layers
+            dataclasses.replace(u, parameters=rows_per_rank(u.parameters, shards))
+            for u in self.layers
         )
         return dataclasses.replace(self, layers=layers)
 

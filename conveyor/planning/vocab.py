@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import ConfigError
+from conveyor.partition.cuts import rows_per_rank
 from conveyor.planning.cost_model import ACTION_OVERHEAD, Candidate, balanced, peak_memory
 from conveyor.planning.profile_data import LayerProfile, Profile
 from conveyor.schedules import Schedule
@@ -31,12 +32,14 @@ from conveyor.vocab.setup import vocab_loss
 
 @dataclass(frozen=True)
 class VocabUnits:
-    """Which profiled units hold the vocabulary layers, their parameters' bytes, and the
-    vocabulary's rows over the hidden size (a logit's bytes per embedding byte)."""
+    """Which profiled units hold the vocabulary layers, their parameters' bytes, the
+    vocabulary's rows, and its rows over the hidden size (a logit's bytes per embedding
+    byte)."""
 
     embedding: int
     output: int
     parameter_bytes: int
+    rows: int
     widening: float
     vanish: bool = False
     """The split with the layers stood in for has no units for them: a graph torch.export
@@ -80,7 +83,10 @@ def vocab_units(
     weights = {id(emb): emb, id(out): out}
     size = sum(w.numel() * w.element_size() for w in weights.values())
     exported = sample is not None and _exported(model, sample)
-    return VocabUnits(first[0], last[-1], size, layers.rows / layers.hidden, exported)
+    return VocabUnits(
+        embedding=first[0], output=last[-1], parameter_bytes=size, rows=layers.rows,
+        widening=layers.rows / layers.hidden, vanish=exported,
+    )  # fmt: skip
 
 
 def _exported(model: Any, sample: Any) -> bool:
@@ -128,9 +134,11 @@ def evaluate_vocab(
     ]
     placed = with_vocab(schedule, _per_rank(costs, schedule))
     step = simulate(placed, costs, stripped.comm(bal), vocab=passes).makespan + overhead
-    # The rows and their gradients, and one micro-batch's logits (held from S to T).
-    logits = int(emb.output * found.widening / ranks)  # as many tokens as the embedding's
-    shared = 2 * -(-found.parameter_bytes // ranks) + logits
+    # The rows and their gradients, and one micro-batch's logits (held from S to T), on
+    # the first ranks, which hold the most rows.
+    held = rows_per_rank(found.rows, ranks)
+    logits = int(emb.output * found.widening * held / found.rows)  # the embedding's tokens
+    shared = 2 * -(-(found.parameter_bytes * held) // found.rows) + logits
     peaks = [p + shared for p in peak_memory(schedule, stripped, bal)]
     return Candidate(
         schedule=schedule.name,

@@ -27,15 +27,10 @@ from torch import nn
 from conveyor._groups import on_release
 from conveyor.errors import ConfigError
 from conveyor.partition.methods import called_modules
+from conveyor.runtime.local_part import local_shard as local_shard  # its callers import it here
 from conveyor.runtime.program import RankProgram
 from conveyor.runtime.step_sync import StepSync
 from conveyor.schedules import Action
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's own shard (a view of its data); other tensors as they are."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def summed(t: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class Callback:
 
 
 class Trainer:
-    """Train a pipeline over a dataset: the loop of ``examples/loop.py``, written once.
+    """Train a pipeline over a dataset: the loop the examples would write by hand, written once.
 
     Each optimizer step is ``pipe.train_step`` on one global batch, clipping by the
     whole model's gradient norm (``max_grad_norm``), ``optimizer.step()``, ``zero_grad()``

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from conveyor.errors import PipelineError
 from conveyor.losses import output_field
+from conveyor.partition.cuts import rows_per_rank
 from conveyor.runtime.step_loss import LossTerm, StepLoss
 from conveyor.runtime.step_state import StepState
 
@@ -192,10 +193,6 @@ class VocabRunner:
             )
         return hidden
 
-    def leftovers(self) -> list[str]:
-        """What the step kept and never used (a schedule missing passes)."""
-        return [f"hidden states of micro-batch {m}" for m in self._hidden_grad]
-
     # ------------------------------------------------------------ the passes
     def run_pass(self, step: Any) -> None:
         """Run pass ``step`` (a :class:`~conveyor.schedules.core.VocabAction`) on this
@@ -341,7 +338,7 @@ class VocabRunner:
             whole = logits
         else:
             ranks = g.group().size()
-            size = -(-rows // ranks)
+            size = rows_per_rank(rows, ranks)
             padded = logits.new_zeros((logits.shape[0], size))
             padded[:, : logits.shape[1]] = logits
             parts = logits.new_empty((ranks, logits.shape[0], size))

@@ -15,6 +15,7 @@ from conveyor._groups import Held
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
+from conveyor.partition.cuts import rows_per_rank
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
 from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
 from conveyor.vocab.shards import VocabInput, VocabShards, exportable, first_stage, stripped
@@ -49,7 +50,7 @@ class VocabSetup:
     def note(self, ranks: int, passes: int) -> str:
         """A line for ``print(pipe)``: which layers are split over the ranks, and how."""
         layers = self.layers
-        rows = -(-layers.rows // ranks)
+        rows = rows_per_rank(layers.rows, ranks)
         tied = ", tied" if layers.tied else ""
         return (
             f"\nvocabulary layers {layers.input}, {layers.output}{tied}: {layers.rows} rows "

@@ -18,6 +18,8 @@ import torch
 from torch import fx, nn
 
 from conveyor.errors import ConfigError, PipelineError
+from conveyor.partition.cuts import rows_per_rank
+from conveyor.runtime.local_part import local_shard
 from conveyor.vocab.layers import VocabLayers
 
 Takes = Literal["inputs_embeds", "replace", "prepend"]
@@ -157,7 +159,7 @@ def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s rows ``[lo, hi)`` of ``rows`` split over ``ranks`` as
     ``torch.chunk`` splits them (DTensor's ``Shard(0)``): ``ceil(rows / ranks)`` each,
     the last ones fewer or none."""
-    size = -(-rows // ranks)
+    size = rows_per_rank(rows, ranks)
     lo = min(rows, rank * size)
     return lo, min(rows, lo + size)
 
@@ -204,7 +206,7 @@ class VocabShards:
 
     def local(self, module: nn.Module) -> torch.Tensor:
         """``module``'s weight rows held here, as a plain tensor."""
-        return local_tensor(_weight(module))
+        return local_shard(_weight(module))
 
     def add_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
         """Add ``grad`` (this rank's rows) to ``module.weight.grad`` (a DTensor like the
@@ -215,7 +217,7 @@ class VocabShards:
         if weight.grad is None:
             self._set_grad(weight, grad.to(weight.dtype).clone())
             return
-        local = local_tensor(weight.grad)
+        local = local_shard(weight.grad)
         local.add_(grad.to(local.dtype))
 
     def _set_grad(self, weight: torch.Tensor, local: torch.Tensor) -> None:
@@ -237,23 +239,17 @@ class VocabShards:
         weight = _weight(module)
         if not weight.requires_grad:
             return
-        local = torch.zeros_like(local_tensor(weight)) if weight.grad is None else None
+        local = torch.zeros_like(local_shard(weight)) if weight.grad is None else None
         if local is not None:  # the first gradient: these rows become it (no copy)
             local.index_add_(0, index, rows.to(weight.dtype))
             self._set_grad(weight, local)
             return
         assert weight.grad is not None
-        local_tensor(weight.grad).index_add_(0, index, rows.to(weight.dtype))
+        local_shard(weight.grad).index_add_(0, index, rows.to(weight.dtype))
 
     def parameters(self) -> list[nn.Parameter]:
         """The layers' weights (a tied one once)."""
         return list(self.holder.parameters())
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` held here: a DTensor's local tensor, else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _weight(module: nn.Module) -> torch.Tensor:

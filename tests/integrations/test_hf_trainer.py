@@ -17,7 +17,8 @@ pytest.importorskip("accelerate")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import conveyor
-from conveyor.integrations.transformers import PipelineTrainer
+from conveyor.integrations._hf_model import without_cache
+from conveyor.integrations.transformers import INIT_KEYS, PipelineTrainer
 from tests.support.helpers import reset_context
 from tests.support.trainer_forked import run_forked
 
@@ -170,6 +171,22 @@ def test_unknown_pipeline_options_are_one_sentence(tmp_path: Path) -> None:
         "'tp_plan', 'memory_limit', 'recompute', 'track_memory', 'compile', 'weights', "
         "'init_seed', 'ep_plan', 'vocab_parallel']"
     )
+
+
+def test_init_keywords_are_conveyor_inits_own() -> None:
+    """The trainer's list of init keywords is init's signature: backend included."""
+    unknown = r"^unknown pipeline_options \['micro'\]; use conveyor.init's \['pp', 'dp', 'tp', "
+    assert INIT_KEYS == ("pp", "dp", "tp", "ep", "backend", "timeout")
+    with pytest.raises(conveyor.ConfigError, match=unknown + r"'ep', 'backend', 'timeout'\]"):
+        PipelineTrainer(gpt2(), None, pipeline_options={"micro": 2})
+
+
+def test_without_cache_turns_the_key_value_cache_off() -> None:
+    model = gpt2()
+    model.config.use_cache = True
+    without_cache(model)
+    assert model.config.use_cache is False
+    without_cache(torch.nn.Linear(2, 2))  # a model without a config is left as it is
 
 
 def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) -> None:

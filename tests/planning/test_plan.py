@@ -159,17 +159,22 @@ def test_memory_model_counts_one_shard_of_the_parameters() -> None:
 
 def test_a_bad_option_fails_before_the_planner_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
     import conveyor
-    import conveyor.pipeline as pipeline
+    import conveyor._setup as setup
 
     def profiled(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("profiled before the options were checked")
 
-    monkeypatch.setattr(pipeline, "plan_pipeline", profiled)
+    monkeypatch.setattr(setup, "plan_pipeline", profiled)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(ConfigError, match="fsdp must be False, True"):
-        conveyor.Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), schedule="auto",
-                          loss_fn=nn.functional.mse_loss, microbatches=2, sample=(x, y),
-                          fsdp="yes")  # fmt: skip
+        conveyor.Pipeline(model, schedule="auto", loss_fn=nn.functional.mse_loss,
+                          microbatches=2, sample=(x, y), fsdp="yes")  # fmt: skip
+    # a rule between keywords and the context: one process has no replicas to shard over
+    with pytest.raises(ConfigError, match="fsdp=True shards over the data-parallel replicas"):
+        conveyor.Pipeline(model, schedule="auto", loss_fn=nn.functional.mse_loss,
+                          microbatches=2, sample=(x, y), fsdp=True,
+                          context=conveyor.init(pp=2))  # fmt: skip
 
 
 def _calibrated_options(rank: int) -> list[tuple[Any, Any]]:
@@ -203,10 +208,10 @@ def test_a_plan_says_compile_is_not_applied_while_planning() -> None:
     x, y = _batch()
     loss = nn.functional.mse_loss
     kept: dict[str, Any] = {"microbatch_counts": [2], "schedules": ["1f1b"]}
-    eager = plan(_model(), x, y, loss, 2, options=Options(loss, 2), **kept)
+    eager = plan(_model(), x, y, loss, 2, options=Options(loss_fn=loss, microbatches=2), **kept)
     assert "eager stages" in eager.basis and "compile=" not in eager.basis
     assert eager.profile is not None
-    compiled = Options(loss, 2, compile=True)
+    compiled = Options(loss_fn=loss, microbatches=2, compile=True)
     again = plan(_model(), x, y, loss, 2, options=compiled, profiles={2: eager.profile}, **kept)
     assert "eager stages" in again.basis
     assert "compile= is not applied while planning" in again.basis
@@ -232,9 +237,8 @@ def _calibrated_with_compile(rank: int) -> tuple[bool, list[Any]]:
     x, y = torch.randn(16, 16), torch.randn(16, 16)
     loss = nn.functional.mse_loss
     prof = profile(model, x, y, loss, 2, repeats=1, warmup=0)
-    cal = calibration.calibrate_family(
-        model, x, y, loss, prof, 2, (False, False), options=Options(loss, 2, compile=True)
-    )
+    options = Options(loss_fn=loss, microbatches=2, compile=True)
+    cal = calibration.calibrate_family(model, x, y, loss, prof, 2, (False, False), options=options)
     assert cal is not None
     return cal.compile_skipped, built
 

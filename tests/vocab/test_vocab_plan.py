@@ -13,7 +13,7 @@ import torch
 
 import conveyor
 from conveyor.losses import TokenCrossEntropy
-from conveyor.vocab.shards import local_tensor
+from conveyor.runtime.local_part import local_shard
 from tests.support import distributed
 from tests.support.helpers import assert_close_to_largest
 from tests.vocab.models import TinyGPT
@@ -90,7 +90,7 @@ def _measured(rank: int) -> tuple[Any, ...]:
                              balance=list(cand.balance), vocab_parallel=True,
                              track_memory=True)  # fmt: skip
     pipe.train_step(ids, ids)
-    held = sum(4 * local_tensor(p).numel() for p in pipe.parameters())
+    held = sum(4 * local_shard(p).numel() for p in pipe.parameters())
     logits = 2 * 16 * (vocab // 2) * 4  # 2 rows of 16 tokens, this rank's 2048 columns
     return cand.peak_memory[ctx.pp_rank], 2 * held, pipe.last_step_memory().peak, logits
 
