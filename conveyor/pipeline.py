@@ -35,7 +35,7 @@ from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.step import Step
+from conveyor.runtime.step import StepOutput
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule, validate
@@ -241,7 +241,7 @@ class Pipeline:
     # ------------------------------------------------------------------ steps
     def _step(
         self, mode: Mode, inputs: Any, targets: Any, cut: Any = None, count: float | None = None
-    ) -> Step:
+    ) -> StepOutput:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
         model captured on it, splitting the model."""
         sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)

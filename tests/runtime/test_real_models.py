@@ -18,7 +18,7 @@ import torch
 
 import conveyor
 from conveyor.runtime import microbatch
-from tests.support.helpers import assert_close_to_largest, grads_of, merge_tied, tied_names
+from tests.support.helpers import assert_close, grads_of, merge_tied, tied_names
 from tests.support.real_models import MODELS, has_batch_norm, shared
 from tests.support.trainer_forked import run_forked
 
@@ -89,7 +89,7 @@ def check(name: str, got: list[Result], want: Result, what: str) -> None:
         merged = merge_tied([rank_result[step][1] for rank_result in got], alias, what)
         assert set(merged) == {alias[n] for n in grads}, f"{what} step {step}: names"
         got_grads = {n: merged[alias[n]] for n in grads}
-        assert_close_to_largest(got_grads, grads, f"{what} step {step}")
+        assert_close(got_grads, grads, f"{what} step {step}")
 
 
 def _all_schedules(

@@ -69,7 +69,9 @@ layer's inner dimension (each of those terms is a dot product over it)."""
 
 
 def rounding_bound(
-    reference: Iterable[torch.Tensor], reduction: int = REDUCTION, dtype: torch.dtype = torch.float32
+    reference: Iterable[torch.Tensor],
+    reduction: int = REDUCTION,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
     """The most float rounding can move one of two computations of the same values that
     sum in different orders (micro-batches, ranks, threads, another CPU's kernels): each

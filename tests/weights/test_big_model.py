@@ -18,6 +18,7 @@ import conveyor
 from conveyor.checkpoint import CheckpointError
 from conveyor.errors import ConfigError
 from conveyor.losses import TokenCrossEntropy
+from tests.support.helpers import assert_close
 from tests.support.zoo import CausalSelfAttention, InitGPT, TinyGPT
 
 transformers = pytest.importorskip("transformers")
@@ -61,15 +62,12 @@ def assert_same_values(pipe: conveyor.Pipeline, ref: nn.Module) -> None:
         assert torch.equal(value, want[name]), f"{name} differs"
 
 
-def grad_errors(pipe: conveyor.Pipeline, ref: nn.Module) -> dict[str, float]:
-    """Per parameter: |pipeline grad - reference grad| / |reference grad|, with gradients
-    zero in exact arithmetic measured against the largest gradient."""
-    want = dict(ref.named_parameters(remove_duplicate=False))
-    floor = 1e-3 * max(float(p.grad.norm()) for p in want.values() if p.grad is not None)
-    return {
-        n: float((p.grad - want[n].grad).norm()) / max(float(want[n].grad.norm()), floor)
-        for n, p in pipe.named_parameters()
-    }
+def assert_grads_close(pipe: conveyor.Pipeline, ref: nn.Module, tokens: int) -> None:
+    """Every gradient of the pipeline's stages within rounding of the reference's (sums over
+    ``tokens`` and the models' widths, under 64)."""
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    got = {n: p.grad for n, p in pipe.named_parameters()}
+    assert_close(got, {n: want[n] for n in got}, "gradients", reduction=tokens + 64)
 
 
 # ------------------------------------------------------------------ empty_weights, materialize
@@ -159,7 +157,7 @@ def test_a_layer_list_pipeline_has_materializes_weights_and_exact_gradients(
     want = F.mse_loss(ref(x), y)
     want.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, x.shape[0])
 
 
 def test_a_graph_split_with_tied_weights_on_one_rank() -> None:
@@ -176,7 +174,7 @@ def test_a_graph_split_with_tied_weights_on_one_rank() -> None:
     targets[::2, 3:] = -100
     pipe.train_step(idx, targets)
     F.cross_entropy(ref(idx).flatten(0, 1), targets.flatten()).backward()
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, idx.numel())
 
 
 @pytest.mark.slow
@@ -194,7 +192,7 @@ def test_a_transformers_model_with_its_own_loss_on_padded_rows(tied: bool) -> No
     want = ref(**batch).loss
     want.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, batch["input_ids"].numel())
 
 
 @pytest.mark.slow
@@ -214,7 +212,7 @@ def test_weights_from_a_sharded_transformers_checkpoint(tmp_path: Path) -> None:
     assert_same_values(pipe, saved)
     pipe.train_step(batch)
     saved(**batch).loss.backward()
-    assert max(grad_errors(pipe, saved).values()) < 1e-5
+    assert_grads_close(pipe, saved, batch["input_ids"].numel())
     # The unsplit model loads the same way; so does a model with real parameters.
     assert_same_values(pipe, conveyor.materialize(llama(), weights=tmp_path))
     real = llama(tied=True, device="cpu")
