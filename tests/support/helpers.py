@@ -244,4 +244,4 @@ def reset_context() -> None:
     was never imported.)"""
     context = sys.modules.get("conveyor.context")
     if context is not None:
-        context._current = None  # type: ignore[attr-defined]
+        context.forget()
