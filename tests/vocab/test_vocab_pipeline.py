@@ -227,13 +227,15 @@ def _world(rank: int, pp: int, dp: int, cases: list[tuple[str, str, bool]]) -> d
 
     ctx = conveyor.init(pp=pp, dp=dp)
     posted: list[tuple[str, int]] = []
-    original = runner.VocabRunner._collective
+    original = runner.collective
 
-    def spy(self: Any, what: str, m: int, start: Any) -> None:
-        posted.append((what.split(" (")[0], m))
-        original(self, what, m, start)
+    def spy(start: Any, timeout: float, doing: str, suspect: str) -> None:
+        # doing: "rank R: the vocabulary WHAT of micro-batch M"
+        what, m = doing.split(": the vocabulary ", 1)[1].rsplit(" of micro-batch ", 1)
+        posted.append((what.split(" (")[0], int(m)))
+        original(start, timeout, doing, suspect)
 
-    runner.VocabRunner._collective = spy  # type: ignore[method-assign]
+    runner.collective = spy
     out: dict[str, Any] = {}
     for kind, schedule, tied in cases:
         posted.clear()
