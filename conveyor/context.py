@@ -374,3 +374,11 @@ def current() -> Context:
         ConfigError: As :func:`init` does, when it has to initialise.
     """
     return _current if _current is not None else init()
+
+
+def forget() -> None:
+    """Forget this process's context, leaving any process group as it is: the next
+    :func:`current` or :func:`init` makes a new one, as in a fresh script (a test suite or
+    a notebook running several scripts' worth in one process)."""
+    global _current
+    _current = None

@@ -28,7 +28,7 @@ from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
-from conveyor.runtime.step import Step
+from conveyor.runtime.step import StepOutput
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.schedules import Schedule
 from conveyor.weights import Weights
@@ -218,7 +218,7 @@ class Pipeline(LastStep):
     # ------------------------------------------------------------------ steps
     def _step(
         self, mode: Mode, inputs: Any, targets: Any, cut: Any = None, count: float | None = None
-    ) -> Step:
+    ) -> StepOutput:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
         model captured on it, splitting the model."""
         sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)

@@ -30,7 +30,7 @@ from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.step_sync import StepSync
 
 
-class Step(NamedTuple):
+class StepOutput(NamedTuple):
     """What a step gives back: its record, and (outside ``predict``) its loss."""
 
     record: StepRecord
@@ -90,7 +90,7 @@ class Stepper:
         targets: Any = None,
         cut: Any = None,
         count: float | None = None,
-    ) -> Step:
+    ) -> StepOutput:
         """One step over ``inputs`` / ``targets`` (or the micro-batches ``cut`` by the
         user): the loss of the whole (global) batch on every rank, and with
         ``mode="train"`` its gradient added to each local ``.grad``. ``count``: divide by
@@ -105,7 +105,7 @@ class Stepper:
             aux_weight = router_weight(header.counts, self.ctx, count)
         if mode != "train":  # no backward: nothing to scale
             record = engine.run(mode, batch, header, 1.0, self.gathers, aux_weight)
-            return Step(record, None if mode == "predict" else self._combine(record, count))
+            return StepOutput(record, None if mode == "predict" else self._combine(record, count))
         # Every replica divides by the global batch's rows: the replicas then sum.
         rows = global_rows(sum(header.sizes), self.ctx)
         scale = loss_scale(rows, self.fsdp_replicas)
@@ -136,7 +136,7 @@ class Stepper:
             raise
         if isolate:
             grads.add_back()
-        return Step(record, combined)
+        return StepOutput(record, combined)
 
     def _divide(self, mode: Mode, inputs: Any, targets: Any, cut: Any) -> MicroBatches:
         """The step's micro-batches: ``inputs`` / ``targets`` divided, or those ``cut``."""

@@ -3,6 +3,7 @@ clear errors."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -337,8 +338,15 @@ def test_a_save_that_dies_halfway_leaves_the_previous_checkpoint(
             conveyor.save(pipe, tmp_path, opt, step=2)
     assert any(p.name.endswith(".tmp") and any(p.iterdir()) for p in tmp_path.iterdir())
     # Dies after the new checkpoint's directory is complete, before `latest` names it.
+    replace = os.replace
+
+    def die_naming_latest(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(dst).name == "latest":
+            raise OSError("disk full")
+        replace(src, dst, *args, **kwargs)
+
     with monkeypatch.context() as m:
-        m.setattr(ckpt.layout, "_fsync_dir", die)
+        m.setattr(os, "replace", die_naming_latest)
         with pytest.raises(ckpt.CheckpointError, match="disk full"):
             conveyor.save(pipe, tmp_path, opt, step=3)
 

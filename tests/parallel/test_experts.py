@@ -309,7 +309,7 @@ def test_compiled_experts_equal_eager() -> None:
     for got in distributed.run(compiled_replica, 2):
         (l0, g0), (l1, g1) = got["eager"], got["compiled"]
         assert l0 == pytest.approx(l1, rel=1e-6)
-        assert_close(g1, g0, "compiled gradients", tol=1e-6)
+        assert_close(g1, g0, "compiled gradients")
         assert got["ops"] >= 1 and got["dist"] == 0
 
 

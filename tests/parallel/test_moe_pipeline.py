@@ -166,7 +166,7 @@ def check(kind: str, aux: bool, runs: list[tuple[str, bool]]) -> None:
             ):
                 what = f"{kind} {key} rank {rank} step {step}"
                 assert loss == pytest.approx(want_loss, rel=1e-5), (what, loss, want_loss)
-                assert_close(grads, {n: want_grads[n] for n in grads}, what, tol=1e-4)
+                assert_close(grads, {n: want_grads[n] for n in grads}, what)
             for name, (local, full) in run["shares"].items():
                 assert local == (EXPERTS // EP, *full[1:]), (key, name)
         # every parameter has its gradient on some rank
@@ -229,7 +229,7 @@ def test_router_aux_loss_one_process() -> None:
     assert got == pytest.approx(want_loss, rel=1e-6)
     grads = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
     assert set(grads) == set(want)
-    assert_close(grads, want, "router aux", tol=1e-5)
+    assert_close(grads, want, "router aux")
 
 
 @pytest.mark.slow
@@ -281,10 +281,10 @@ def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path
 
     state = load_model_state(path)
     assert list(state) == list(want)
-    assert_close(state, want, "load_model_state", tol=1e-5)
+    assert_close(state, want, "load_model_state")
     unsplit = model_of("mixtral", False)
     assert load(unsplit, path) == 1
-    assert_close(unsplit.state_dict(), want, "unsplit", tol=1e-5)
+    assert_close(unsplit.state_dict(), want, "unsplit")
 
     conveyor.init(pp=2)
     ids, labels = (torch.cat([row[i] for row in rows[:MICRO]]) for i in (0, 1))
@@ -292,4 +292,4 @@ def test_checkpoint_of_pp2_dp2_ep2_loads_into_pp2_and_the_unsplit_model(tmp_path
     pipe = conveyor.Pipeline(model_of("mixtral", False), loss_fn=None, microbatches=MICRO,
                              sample=(batch, None))  # fmt: skip
     assert load(pipe, path) == 1
-    assert_close(pipe.state_dict(), want, "pp2", tol=1e-5)
+    assert_close(pipe.state_dict(), want, "pp2")

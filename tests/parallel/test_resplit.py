@@ -131,7 +131,7 @@ def test_a_model_ep_trained_is_split_again_exactly(tmp_path: Path) -> None:
             ):
                 what = f"{run} rank {rank} step {step}"
                 assert loss == pytest.approx(want_loss, rel=TOL), (what, loss, want_loss)
-                assert_close(grads, {n: want_grads[n] for n in grads}, what, tol=1e-4)
+                assert_close(grads, {n: want_grads[n] for n in grads}, what)
         assert got["ep1 experts whole"], rank
         assert got["loaded step"] == 1
         for i, frozen in enumerate(got["frozen"]):
@@ -148,7 +148,7 @@ def test_a_model_ep_trained_is_split_again_exactly(tmp_path: Path) -> None:
         opt.step()
     for saved in ("ep1", "model"):
         trained = conveyor.load_model_state(tmp_path / saved)
-        assert_close(trained, dict(model.state_dict()), f"saved {saved}", tol=1e-5)
+        assert_close(trained, dict(model.state_dict()), f"saved {saved}")
 
 
 # ------------------------------------------------------------------ vocabulary rows, tp
@@ -275,7 +275,7 @@ def test_rows_and_tensor_parallel_shards_are_split_again_exactly() -> None:
             ):
                 what = f"{run} rank {rank} step {step}"
                 assert loss == pytest.approx(want_loss, rel=TOL), (what, loss, want_loss)
-                assert_close(grads, {n: want_grads[n] for n in grads}, what, tol=TOL)
+                assert_close(grads, {n: want_grads[n] for n in grads}, what)
     for rank, got in enumerate(results):
         assert got["moved"] is not None, rank
         assert "differs from the one the rank that held it has" in got["moved"]
@@ -288,9 +288,5 @@ def test_rows_and_tensor_parallel_shards_are_split_again_exactly() -> None:
             got_loss, got_grads, got_params = got[run][step]
             what = f"{run} then others, rank {rank} step {step}"
             assert got_loss == pytest.approx(loss, rel=TOL), what
-            floor = 1e-3 * max(float(g.norm()) for g in grads.values())
             for table, ref in ((got_grads, grads), (got_params, params)):
-                for name, value in table.items():
-                    w = ref[aliases[name]]
-                    err = float((value - w).norm()) / max(float(w.norm()), floor)
-                    assert err < TOL, f"{what} {name}: {err:.1e}"
+                assert_close(table, {n: ref[aliases[n]] for n in table}, what)

@@ -24,7 +24,7 @@ from conveyor.runtime.deferred_linear import LinearWeightStore
 from conveyor.runtime.split_backward import backward_input
 from conveyor.schedules import SCHEDULE_NAMES, default_chunks
 from tests.support import distributed
-from tests.support.helpers import assert_close_to_largest, grads_of
+from tests.support.helpers import assert_close, grads_of
 
 EAGER_GRAPHS = {"backend": "aot_eager"}
 
@@ -126,9 +126,9 @@ def test_b_leaves_linear_weight_gemms_to_w() -> None:
     store.flush([(0, 0)])
     xe = x.detach().requires_grad_()
     eager(xe).backward(g)
-    assert got[0] is not None and torch.allclose(got[0], xe.grad, atol=1e-6)
-    for (name, p), q in zip(block.named_parameters(), eager.parameters(), strict=True):
-        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6), name
+    assert got[0] is not None and xe.grad is not None
+    assert_close({"input": got[0]}, {"input": xe.grad}, "input gradient")
+    assert_close(grads_of(block.named_parameters()), grads_of(eager.named_parameters()), "block")
 
 
 SPLIT = [s for s in SCHEDULE_NAMES if s.startswith(("zb", "v-")) or s in ("zbv", "dualpipev")]
@@ -152,7 +152,7 @@ def test_every_schedule_exact_over_two_lengths(schedule: str) -> None:
     )
     got = pipe_grads(pipe, (5, 7))
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert_close_to_largest(g, w, f"{schedule} step {step}", tol=1e-4)
+        assert_close(g, w, f"{schedule} step {step}")
     assert frames_compiled() > frames  # the compiled code ran
     stats = pipe.compile_stats
     assert stats is not None and sum(map(len, stats.graphs.values())) >= 2  # Linear, Block
@@ -219,7 +219,7 @@ def test_a_linear_whose_input_needs_no_gradient_gets_its_gradient_under_a_split(
     got = pipe_grads(pipe, (5,))
     assert float(want[0]["1.embed.weight"].abs().max()) > 1e-3
     assert sorted(set(want[0]) - set(got[0])) == []  # every parameter got a gradient
-    assert_close_to_largest(got[0], want[0], "zb-h1 compiled", tol=1e-4)
+    assert_close(got[0], want[0], "zb-h1 compiled")
 
 
 @pytest.mark.slow
@@ -251,9 +251,12 @@ def test_recompute_and_autocast(option: str) -> None:
         compile=EAGER_GRAPHS,
         **extra,
     )
-    tol = 1e-4 if option == "recompute" else 2e-2  # bf16 rounds in other orders
+    # under bf16, what rounds is each block's output, forward and backward
+    half: dict[str, Any] = {"reduction": 4, "dtype": torch.bfloat16}
+    if option == "recompute":
+        half = {}
     for step, (g, w) in enumerate(zip(pipe_grads(pipe, (5, 7)), want, strict=True)):
-        assert_close_to_largest(g, w, f"{option} step {step}", tol=tol)
+        assert_close(g, w, f"{option} step {step}", **half)
 
 
 @pytest.mark.slow
@@ -276,11 +279,10 @@ def test_inductor_zero_bubble_exact() -> None:
             p.grad = None
         F.mse_loss(want_net(x), y).backward()
         pipe.train_step(x, y)
-        assert_close_to_largest(
+        assert_close(
             grads_of(net.named_parameters()),
             grads_of(want_net.named_parameters()),
             f"inductor length {t}",
-            tol=1e-4,
         )
     assert frames_compiled() > 0
 
@@ -328,7 +330,7 @@ def test_processes_exact_and_compiled_on_every_rank(world: int, schedule: str, d
         got: dict[str, torch.Tensor] = {}
         for grads, _, _ in results:
             got.update(grads[step])
-        assert_close_to_largest(got, want[step], f"{schedule} x{world} step {step}", tol=1e-4)
+        assert_close(got, want[step], f"{schedule} x{world} step {step}")
     assert all(frames > 0 for _, frames, _ in results), [f for _, f, _ in results]
     # graphs per unit kind: the first lengths' two; under FSDP2 one more on the last
     # stage (a guard on the gathered parameters fails once after the dynamic graph)
@@ -383,11 +385,10 @@ def test_graph_captured_stages_compile_whole_and_verify_has_a_compiled_pass(
     x, y = torch.randn(6, 8), torch.randn(6, 4)
     pipe.train_step(x, y)
     F.mse_loss(reference(x), y).backward()
-    assert_close_to_largest(
+    assert_close(
         grads_of(net.named_parameters()),
         grads_of(reference.named_parameters()),
         "zbv",
-        tol=1e-4,
     )
     stats = pipe.compile_stats
     assert stats is not None and all(u == ["(whole stage)"] for u in stats.units.values())
@@ -416,7 +417,7 @@ def test_execution_sequence_compiles_per_step() -> None:
         pipe.train_step(x, y)
         runs.append((grads_of(net.named_parameters()), pipe.compile_stats))
     (eager, _), (compiled, stats) = runs
-    assert_close_to_largest(compiled, eager, "execution sequence", tol=1e-4)
+    assert_close(compiled, eager, "execution sequence")
     assert stats is not None
     units = [u for s in sorted(stats.units) for u in stats.units[s]]
     assert units == ["conv1", "bn1", "layer1.0", "layer2", "fc"]  # steps with parameters

@@ -1,8 +1,9 @@
 """Models as people bring them (transformers GPT-2, Llama, BERT, T5, BART; torchvision /
 timm style ResNet, MobileNet, EfficientNet, ViT) split with no changes and trained exactly:
-gradients equal to the unsplit model's (relative to each tensor's largest gradient, under
-1e-5; loss to 1e-6) in one process at pp=2 and pp=4 and on 2 processes, under 1f1b,
-interleaved-1f1b, zb-h1 and zbv; the second step changes the sequence length (or batch).
+gradients equal to the unsplit model's (within what rounding reaches, rounding_bound in
+tests/support/helpers.py; loss to 1e-6) in one process at pp=2 and pp=4 and on 2
+processes, under 1f1b, interleaved-1f1b, zb-h1 and zbv; the second step changes the
+sequence length (or batch).
 
 Batch norm normalises each micro-batch by its own statistics, so for the vision models
 with batch norm the reference is the unsplit model accumulating gradients over the same
@@ -18,7 +19,7 @@ import torch
 
 import conveyor
 from conveyor.runtime import microbatch
-from tests.support.helpers import assert_close_to_largest, grads_of, merge_tied, tied_names
+from tests.support.helpers import assert_close, grads_of, merge_tied, tied_names
 from tests.support.real_models import MODELS, has_batch_norm, shared
 from tests.support.trainer_forked import run_forked
 
@@ -89,7 +90,7 @@ def check(name: str, got: list[Result], want: Result, what: str) -> None:
         merged = merge_tied([rank_result[step][1] for rank_result in got], alias, what)
         assert set(merged) == {alias[n] for n in grads}, f"{what} step {step}: names"
         got_grads = {n: merged[alias[n]] for n in grads}
-        assert_close_to_largest(got_grads, grads, f"{what} step {step}")
+        assert_close(got_grads, grads, f"{what} step {step}")
 
 
 def _all_schedules(
@@ -103,7 +104,9 @@ def _all_schedules(
     }
 
 
-@pytest.mark.parametrize("pp", [2, 4])
+# pp=2 in the slow lane: the same code as pp=4 in one process, and the two-process run
+# (slow) is pp=2.
+@pytest.mark.parametrize("pp", [pytest.param(2, marks=pytest.mark.slow), 4])
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MODELS]
 )

@@ -44,8 +44,8 @@ SIZES = [10, 7]  # two steps, uneven micro-batches
 # differently), gradients at most 3.6e-3 per tensor (accumulation over micro-batches). An
 # fp32 pipeline vs the same reference: loss 8e-5, gradients up to 1.1e-2; and the bf16
 # pipeline's gradients differ from the fp32 model's by 3.5e-3 overall, an fp32 run's by 1e-7.
+# The gradients are checked to what one rounding to bf16 reaches (rounding_bound).
 AUTOCAST_LOSS_TOL = 1e-6
-AUTOCAST_TOL = 6e-3
 BF16_FLOOR = 1e-3
 
 
@@ -172,8 +172,8 @@ def _check(results: list[dict[Any, Any]], distributed_world: bool) -> None:
         for rank in results:
             plain, recomputed = rank[("dropout", name, False)], rank[("dropout", name, True)]
             assert plain[0] == pytest.approx(recomputed[0], rel=1e-6), name
-            assert_close(recomputed[1], plain[1], f"dropout {name} grads", tol=1e-6)
-            assert_close(recomputed[2], plain[2], f"dropout {name} params", tol=1e-6)
+            assert_close(recomputed[1], plain[1], f"dropout {name} grads")
+            assert_close(recomputed[2], plain[2], f"dropout {name} params")
     x, y = batch(16, seed=5)
     ref_loss, ref_grads = _autocast_reference(x, y)
     fp32_loss, fp32_grads = _fp32_reference(x, y)
@@ -189,7 +189,7 @@ def _check(results: list[dict[Any, Any]], distributed_world: bool) -> None:
             eval_loss = r[("autocast-eval", name, chunks, rc)]
             assert eval_loss == pytest.approx(ref_loss, rel=AUTOCAST_LOSS_TOL), what
         grads = merge([g for _, g, _, _, _ in per_rank])
-        assert_close(grads, ref_grads, what, tol=AUTOCAST_TOL)
+        assert_close(grads, ref_grads, what, reduction=1, dtype=torch.bfloat16)
         # bf16 really ran: the gradients are not the fp32 model's.
         flat = [torch.cat([d[n].flatten() for n in sorted(d)]) for d in (grads, fp32_grads)]
         assert rel_err(*flat) > BF16_FLOOR, f"{what}: gradients equal fp32's"

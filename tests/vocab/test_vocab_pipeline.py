@@ -24,6 +24,8 @@ from conveyor.losses import TokenCrossEntropy
 from conveyor.schedules.vocab import vocab_collectives
 from conveyor.vocab.shards import chunk_rows
 from tests.support import distributed
+from tests.support.helpers import assert_close, rounding_bound
+from tests.support.helpers import grads_of as named_grads
 from tests.vocab.models import VOCAB, TinyGPT, layer_list, padded_batch, tiny_llama
 
 SCHEDULES = ("1f1b", "zb-h1", "v-half")
@@ -76,6 +78,7 @@ def compare(results: list[tuple[list[float], dict[str, Any]]], want: Any, what: 
     """Every rank's losses equal the reference's and its gradients its rows', and every
     parameter of the model has its gradient on some rank."""
     losses, grads = want
+    bound = rounding_bound(grads.values())
     seen = set()
     for rank, (got_losses, got) in enumerate(results):
         for a, b in zip(got_losses, losses, strict=True):
@@ -83,8 +86,8 @@ def compare(results: list[tuple[list[float], dict[str, Any]]], want: Any, what: 
         for name, (g, lo, hi) in got.items():
             w = grads[name] if lo is None else grads[name][lo:hi]
             assert g.shape == w.shape, f"{what}: {name} shape {g.shape} != {w.shape}"
-            err = rel(g, w)
-            assert err < TOL, f"{what}: rank {rank} {name} relative error {err:.2e}"
+            err = float((g - w).norm())
+            assert err <= bound, f"{what}: rank {rank} {name} differs by {err:.2e} > {bound:.2e}"
             seen.add(name)
     assert seen == set(grads), f"{what}: no gradient for {sorted(set(grads) - seen)}"
 
@@ -160,10 +163,8 @@ def test_label_smoothing_recompute_and_the_names() -> None:
                              schedule="zb-h1", recompute=True, vocab_parallel=True)  # fmt: skip
     loss = pipe.train_step(ids, targets)
     assert abs(float(loss) - float(total / count)) < 1e-6
-    got = dict(pipe.named_parameters())
-    assert set(got) == {n for n, _ in model.named_parameters()}
-    for name, p in model.named_parameters():
-        assert rel(got[name].grad, p.grad) < TOL, name
+    want = named_grads(model.named_parameters())
+    assert_close(named_grads(pipe.named_parameters()), want, "smoothing")
     with conveyor.empty_weights():
         meta = TinyGPT(tied=True)
     pipe = conveyor.Pipeline(meta, loss_fn=LOSS, microbatches=2, context=ctx, init_seed=4,
@@ -188,8 +189,9 @@ def test_autocast_matches_the_unsplit_model_under_autocast() -> None:
                              autocast=torch.bfloat16, vocab_parallel=True)  # fmt: skip
     loss = pipe.train_step(ids, targets)
     assert abs(float(loss) - float(total / count)) < 2e-2 * float(total / count)
-    for name, p in pipe.named_parameters():
-        assert rel(p.grad, dict(model.named_parameters())[name].grad) < 5e-2, name
+    # what rounds to bf16: the output of each of the 4 blocks and the head, both directions
+    assert_close(named_grads(pipe.named_parameters()), named_grads(model.named_parameters()),
+                 "autocast", reduction=10, dtype=torch.bfloat16)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -225,13 +227,15 @@ def _world(rank: int, pp: int, dp: int, cases: list[tuple[str, str, bool]]) -> d
 
     ctx = conveyor.init(pp=pp, dp=dp)
     posted: list[tuple[str, int]] = []
-    original = runner.VocabRunner._collective
+    original = runner.collective
 
-    def spy(self: Any, what: str, m: int, start: Any) -> None:
-        posted.append((what.split(" (")[0], m))
-        original(self, what, m, start)
+    def spy(start: Any, timeout: float, doing: str, suspect: str) -> None:
+        # doing: "rank R: the vocabulary WHAT of micro-batch M"
+        what, m = doing.split(": the vocabulary ", 1)[1].rsplit(" of micro-batch ", 1)
+        posted.append((what.split(" (")[0], int(m)))
+        original(start, timeout, doing, suspect)
 
-    runner.VocabRunner._collective = spy  # type: ignore[method-assign]
+    runner.collective = spy
     out: dict[str, Any] = {}
     for kind, schedule, tied in cases:
         posted.clear()
@@ -377,8 +381,8 @@ def test_another_ignore_index_and_dropout_with_recompute() -> None:
     pipe = conveyor.Pipeline(make("gpt", False), loss_fn=loss, microbatches=4, context=ctx,
                              vocab_parallel=True)  # fmt: skip
     assert abs(float(pipe.train_step(ids, targets)) - float(total / count)) < 1e-6
-    for name, p in model.named_parameters():
-        assert rel(dict(pipe.named_parameters())[name].grad, p.grad) < TOL, name
+    want = named_grads(model.named_parameters())
+    assert_close(named_grads(pipe.named_parameters()), want, "pipe")
     grads = []
     for recompute in (False, True):
         torch.manual_seed(0)
@@ -419,8 +423,8 @@ def test_compiled_stages_are_exact() -> None:
                              vocab_parallel=True)  # fmt: skip
     loss = pipe.train_step(ids, targets)
     assert abs(float(loss) - float(total / count)) < 1e-5 * float(total / count)
-    for name, p in model.named_parameters():
-        assert rel(dict(pipe.named_parameters())[name].grad, p.grad) < TOL, name
+    want = named_grads(model.named_parameters())
+    assert_close(named_grads(pipe.named_parameters()), want, "pipe")
 
 
 def _loads(rank: int, where: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Models built on the meta device, in one process: ``conveyor.empty_weights``,
 ``conveyor.materialize`` and ``Pipeline(weights=, init_seed=)`` on layer lists, fx graphs
-and transformers models (torch.export), from checkpoints of both kinds, the errors, and
-what they compose with. The multi-process layouts are in test_big_model_layouts.py."""
+and transformers models (torch.export), from checkpoints of both kinds, and the errors.
+What they compose with is in test_big_model_options.py, the multi-process layouts in
+test_big_model_layouts.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import conveyor
 from conveyor.checkpoint import CheckpointError
 from conveyor.errors import ConfigError
 from conveyor.losses import TokenCrossEntropy
+from tests.support.helpers import assert_close
 from tests.support.zoo import CausalSelfAttention, InitGPT, TinyGPT
 
 transformers = pytest.importorskip("transformers")
@@ -61,15 +63,12 @@ def assert_same_values(pipe: conveyor.Pipeline, ref: nn.Module) -> None:
         assert torch.equal(value, want[name]), f"{name} differs"
 
 
-def grad_errors(pipe: conveyor.Pipeline, ref: nn.Module) -> dict[str, float]:
-    """Per parameter: |pipeline grad - reference grad| / |reference grad|, with gradients
-    zero in exact arithmetic measured against the largest gradient."""
-    want = dict(ref.named_parameters(remove_duplicate=False))
-    floor = 1e-3 * max(float(p.grad.norm()) for p in want.values() if p.grad is not None)
-    return {
-        n: float((p.grad - want[n].grad).norm()) / max(float(want[n].grad.norm()), floor)
-        for n, p in pipe.named_parameters()
-    }
+def assert_grads_close(pipe: conveyor.Pipeline, ref: nn.Module, tokens: int) -> None:
+    """Every gradient of the pipeline's stages within rounding of the reference's (sums over
+    ``tokens`` and the models' widths, under 64)."""
+    want = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    got = {n: p.grad for n, p in pipe.named_parameters()}
+    assert_close(got, {n: want[n] for n in got}, "gradients", reduction=tokens + 64)
 
 
 # ------------------------------------------------------------------ empty_weights, materialize
@@ -159,7 +158,7 @@ def test_a_layer_list_pipeline_has_materializes_weights_and_exact_gradients(
     want = F.mse_loss(ref(x), y)
     want.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, x.shape[0])
 
 
 def test_a_graph_split_with_tied_weights_on_one_rank() -> None:
@@ -176,7 +175,7 @@ def test_a_graph_split_with_tied_weights_on_one_rank() -> None:
     targets[::2, 3:] = -100
     pipe.train_step(idx, targets)
     F.cross_entropy(ref(idx).flatten(0, 1), targets.flatten()).backward()
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, idx.numel())
 
 
 @pytest.mark.slow
@@ -194,7 +193,7 @@ def test_a_transformers_model_with_its_own_loss_on_padded_rows(tied: bool) -> No
     want = ref(**batch).loss
     want.backward()
     assert float(loss) == pytest.approx(float(want), rel=1e-5)
-    assert max(grad_errors(pipe, ref).values()) < 1e-5
+    assert_grads_close(pipe, ref, batch["input_ids"].numel())
 
 
 @pytest.mark.slow
@@ -214,7 +213,7 @@ def test_weights_from_a_sharded_transformers_checkpoint(tmp_path: Path) -> None:
     assert_same_values(pipe, saved)
     pipe.train_step(batch)
     saved(**batch).loss.backward()
-    assert max(grad_errors(pipe, saved).values()) < 1e-5
+    assert_grads_close(pipe, saved, batch["input_ids"].numel())
     # The unsplit model loads the same way; so does a model with real parameters.
     assert_same_values(pipe, conveyor.materialize(llama(), weights=tmp_path))
     real = llama(tied=True, device="cpu")
@@ -344,99 +343,3 @@ def test_a_meta_model_that_cannot_be_split_without_values_says_so() -> None:
             _meta(ReadsItsWeights), loss_fn=F.mse_loss, microbatches=2,
             context=conveyor.init(pp=2), sample=(torch.randn(4, 4), None),
         )  # fmt: skip
-
-
-# ------------------------------------------------------------------ composes with
-@pytest.mark.parametrize(
-    "options",
-    [{"recompute": True}, {"autocast": torch.bfloat16}],
-    ids=["recompute", "autocast"],
-)
-def test_options_run_on_a_meta_pipeline_as_on_a_real_one(options: dict[str, Any]) -> None:
-    model = llama()
-    real = conveyor.materialize(copy.deepcopy(model), init_seed=2)
-    batch = padded_tokens()
-    conveyor.init(pp=2)
-    kw = {"loss_fn": None, "microbatches": 3, "schedule": "zb-h1", "sample": (batch, None)}
-    meta_pipe = conveyor.Pipeline(model, init_seed=2, **kw, **options)
-    conveyor.init(pp=2)
-    real_pipe = conveyor.Pipeline(real, **kw, **options)
-    loss = float(meta_pipe.train_step(batch))
-    assert loss == float(real_pipe.train_step(batch))
-    with torch.autocast("cpu", dtype=options.get("autocast", torch.float32),
-                        enabled="autocast" in options):  # fmt: skip
-        assert loss == pytest.approx(float(real(**batch).loss), rel=1e-2)
-    want = dict(real_pipe.named_parameters())
-    for n, p in meta_pipe.named_parameters():
-        assert torch.equal(p.grad, want[n].grad), n
-
-
-def _classifier() -> nn.Sequential:
-    with conveyor.empty_weights():
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                             nn.Linear(16, 4))  # fmt: skip
-
-
-def test_the_trainer_resumes_a_meta_pipeline_exactly(tmp_path: Path) -> None:
-    from torch.utils.data import TensorDataset
-
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(48, 8, generator=g)
-    data = TensorDataset(x, x[:, :4].argmax(dim=1))
-
-    def trainer(checkpoints: Path | None) -> conveyor.Trainer:
-        pipe = conveyor.Pipeline(
-            _classifier(), loss_fn=F.cross_entropy, microbatches=2, balance=[2, 3],
-            context=conveyor.init(pp=2), init_seed=6,
-        )  # fmt: skip
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-        every = 3 if checkpoints is not None else None
-        return conveyor.Trainer(pipe, opt, checkpoint_dir=checkpoints, checkpoint_every=every)
-
-    torch.manual_seed(1)
-    straight = trainer(None).fit(data, batch_size=8, max_steps=7)
-    torch.manual_seed(1)
-    trainer(tmp_path).fit(data, batch_size=8, max_steps=4)
-    torch.manual_seed(99)
-    rest = trainer(tmp_path).fit(data, batch_size=8, max_steps=7, resume=True)
-    assert rest.start_step == 4 and rest.losses == straight.losses[4:]  # saved at the end
-
-
-@pytest.mark.slow
-def test_compiled_stages_of_a_meta_pipeline() -> None:
-    model = _mlp()
-    real = conveyor.materialize(copy.deepcopy(model), init_seed=8)
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    kw: dict[str, Any] = {"loss_fn": F.mse_loss, "microbatches": 2, "schedule": "zb-h1",
-                          "compile": True}  # fmt: skip
-    meta_pipe = conveyor.Pipeline(model, context=conveyor.init(pp=2), init_seed=8, **kw)
-    real_pipe = conveyor.Pipeline(real, context=conveyor.init(pp=2), **kw)
-    assert float(meta_pipe.train_step(x, y)) == float(real_pipe.train_step(x, y))
-    want = dict(real_pipe.named_parameters())
-    for n, p in meta_pipe.named_parameters():
-        assert torch.equal(p.grad, want[n].grad), n
-
-
-@pytest.mark.slow
-def test_the_transformers_trainer_loads_a_meta_model_from_its_checkpoint(tmp_path: Path) -> None:
-    """PipelineTrainer(model built under empty_weights, pipeline_options={"weights": dir})
-    trains as the same trainer on the real model loaded from that checkpoint."""
-    from conveyor.integrations.transformers import PipelineTrainer
-    from tests.integrations.test_hf_trainer import arguments, features, gpt2
-
-    saved = gpt2()
-    saved.save_pretrained(tmp_path / "ckpt", max_shard_size="50KB")
-
-    def curve(model: nn.Module, options: dict[str, Any]) -> list[float]:
-        trainer = PipelineTrainer(
-            model, arguments(str(tmp_path / "out"), 4), train_dataset=features(),
-            pipeline_options={"pp": 2, **options},
-        )  # fmt: skip
-        trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-    with conveyor.empty_weights():
-        meta = transformers.GPT2LMHeadModel(saved.config)
-    got = curve(meta, {"weights": str(tmp_path / "ckpt")})
-    want = curve(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt"), {})
-    assert got == want and len(got) == 20

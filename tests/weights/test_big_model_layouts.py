@@ -19,6 +19,7 @@ import torch
 import conveyor
 from conveyor.losses import TokenCrossEntropy
 from tests.support import distributed
+from tests.support.helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -111,12 +112,11 @@ def _check(results: list[dict[str, Any]], layout: dict[str, Any]) -> None:
             assert r["local"] == r["stages"]
     got = {n: g for r in results for n, g in r["grads"].items()}
     assert set(got) | {"head.weight"} == set(values), "every parameter is held somewhere"
-    # A gradient zero in exact arithmetic (attention's key bias) is rounding noise on both
-    # sides: it is measured against the model's largest gradient.
-    floor = 1e-3 * max(float(g.norm()) for g in grads.values())
-    for n, g in got.items():
-        err = float((g - grads[n]).norm()) / max(float(grads[n].norm()), floor)
-        assert err < 1e-5, f"{layout}: gradient of {n}: {err:.1e}"
+    # Within what rounding reaches, measured against every gradient of the model: one zero
+    # in exact arithmetic (attention's key bias) is rounding noise on both sides, of a size
+    # that depends on the CPU's kernels. Sums over the batch's tokens and a width of 4 * 16.
+    assert_close(got, {n: grads[n] for n in got}, f"{layout} gradients",
+                 reduction=data()[0].numel() + 64)  # fmt: skip
 
 
 LAYOUTS = [
