@@ -12,6 +12,7 @@ from torch import nn
 
 from conveyor.context import Context
 from conveyor.errors import ConfigError, one_line
+from conveyor.integrations._hf_model import without_cache
 from conveyor.integrations._lightning.steps import Interceptor, Kind, LossStyle, SampleFound
 from conveyor.integrations._lightning_parts import (
     OutputLoss,
@@ -93,9 +94,7 @@ def build(
         user_loss = user_loss.loss_fn
     loss, style = loss_of(network, user_loss)
     steps.use_loss(loss, style)
-    config: Any = getattr(network, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a key/value cache cannot cross stages
+    without_cache(network)
     stand_in = PipelineNetwork(steps, network)
     setattr(module, steps.module_attr, stand_in)
     if user_loss is not None:
