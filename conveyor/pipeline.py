@@ -39,7 +39,7 @@ from conveyor.runtime.step import Step
 from conveyor.runtime.step_state import Mode, StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule, validate
-from conveyor.schedules.core import paired_with_vocab
+from conveyor.schedules.pairs import paired_with_vocab
 from conveyor.schedules.vocab import with_vocab
 from conveyor.weights import Weights
 
