@@ -20,8 +20,8 @@ from conveyor.runtime.step_state import StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule
+from conveyor.schedules.order import instructions
 from conveyor.schedules.simulation import bubble
-from conveyor.schedules.walk import instructions
 from conveyor.simulate import simulate
 
 

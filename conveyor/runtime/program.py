@@ -31,7 +31,7 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
    programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
 6. A pass of the stage ends (a :class:`~conveyor.schedules.core.VocabAction` of the
-   schedule's walk, :func:`~conveyor.schedules.walk.walk`, that no rank's stage computes)
+   schedule's walk, :func:`~conveyor.schedules.order.walk`, that no rank's stage computes)
    is a tick of every rank: one more than the largest tick any rank reached before it
    (its slot). It computes no action and posts no point-to-point
    group; its collectives go, in a fixed order, to a group of their own over the
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 from conveyor.schedules import Action, B, F, Schedule, W
 from conveyor.schedules.core import VocabAction, requires
-from conveyor.schedules.walk import Compute, walk
+from conveyor.schedules.order import Compute, walk
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ schedule, :func:`walk` runs its ranks together (typed instructions: a rank's
 :func:`to_table` / :func:`from_table` write and read one as text.
 
 The modules, by job: :mod:`~conveyor.schedules.core` (the data: actions, schedules, the
-dependency rule), :mod:`~conveyor.schedules.walk` (the one walk),
+dependency rule), :mod:`~conveyor.schedules.order` (the one walk),
 :mod:`~conveyor.schedules.checks` (validation), :mod:`~conveyor.schedules.pairs`
 (overlapped pairs), :mod:`~conveyor.schedules.vocab` (vocabulary passes),
 :mod:`~conveyor.schedules.table` (text), :mod:`~conveyor.schedules.simulation` (simulated
@@ -41,6 +41,7 @@ from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
 from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
+from conveyor.schedules.order import Compute, Instruction, execution_order, walk
 from conveyor.schedules.pairs import paired, unpaired
 from conveyor.schedules.registry import (
     SCHEDULE_NAMES,
@@ -50,7 +51,6 @@ from conveyor.schedules.registry import (
 )
 from conveyor.schedules.table import from_table, load_schedule, save_schedule, to_table
 from conveyor.schedules.v_shape import v_half, v_min
-from conveyor.schedules.walk import Compute, Instruction, execution_order, walk
 from conveyor.schedules.zbv import zbv
 from conveyor.schedules.zero_bubble import zb_h1, zb_h2, zb_late
 

@@ -20,7 +20,7 @@ from conveyor.schedules.core import (
     W,
     dependencies,
 )
-from conveyor.schedules.walk import walk
+from conveyor.schedules.order import walk
 
 
 def _check_shape(schedule: Schedule) -> None:
@@ -145,7 +145,7 @@ def check_vocab(schedule: Schedule) -> None:
     slot per pass on every rank, never decreasing, none inside a pair; each pass where
     its data is (E before stage 0's forward, S after the last stage's forward, T before
     the last stage's backward, G after stage 0's backward, on their ranks); and no
-    deadlock (:func:`~conveyor.schedules.walk.walk`).
+    deadlock (:func:`~conveyor.schedules.order.walk`).
 
     Raises:
         ScheduleError: Naming the pass and rank at fault.
@@ -215,7 +215,7 @@ def validate(schedule: Schedule) -> Schedule:
     ``split_backward``) of every stage and micro-batch appears exactly once. Each
     overlapped pair (:attr:`Schedule.pairs`) is an F followed by a B of another
     micro-batch. Vocabulary passes, if any, as :func:`check_vocab` says. Deadlock free:
-    the walk (:func:`~conveyor.schedules.walk.walk`) runs every instruction.
+    the walk (:func:`~conveyor.schedules.order.walk`) runs every instruction.
 
     Args:
         schedule: The schedule to check.

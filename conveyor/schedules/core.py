@@ -3,7 +3,7 @@
 Pure Python (no torch import): the generators, the simulator and the runtime all
 consume the same :class:`Schedule`. Ranks here are pipeline ranks (``0 .. ranks - 1``),
 stages are global stage indices and micro-batches are numbered from 0. How the ranks run
-a schedule together is :mod:`~conveyor.schedules.walk`; the checks are
+a schedule together is :mod:`~conveyor.schedules.order`; the checks are
 :mod:`~conveyor.schedules.checks`; overlapped pairs are :mod:`~conveyor.schedules.pairs`.
 """
 

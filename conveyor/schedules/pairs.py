@@ -2,7 +2,7 @@
 
 A pair (:attr:`~conveyor.schedules.core.Schedule.pairs`) is an F directly followed by a
 B of another micro-batch in one rank's program, run interleaved at their expert
-all-to-alls: one unit of the walk (:class:`~conveyor.schedules.walk.Compute`), so both
+all-to-alls: one unit of the walk (:class:`~conveyor.schedules.order.Compute`), so both
 wait for the dependencies of both. A pair whose B waits on its own F's consequences (an
 F of 1F1B's warm-up with the first B), or that a vocabulary pass splits, cannot run as a
 unit; the functions here mark only pairs that can.
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from conveyor.schedules.core import B, F, Schedule
-from conveyor.schedules.walk import Compute, advance, walk
+from conveyor.schedules.order import Compute, advance, walk
 
 
 def forward_backward_pairs(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
@@ -56,7 +56,7 @@ def paired_with_vocab(schedule: Schedule, pairs: Sequence[Iterable[int]]) -> Sch
     around its vocabulary passes if it has any.
 
     A pair that a pass splits runs apart; so does each pair the walk stops at
-    (:func:`~conveyor.schedules.walk.advance`), and the walk is repeated until it
+    (:func:`~conveyor.schedules.order.advance`), and the walk is repeated until it
     completes.
 
     Args:

@@ -8,7 +8,7 @@ all-to-all and an overlapped forward / backward pair
 compute (:func:`simulate`). With vocabulary parallelism
 (:attr:`~conveyor.schedules.core.Schedule.vocab`) each pass is a barrier that occupies
 every rank (``vocab``). The order is the one walk's
-(:func:`~conveyor.schedules.walk.walk`); the costs are checked in
+(:func:`~conveyor.schedules.order.walk`); the costs are checked in
 :mod:`~conveyor.schedules.costs` (re-exported here). It lives beside
 :class:`~conveyor.schedules.core.Schedule` because schedules search with it
 (:func:`~conveyor.schedules.auto.zero_bubble_auto`); :mod:`conveyor.simulate` is its
@@ -47,7 +47,7 @@ from conveyor.schedules.costs import (
     normalize_cost,
     normalize_vocab,
 )
-from conveyor.schedules.walk import Compute, walk
+from conveyor.schedules.order import Compute, walk
 
 __all__ = [
     "A2A",

@@ -34,7 +34,7 @@ from typing import cast
 from conveyor.errors import ScheduleError
 from conveyor.schedules.checks import validate
 from conveyor.schedules.core import Action, Kind, Schedule, VocabAction, VocabKind
-from conveyor.schedules.walk import instructions
+from conveyor.schedules.order import instructions
 
 _HEADER = "# conveyor schedule"
 _KEYS = ("name", "ranks", "microbatches", "placement", "split_backward")

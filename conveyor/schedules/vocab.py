@@ -25,8 +25,8 @@ every rank.
 
 :func:`check_vocab` (which :func:`~conveyor.schedules.checks.validate` runs) lives in
 :mod:`conveyor.schedules.checks` beside the other checks, and :func:`merged_order` (every
-action and pass in the order of the one walk, :func:`~conveyor.schedules.walk.walk`) in
-:mod:`conveyor.schedules.walk`; both are exported here too.
+action and pass in the order of the one walk, :func:`~conveyor.schedules.order.walk`) in
+:mod:`conveyor.schedules.order`; both are exported here too.
 
 Pure Python (no torch import).
 """
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from conveyor.schedules.checks import check_vocab
 from conveyor.schedules.core import VOCAB_KINDS, Action, B, F, Schedule, VocabAction
-from conveyor.schedules.walk import merged_order
+from conveyor.schedules.order import merged_order
 
 __all__ = ["check_vocab", "merged_order", "vocab_collectives", "with_vocab"]
 

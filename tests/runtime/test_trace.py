@@ -16,7 +16,7 @@ import conveyor.cli.trace as trace_command
 from conveyor.cli.trace import main
 from conveyor.observe.pictures import draw_timeline
 from conveyor.observe.trace import actions_of
-from conveyor.schedules.walk import instructions
+from conveyor.schedules.order import instructions
 from tests.support import distributed
 from tests.support.models import batch, mlp
 

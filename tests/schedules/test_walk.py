@@ -1,4 +1,4 @@
-"""The one walk of a schedule (conveyor.schedules.walk): typed instructions, each rank's
+"""The one walk of a schedule (conveyor.schedules.order): typed instructions, each rank's
 program in order, pairs as one unit, passes as barriers, one deadlock message; the one
 dependency rule; the tables that carry every field; the stage lookup of copies."""
 
@@ -28,9 +28,9 @@ from conveyor.schedules import (
     walk,
 )
 from conveyor.schedules.core import requires
+from conveyor.schedules.order import instructions
 from conveyor.schedules.pairs import paired_with_vocab
 from conveyor.schedules.vocab import merged_order, with_vocab
-from conveyor.schedules.walk import instructions
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -1,4 +1,4 @@
-"""The one walk of a schedule: what the ranks run, together, in a valid order.
+"""The one walk of a schedule: what the ranks run, together, in one valid order.
 
 Each rank's program reads as typed instructions (:func:`instructions`): a
 :class:`Compute` (one action, or an overlapped pair already grouped as one unit) or a
