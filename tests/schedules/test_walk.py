@@ -131,14 +131,16 @@ def test_a_pair_waits_for_the_dependencies_of_both_its_actions() -> None:
     assert Compute(0, Action("F", 0, 1), Action("B", 0, 0)) in walk(both)
 
 
-VOCAB_1F1B = with_vocab(get_schedule("1f1b", 2, 1))
+def _vocab_1f1b() -> Schedule:
+    return with_vocab(get_schedule("1f1b", 2, 1))
 
 
 def test_one_deadlock_message_names_ranks_waiting_at_a_pass() -> None:
     # rank 0: E0 F0,0 S0 T0 B0,0 G0 -> E0 S0 T0 F0,0 B0,0 G0; rank 1: E0 F1,0 S0 T0 B1,0 G0.
     # Rank 1 needs F0,0 before S0; rank 0 now runs it after S0.
-    assert VOCAB_1F1B.vocab_slots == ((0, 1, 1, 2), (0, 1, 1, 2))
-    bad = dataclasses.replace(VOCAB_1F1B, vocab_slots=((0, 0, 0, 2), (0, 1, 1, 2)))
+    placed = _vocab_1f1b()
+    assert placed.vocab_slots == ((0, 1, 1, 2), (0, 1, 1, 2))
+    bad = dataclasses.replace(placed, vocab_slots=((0, 0, 0, 2), (0, 1, 1, 2)))
     with pytest.raises(ScheduleError) as error:
         validate(bad)
     assert str(error.value) == (
@@ -205,7 +207,7 @@ def test_a_table_writes_passes_where_each_rank_runs_them() -> None:
     ],
 )
 def test_to_table_refuses_what_it_cannot_carry(change: dict[str, object], message: str) -> None:
-    schedule = VOCAB_1F1B if "vocab_slots" in change else get_schedule("1f1b", 2, 3)
+    schedule = _vocab_1f1b() if "vocab_slots" in change else get_schedule("1f1b", 2, 3)
     with pytest.raises(ScheduleError, match=message):
         to_table(dataclasses.replace(schedule, **change))  # type: ignore[arg-type]
 
