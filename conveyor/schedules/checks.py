@@ -127,9 +127,6 @@ def _check_local_order(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.actions):
         index = {a: i for i, a in enumerate(program)}
         for i, action in enumerate(program):
-            kind, s, mb = action
-            if kind == F and (s == 0 or (F, s - 1, mb) not in index):
-                continue  # fast path: the only dependency is on another rank
             for dep in dependencies(schedule, action):
                 j = index.get(dep)
                 if j is not None and j > i:
