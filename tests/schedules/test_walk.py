@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, settings
@@ -234,3 +238,21 @@ def test_a_copy_with_another_placement_looks_up_its_own_stages() -> None:
     assert swapped.stages_of(0) == (1,) and swapped.stages_of(1) == (0,)
     assert schedule.stages_of(0) == (0,)  # the original is untouched
     assert swapped.stages_of(2) == ()
+
+
+def test_schedules_stay_pure_python() -> None:
+    # Every module of conveyor.schedules imported in a fresh interpreter loads no torch.
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import conveyor.schedules as s\n"
+        "for m in pkgutil.iter_modules(s.__path__):\n"
+        "    importlib.import_module('conveyor.schedules.' + m.name)\n"
+        "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.')))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "[]"
