@@ -17,7 +17,7 @@ from conveyor.context import Context
 from conveyor.partition.resplit import make_whole
 from conveyor.planning.planner import Plan, plan
 from conveyor.schedules import Schedule, validate
-from conveyor.schedules.core import paired_with_vocab
+from conveyor.schedules.pairs import paired_with_vocab
 from conveyor.schedules.vocab import with_vocab
 
 

@@ -20,6 +20,7 @@ from conveyor.runtime.step_state import StepRecord
 from conveyor.runtime.timing import Timing
 from conveyor.runtime.transport import collective, guarded
 from conveyor.schedules import Schedule
+from conveyor.schedules.order import instructions
 from conveyor.schedules.simulation import bubble
 from conveyor.simulate import simulate
 
@@ -87,7 +88,9 @@ def write_trace(
         path: the Chrome trace JSON to write.
         timings: this process's actions of the step.
         waits: this process's waits for other ranks.
-        schedule: the schedule the step ran (recorded with the simulated bubble).
+        schedule: the schedule the step ran (recorded with the simulated bubble, and as
+            ``order``: per rank, its program as a schedule table writes it, pairs as
+            ``F0,3+B0,1`` and vocabulary passes at their slots).
         ctx: the context.
     """
     parts = [(timings, waits)]
@@ -111,7 +114,7 @@ def write_trace(
         "microbatches": schedule.microbatches,
         "measured_bubble": measured_bubble(every, schedule.ranks),
         "simulated_bubble": simulated,
-        "order": [[str(a) for a in program] for program in schedule.actions],
+        "order": [[str(step) for step in instructions(schedule, r)] for r in range(schedule.ranks)],
     }
     with open(path, "w") as f:
         json.dump(chrome_trace(every, every_wait, info), f)

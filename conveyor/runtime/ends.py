@@ -58,7 +58,7 @@ class StageEnds(Protocol):
         loss, whose gradient is 1)."""
 
     def run_pass(self, step: Any) -> None:
-        """Run a pass of the schedule (a step of ``Schedule.merged_order`` no rank's
+        """Run a pass of the schedule (a vocabulary pass of its walk, which no rank's
         stage computes) on this rank."""
 
 

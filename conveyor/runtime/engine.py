@@ -234,21 +234,14 @@ class Engine:
             torch.set_grad_enabled(train),
             meter.hooks() if meter is not None else contextlib.nullcontext(),
         ):
-            i = 0
-            while i < len(ticks):
+            for i, j in program.runs:
                 action = ticks[i].action
                 if action is not None and action.kind == W:
-                    # Consecutive W of one stage run as one: a GEMM per weight, not per W.
-                    j = i + 1
-                    while j < len(ticks) and _is_weight_of(ticks[j].action, action.stage):
-                        j += 1
-                    self._weight_grads(ticks[i:j])
+                    self._weight_grads(ticks[i:j])  # W of one stage: a GEMM per weight
                 else:
-                    j = i + 1
                     self._tick(ticks[i], inputs)
                 if i <= expect < j:
                     self.channel.expect_sums()
-                i = j
 
     def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
@@ -401,7 +394,3 @@ class Engine:
             f"{where}the {work} of stage {s}{named} on {batches} raised {one_line(error)}; "
             f"its traceback, above this one, shows the failing line"
         )
-
-
-def _is_weight_of(action: Action | None, stage: int) -> bool:
-    return action is not None and action.kind == W and action.stage == stage

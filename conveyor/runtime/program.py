@@ -30,9 +30,10 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    its programs run deadlock-free as units (:func:`~conveyor.schedules.paired`), so the
    ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
    programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
-6. A pass of the stage ends (a step of the schedule's ``merged_order`` that no rank's
-   stage computes) is a tick of every rank: one more than the largest tick any rank
-   reached before it (its slot). It computes no action and posts no point-to-point
+6. A pass of the stage ends (a :class:`~conveyor.schedules.core.VocabAction` of the
+   schedule's walk, :func:`~conveyor.schedules.order.walk`, that no rank's stage computes)
+   is a tick of every rank: one more than the largest tick any rank reached before it
+   (its slot). It computes no action and posts no point-to-point
    group; its collectives go, in a fixed order, to a group of their own over the
    pipeline ranks. A training step runs every pass, an eval or predict step E and S.
 
@@ -66,8 +67,9 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from conveyor.schedules import Action, B, F, Schedule
-from conveyor.schedules.core import VocabAction, merged_order
+from conveyor.schedules import Action, B, F, Schedule, W
+from conveyor.schedules.core import VocabAction, requires
+from conveyor.schedules.order import Compute, walk
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,19 @@ class RankProgram:
         assert computed
         return computed[-1]
 
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The ticks as the runtime runs them, each ``(start, stop)`` of ``ticks``: one
+        tick, or consecutive W of one stage, run as one (a GEMM per weight, not per W)."""
+        out: list[tuple[int, int]] = []
+        for i, tick in enumerate(self.ticks):
+            a, first = tick.action, self.ticks[out[-1][0]].action if out else None
+            if a and first and a.kind == first.kind == W and a.stage == first.stage:
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
+        return tuple(out)
+
     @property
     def actions(self) -> list[Action]:
         """The actions in the order they run (a pair's F first)."""
@@ -153,20 +168,23 @@ class RankProgram:
 def producer_of(action: Action, stages: int) -> Action | None:
     """The action whose result ``action`` consumes from another stage: F takes the
     previous stage's F output, B the next stage's input gradient; None for the first F,
-    the last stage's B, and W."""
-    if action.kind == F and action.stage > 0:
-        return Action(F, action.stage - 1, action.microbatch)
-    if action.kind == B and action.stage < stages - 1:
-        return Action(B, action.stage + 1, action.microbatch)
+    the last stage's B, and W (the dependency of
+    :func:`~conveyor.schedules.core.requires` that lies on another stage)."""
+    for dependency in requires(action, stages):
+        if dependency.stage != action.stage:
+            return dependency
     return None
 
 
 def consumer_stage(producer: Action, stages: int) -> int | None:
-    """The stage that consumes ``producer``'s result, or None if nothing is passed on."""
-    if producer.kind == F and producer.stage < stages - 1:
-        return producer.stage + 1
-    if producer.kind == B and producer.stage > 0:
-        return producer.stage - 1
+    """The stage that consumes ``producer``'s result, or None if nothing is passed on
+    (the neighbouring stage whose action of the same kind and micro-batch it produces
+    for: :func:`producer_of` inverted)."""
+    for stage in (producer.stage + 1, producer.stage - 1):
+        if 0 <= stage < stages:
+            consumer = Action(producer.kind, stage, producer.microbatch)
+            if producer_of(consumer, stages) == producer:
+                return stage
     return None
 
 
@@ -180,46 +198,44 @@ def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[A
     """The lock-step tick of every action (forward actions only unless ``train``); with
     ``pairs`` (training only), both actions of an overlapped pair share one tick, after
     the producers of both."""
-    return _ticks(schedule, train, pairs)[0]
+    return {a: tick for tick, unit in _ticks(schedule, train, pairs)[0] for a in unit.actions}
 
 
 def _ticks(
     schedule: Schedule, train: bool, pairs: bool
-) -> tuple[dict[Action, int], dict[int, VocabAction]]:
-    """The ticks of the actions, and the pass the mode runs at each of its
-    ticks (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
+) -> tuple[list[tuple[int, Compute]], dict[int, VocabAction]]:
+    """The computes of the mode, each with its tick (rule 1; a pair is one unit only with
+    ``pairs`` in training, rule 5), and the pass the mode runs at each of its ticks
+    (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
     last_tick = [-1] * schedule.ranks
-    position = [0] * schedule.ranks
-    starts = [
-        schedule.pair_starts(r) if pairs and train else frozenset() for r in range(schedule.ranks)
-    ]
-    out: dict[Action, int] = {}
+    at: dict[Action, int] = {}
+    units: list[tuple[int, Compute]] = []
     passes: dict[int, VocabAction] = {}
-    for rank, step in merged_order(schedule):  # execution_order's without passes
-        if rank is None:
-            assert isinstance(step, VocabAction)
+    for step in walk(schedule):
+        if not isinstance(step, Compute):
             if runs_pass(step.kind, train):
                 tick = max(last_tick) + 1
                 passes[tick] = step
                 last_tick = [tick] * schedule.ranks
             continue
-        assert isinstance(step, Action)
-        i = position[rank]
-        position[rank] += 1
-        if step in out or (not train and step.kind != F):
-            continue  # the B of a pair already placed, or not run in this mode
-        together = [step]
-        if i in starts[rank]:
-            together.append(schedule.actions[rank][i + 1])
-        tick = last_tick[rank]
-        for a in together:
-            producer = producer_of(a, schedule.stages)
-            tick = max(tick, out[producer] if producer is not None else -1)
-        tick += 1
-        for a in together:
-            out[a] = tick
-        last_tick[rank] = tick
-    return out, passes
+        rank = step.rank
+        if not train:  # a forward-only step runs the forwards alone
+            split = [Compute(rank, a) for a in step.actions if a.kind == F]
+        elif pairs or step.paired is None:
+            split = [step]
+        else:
+            split = [Compute(rank, a) for a in step.actions]
+        for unit in split:
+            tick = last_tick[rank]
+            for a in unit.actions:
+                producer = producer_of(a, schedule.stages)
+                tick = max(tick, at[producer] if producer is not None else -1)
+            tick += 1
+            for a in unit.actions:
+                at[a] = tick
+            units.append((tick, unit))
+            last_tick[rank] = tick
+    return units, passes
 
 
 def rank_program(
@@ -228,24 +244,29 @@ def rank_program(
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
     receives alone join the group before them (rule 4; only once every description is
     known); ``pairs``: the schedule's overlapped pairs run as one tick (rule 5)."""
-    at, passes = _ticks(schedule, train, pairs)
+    units, passes = _ticks(schedule, train, pairs)
     placement, stages = schedule.placement, schedule.stages
-    mine: dict[int, list[Action]] = {}
+    at = {a: tick for tick, unit in units for a in unit.actions}
+    mine: dict[int, Compute] = {}
     incoming: dict[int, list[Message]] = {}
     outgoing: dict[int, list[Message]] = {}
-    for action, tick in at.items():
-        src = placement[action.stage]
-        consumer = consumer_stage(action, stages)
-        dst = placement[consumer] if consumer is not None else src
-        if src == rank:
-            mine.setdefault(tick, []).append(action)
-        if src == dst or rank not in (src, dst):
-            continue
-        message = Message(action, src, dst)
-        if src == rank:
-            outgoing.setdefault(tick, []).append(message)
-        else:
-            incoming.setdefault(tick, []).append(message)
+    for tick, unit in units:
+        if unit.rank == rank:
+            mine[tick] = unit
+        for action in unit.actions:
+            # A message goes from a producer on another rank, at the producer's tick.
+            producer = producer_of(action, stages)
+            if producer is None:
+                continue
+            src, dst = placement[producer.stage], unit.rank
+            if src == dst or rank not in (src, dst):
+                continue
+            message = Message(producer, src, dst)
+            sent = at[producer]
+            if src == rank:
+                outgoing.setdefault(sent, []).append(message)
+            else:
+                incoming.setdefault(sent, []).append(message)
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:
@@ -260,10 +281,11 @@ def rank_program(
             joined = timeline[-1]  # rule 4: the receives join the group posted before them
             timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
             recvs = ()
-        actions = sorted(mine.get(tick, []), key=lambda a: a.kind != F)  # a pair's F first
-        first = actions[0] if actions else None
-        paired = actions[1] if len(actions) > 1 else None
-        timeline.append(Tick(tick, rank, first, sends, recvs, paired))
+        own = mine.get(tick)
+        if own is None:
+            timeline.append(Tick(tick, rank, None, sends, recvs))
+        else:
+            timeline.append(Tick(tick, rank, own.action, sends, recvs, own.paired))
     return _finish(timeline, train)
 
 
@@ -272,17 +294,18 @@ def _message_order(message: Message) -> tuple[int, int, str, int, int]:
 
 
 def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
-    """Every rank's actions in one valid order, for the world of one process (every
-    value is handed over in memory)."""
+    """Every rank's actions in the order of the walk, one tick each (a pair's two one
+    after the other), for the world of one process (every value is handed over in
+    memory)."""
     timeline: list[Tick] = []
-    for rank, step in merged_order(schedule):
-        if rank is None:
-            assert isinstance(step, VocabAction)
+    for step in walk(schedule):
+        if not isinstance(step, Compute):
             if runs_pass(step.kind, train):
                 timeline.append(Tick(len(timeline), -1, None, boundary=step))
-        elif train or step.kind == F:
-            assert isinstance(step, Action)
-            timeline.append(Tick(len(timeline), rank, step))
+            continue
+        for action in step.actions:
+            if train or action.kind == F:
+                timeline.append(Tick(len(timeline), step.rank, action))
     return _finish(timeline, train)
 
 

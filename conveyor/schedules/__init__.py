@@ -6,34 +6,43 @@ the placement of stages on ranks. :func:`get_schedule` builds a named one
 :func:`interleaved_1f1b`, :func:`looped_bfs`, :func:`zb_h1`, :func:`zb_h2`,
 :func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`v_half`, :func:`v_min`,
 :func:`zero_bubble_auto`) can also be called directly; :func:`validate` checks any
-schedule, :func:`paired` / :func:`unpaired` mark or drop its overlapped forward / backward
-pairs, and :func:`to_table` / :func:`from_table` write and read one as text.
+schedule, :func:`walk` runs its ranks together (typed instructions: a rank's
+:class:`Compute`, a pair grouped as one unit, or a :class:`VocabAction` every rank runs),
+:func:`paired` / :func:`unpaired` mark or drop its overlapped forward / backward pairs, and
+:func:`to_table` / :func:`from_table` write and read one as text.
+
+The modules, by job: :mod:`~conveyor.schedules.core` (the data: actions, schedules, the
+dependency rule), :mod:`~conveyor.schedules.order` (the one walk),
+:mod:`~conveyor.schedules.checks` (validation), :mod:`~conveyor.schedules.pairs`
+(overlapped pairs), :mod:`~conveyor.schedules.vocab` (vocabulary passes),
+:mod:`~conveyor.schedules.table` (text), :mod:`~conveyor.schedules.simulation` (simulated
+time), one module per generator.
 """
 
 from __future__ import annotations
 
 from conveyor.schedules.auto import zero_bubble_auto
+from conveyor.schedules.checks import validate
 from conveyor.schedules.core import (
     Action,
     B,
     F,
     Schedule,
+    VocabAction,
     W,
     check_sizes,
     dependencies,
-    execution_order,
     loop_placement,
     make_schedule,
-    paired,
-    unpaired,
     v_placement,
-    validate,
 )
 from conveyor.schedules.dualpipev import dualpipev
 from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b
 from conveyor.schedules.looped_bfs import looped_bfs
 from conveyor.schedules.one_f_one_b import one_f_one_b
+from conveyor.schedules.order import Compute, Instruction, execution_order, walk
+from conveyor.schedules.pairs import paired, unpaired
 from conveyor.schedules.registry import (
     SCHEDULE_NAMES,
     check_chunks,
@@ -49,8 +58,11 @@ __all__ = [
     "SCHEDULE_NAMES",
     "Action",
     "B",
+    "Compute",
     "F",
+    "Instruction",
     "Schedule",
+    "VocabAction",
     "W",
     "check_chunks",
     "check_sizes",
@@ -75,6 +87,7 @@ __all__ = [
     "v_min",
     "v_placement",
     "validate",
+    "walk",
     "zb_h1",
     "zb_h2",
     "zb_late",

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 
 from conveyor.errors import ConfigError
-from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, paired, v_placement
+from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, v_placement
+from conveyor.schedules.pairs import paired
 
 
 def dualpipev_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError, ScheduleError
-from conveyor.schedules.core import Action, B, F, Kind, W
+from conveyor.schedules.core import Action, B, F, W, requires
 
 StageCost = tuple[float, float, float]
 """Durations of one stage's F, B and W for one micro-batch."""
@@ -78,10 +78,10 @@ class _Limits:
 class _ListScheduler:
     """The state of one greedy run in simulated time (see :func:`greedy_programs`).
 
-    Per stage: when each micro-batch's F and B end (None until scheduled) and the next
-    micro-batch of each. Per rank: its pending W's, the activations it holds, the actions
-    it has left, its program so far, when it is free and when it decides next (infinity
-    while it sleeps until a waited-for action is scheduled).
+    When each scheduled action ends; per stage, the next micro-batch of its F and of its
+    B. Per rank: its pending W's, the activations it holds, the actions it has left, its
+    program so far, when it is free and when it decides next (infinity while it sleeps
+    until a waited-for action is scheduled).
     """
 
     def __init__(
@@ -95,10 +95,9 @@ class _ListScheduler:
         ranks = max(placement) + 1
         stages = len(placement)
         self.placement, self.m, self.durations = placement, microbatches, durations
-        self.limits, self.comm, self.last = limits, comm, stages - 1
+        self.limits, self.comm, self.stages = limits, comm, stages
         self.own_stages = [[s for s in range(stages) if placement[s] == r] for r in range(ranks)]
-        self.end_f: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
-        self.end_b: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
+        self.end: dict[Action, float] = {}
         self.next_f = [0] * stages
         self.next_b = [0] * stages
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
@@ -107,7 +106,7 @@ class _ListScheduler:
         self.left = [3 * microbatches * len(own) for own in self.own_stages]
         self.programs: list[list[Action]] = [[] for _ in range(ranks)]
         # Ranks waiting for an action that is not scheduled yet, keyed by that action.
-        self.waiters: dict[tuple[Kind, int, int], list[int]] = {}
+        self.waiters: dict[Action, list[int]] = {}
         self.free = [0.0] * ranks
         self.wake = [0.0] * ranks
         self.heap = [(0.0, r) for r in range(ranks)]
@@ -123,20 +122,18 @@ class _ListScheduler:
             raise ScheduleError(f"the greedy scheduler stalled on ranks {stuck}")
         return self.programs
 
-    def _arrival(self, dep_end: float | None, dep_stage: int, rank: int) -> float | None:
-        """When a dependency's output reaches ``rank`` (None while it is unscheduled)."""
-        if dep_end is None:
-            return None
-        return dep_end + (self.comm if self.placement[dep_stage] != rank else 0.0)
-
-    def _ready(
-        self, ready_at: float | None, waited: tuple[Kind, int, int], rank: int, now: float
-    ) -> float:
-        """0 when ``ready_at`` has passed, else when it comes (infinity, and ``rank``
-        registered as a waiter of ``waited``, while that is unscheduled)."""
-        if ready_at is None:
-            self.waiters.setdefault(waited, []).append(rank)
-            return math.inf
+    def _ready(self, action: Action, rank: int, now: float) -> float:
+        """0 when every dependency of ``action`` has reached ``rank`` (plus ``comm`` from
+        another rank) by ``now``, else when the last one does; infinity, and ``rank``
+        registered as a waiter, while one is unscheduled."""
+        ready_at = 0.0
+        for dependency in requires(action, self.stages):
+            end = self.end.get(dependency)
+            if end is None:
+                self.waiters.setdefault(dependency, []).append(rank)
+                return math.inf
+            far = self.placement[dependency.stage] != rank
+            ready_at = max(ready_at, end + (self.comm if far else 0.0))
         return ready_at if ready_at > now else 0.0
 
     def _decide(self, rank: int, now: float) -> None:
@@ -151,20 +148,14 @@ class _ListScheduler:
         for s in self.own_stages[rank]:
             mb = self.next_b[s]
             if mb < self.next_f[s]:
-                ready_at = (
-                    self.end_f[s][mb]
-                    if s == self.last
-                    else self._arrival(self.end_b[s + 1][mb], s + 1, rank)
-                )
-                at = self._ready(ready_at, (B, s + 1, mb), rank, now)
+                at = self._ready(Action(B, s, mb), rank, now)
                 if at:
                     soonest = min(soonest, at)
                 elif best_b is None or (mb, -s) < (best_b[0], -best_b[1]):
                     best_b = (mb, s)
             mb = self.next_f[s]
             if mb < self.m and may_forward:
-                ready_at = 0.0 if s == 0 else self._arrival(self.end_f[s - 1][mb], s - 1, rank)
-                at = self._ready(ready_at, (F, s - 1, mb), rank, now)
+                at = self._ready(Action(F, s, mb), rank, now)
                 if at:
                     soonest = min(soonest, at)
                 elif best_f is None or (mb, -s) < (best_f[0], -best_f[1]):
@@ -191,13 +182,12 @@ class _ListScheduler:
         """Record ``action`` as run on ``rank`` from ``now`` and wake its waiters."""
         kind, s, mb = action
         finish = now + self.durations[s]["FBW".index(kind)]
+        self.end[action] = finish
         if kind == F:
-            self.end_f[s][mb] = finish
             self.next_f[s] += 1
             self.held[rank] += 1
             self.ahead[rank] += 1
         elif kind == B:
-            self.end_b[s][mb] = finish
             self.next_b[s] += 1
             self.ahead[rank] -= 1
             self.pending_w[rank].append((s, mb))

@@ -12,9 +12,9 @@ from conveyor.schedules.core import (
     Schedule,
     check_sizes,
     loop_placement,
-    paired,
 )
 from conveyor.schedules.one_f_one_b import one_f_one_b_program
+from conveyor.schedules.pairs import paired
 
 
 def microbatch_groups(ranks: int, microbatches: int) -> list[range]:

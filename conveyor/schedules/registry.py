@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.auto import zero_bubble_auto
-from conveyor.schedules.core import Schedule, check_sizes, validate
+from conveyor.schedules.checks import validate
+from conveyor.schedules.core import Schedule, check_sizes
 from conveyor.schedules.dualpipev import dualpipev
 from conveyor.schedules.gpipe import gpipe
 from conveyor.schedules.interleaved import interleaved_1f1b

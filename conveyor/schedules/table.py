@@ -14,23 +14,32 @@ Format (``#`` starts a comment line; blank lines are ignored)::
 ``placement`` lists the rank of each stage (stage 0 first). Each action is
 ``<kind><stage>,<microbatch>`` with kind F, B or W; an overlapped pair
 (:attr:`~conveyor.schedules.core.Schedule.pairs`) is written ``F0,3+B0,1``, the F then
-the B, joined by ``+``. A rank's program may be spread over
-several ``rank N:`` lines; they are joined in order. ``name`` (default ``custom``) and
-``split_backward`` (default false) may be left out.
+the B, joined by ``+``. A vocabulary pass (:attr:`~conveyor.schedules.core.Schedule.vocab`)
+is written ``<kind><microbatch>`` (kind E, S, T or G, e.g. ``S3``) on every rank's line,
+where that rank runs it (its slot); every rank lists the passes in the same order. A
+rank's program may be spread over several ``rank N:`` lines; they are joined in order.
+``name`` (default ``custom``) and ``split_backward`` (default false) may be left out.
+
+Every field of a :class:`~conveyor.schedules.core.Schedule` is written, and
+:func:`to_table` refuses a schedule whose table would read back as another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import cast
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.core import Action, Kind, Schedule, validate
+from conveyor.schedules.checks import validate
+from conveyor.schedules.core import Action, Kind, Schedule, VocabAction, VocabKind
+from conveyor.schedules.order import instructions
 
 _HEADER = "# conveyor schedule"
 _KEYS = ("name", "ranks", "microbatches", "placement", "split_backward")
 _ACTION = re.compile(r"([FBW])(\d+),(\d+)")
+_PASS = re.compile(r"([ESTG])(\d+)")
 _RANK_LINE = re.compile(r"rank\s+(\d+)\s*:(.*)")
 
 
@@ -42,7 +51,29 @@ def to_table(schedule: Schedule) -> str:
 
     Returns:
         The table, ending in a newline.
+
+    Raises:
+        ScheduleError: If the table would not read back as ``schedule``, naming the
+            field: e.g. a name that is empty, spans lines or has blanks at its ends, a
+            pair index or a vocabulary slot that no position of the program can write.
     """
+    text = _write(schedule)
+    try:
+        back = _read(text, "<table>")
+    except ScheduleError as error:
+        raise ScheduleError(f"to_table cannot write schedule {schedule.name!r}: {error}") from None
+    for field in dataclasses.fields(Schedule):
+        if field.compare and getattr(back, field.name) != getattr(schedule, field.name):
+            raise ScheduleError(
+                f"to_table cannot write schedule {schedule.name!r}: its {field.name} "
+                f"{getattr(schedule, field.name)!r} would read back as "
+                f"{getattr(back, field.name)!r}"
+            )
+    return text
+
+
+def _write(schedule: Schedule) -> str:
+    """The table's text (:func:`to_table` checks that it reads back)."""
     lines = [
         _HEADER,
         f"name: {schedule.name}",
@@ -51,14 +82,14 @@ def to_table(schedule: Schedule) -> str:
         "placement: " + " ".join(str(r) for r in schedule.placement),
         f"split_backward: {'true' if schedule.split_backward else 'false'}",
     ]
-    for rank, program in enumerate(schedule.actions):
-        starts = schedule.pair_starts(rank)
-        words: list[str] = []
-        for i, action in enumerate(program):
-            if i - 1 in starts:
-                words[-1] += f"+{action}"
-            else:
-                words.append(str(action))
+    for rank in range(len(schedule.actions)):
+        try:
+            words = [str(step) for step in instructions(schedule, rank)]
+        except (IndexError, ScheduleError) as error:
+            raise ScheduleError(
+                f"to_table cannot write schedule {schedule.name!r}: rank {rank}'s pairs "
+                f"or vocabulary slots do not fit its program ({error})"
+            ) from None
         lines.append(f"rank {rank}: " + " ".join(words))
     return "\n".join(lines) + "\n"
 
@@ -91,23 +122,39 @@ def _parse_header(key: str, value: str, where: str) -> str | int | bool | tuple[
     return value.lower() == "true"
 
 
-def _parse_actions(text: str, where: str, program: list[Action], pairs: list[int]) -> None:
-    """Append the actions of one ``rank N:`` line (what follows the colon) to
-    ``program``, and the index of each pair's F to ``pairs``."""
-    for token in text.split():
-        parts = token.split("+")
-        if len(parts) > 2:
-            raise ScheduleError(f"{where}: {token!r} joins more than two actions; a pair is F+B")
-        if len(parts) == 2:
-            pairs.append(len(program))
-        for part in parts:
-            match = _ACTION.fullmatch(part)
-            if match is None:
+class _Program:
+    """One rank's program as read so far: its actions, the index of each pair's F, and
+    each pass with its slot (the count of actions before it)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.pairs: list[int] = []
+        self.passes: list[tuple[VocabAction, int]] = []
+
+    def read(self, text: str, where: str) -> None:
+        """Append the actions and passes of one ``rank N:`` line (what follows the colon)."""
+        for token in text.split():
+            found = _PASS.fullmatch(token)
+            if found is not None:
+                step = VocabAction(cast(VocabKind, found[1]), int(found[2]))
+                self.passes.append((step, len(self.actions)))
+                continue
+            parts = token.split("+")
+            if len(parts) > 2:
                 raise ScheduleError(
-                    f"{where}: cannot read action {part!r}; write <kind><stage>,<microbatch> "
-                    f"with kind F, B or W, e.g. F0,3 (or a pair F0,3+B0,1)"
+                    f"{where}: {token!r} joins more than two actions; a pair is F+B"
                 )
-            program.append(Action(cast(Kind, match[1]), int(match[2]), int(match[3])))
+            if len(parts) == 2:
+                self.pairs.append(len(self.actions))
+            for part in parts:
+                match = _ACTION.fullmatch(part)
+                if match is None:
+                    raise ScheduleError(
+                        f"{where}: cannot read action {part!r}; write <kind><stage>,<microbatch> "
+                        f"with kind F, B or W, e.g. F0,3 (or a pair F0,3+B0,1, or a "
+                        f"vocabulary pass <kind><microbatch> with kind E, S, T or G, e.g. S3)"
+                    )
+                self.actions.append(Action(cast(Kind, match[1]), int(match[2]), int(match[3])))
 
 
 def from_table(text: str, source: str = "<table>") -> Schedule:
@@ -124,9 +171,13 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
         ScheduleError: Naming ``source`` and the line at fault, or the rank and action at
             fault when the schedule itself is invalid.
     """
+    return validate(_read(text, source))
+
+
+def _read(text: str, source: str) -> Schedule:
+    """:func:`from_table` without the validation."""
     header: dict[str, str | int | bool | tuple[int, ...]] = {}
-    programs: dict[int, list[Action]] = {}
-    pairs: dict[int, list[int]] = {}
+    programs: dict[int, _Program] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         where = f"{source} line {number}"
@@ -140,8 +191,7 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
                 raise ScheduleError(f"{where}: 'ranks: N' must come before the rank lines")
             if rank >= ranks:
                 raise ScheduleError(f"{where}: rank {rank} is out of range 0..{ranks - 1}")
-            program = programs.setdefault(rank, [])
-            _parse_actions(rank_match[2], where, program, pairs.setdefault(rank, []))
+            programs.setdefault(rank, _Program()).read(rank_match[2], where)
             continue
         key, sep, value = line.partition(":")
         key = key.strip()
@@ -165,16 +215,24 @@ def from_table(text: str, source: str = "<table>") -> Schedule:
     name = header.get("name", "custom")
     split_backward = header.get("split_backward", False)
     assert isinstance(name, str) and isinstance(split_backward, bool)
-    return validate(
-        Schedule(
-            name=name,
-            ranks=ranks,
-            microbatches=microbatches,
-            placement=placement,
-            actions=tuple(tuple(programs[r]) for r in range(ranks)),
-            split_backward=split_backward,
-            pairs=tuple(tuple(pairs[r]) for r in range(ranks)) if any(pairs.values()) else (),
-        )
+    read = [programs[r] for r in range(ranks)]
+    vocab = tuple(v for v, _ in read[0].passes) if read else ()
+    for rank, program in enumerate(read):
+        if tuple(v for v, _ in program.passes) != vocab:
+            raise ScheduleError(
+                f"{source}: rank {rank} lists other vocabulary passes than rank 0, or in "
+                f"another order; write every pass on every rank's line, in one order"
+            )
+    return Schedule(
+        name=name,
+        ranks=ranks,
+        microbatches=microbatches,
+        placement=placement,
+        actions=tuple(tuple(p.actions) for p in read),
+        split_backward=split_backward,
+        pairs=tuple(tuple(p.pairs) for p in read),
+        vocab=vocab,
+        vocab_slots=tuple(tuple(slot for _, slot in p.passes) for p in read) if vocab else (),
     )
 
 

@@ -45,7 +45,16 @@ from __future__ import annotations
 import bisect
 from typing import Literal
 
-from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, v_placement
+from conveyor.schedules.core import (
+    Action,
+    B,
+    F,
+    Schedule,
+    W,
+    check_sizes,
+    requires,
+    v_placement,
+)
 
 Variant = Literal["half", "min"]
 """Which V schedule: ``"half"`` (V-Half) or ``"min"`` (V-Min)."""
@@ -102,17 +111,8 @@ def _block_timeline(variant: Variant, ranks: int, microbatches: int, rank: int) 
 def _needs(action: Action, last_stage: int) -> list[Action]:
     """What ``action`` waits for: its data dependencies and its predecessor in kind."""
     kind, stage, mb = action
-    needs = [Action(kind, stage, mb - 1)] if mb > 0 else []
-    if kind == F:
-        if stage > 0:
-            needs.append(Action(F, stage - 1, mb))
-    elif kind == B:
-        needs.append(Action(F, stage, mb))
-        if stage < last_stage:
-            needs.append(Action(B, stage + 1, mb))
-    else:
-        needs.append(Action(B, stage, mb))
-    return needs
+    before = [Action(kind, stage, mb - 1)] if mb > 0 else []
+    return before + list(requires(action, last_stage + 1))
 
 
 def _held(timeline: Slots, length: int) -> list[int]:

@@ -23,8 +23,10 @@ paper's placement of the output passes right after the last stage's forward; on 
 and V-Min, whose first and last stages share rank 0, the passes take a common slot on
 every rank.
 
-:func:`merged_order` and :func:`check_vocab` (which :func:`validate` runs) live in
-:mod:`conveyor.schedules.core` beside the other checks, and are exported here too.
+:func:`check_vocab` (which :func:`~conveyor.schedules.checks.validate` runs) lives in
+:mod:`conveyor.schedules.checks` beside the other checks, and :func:`merged_order` (every
+action and pass in the order of the one walk, :func:`~conveyor.schedules.order.walk`) in
+:mod:`conveyor.schedules.order`; both are exported here too.
 
 Pure Python (no torch import).
 """
@@ -36,19 +38,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from conveyor.schedules.core import (
-    VOCAB_KINDS,
-    Action,
-    B,
-    F,
-    Schedule,
-    Step,
-    VocabAction,
-    check_vocab,
-    merged_order,
-)
+from conveyor.schedules.checks import check_vocab
+from conveyor.schedules.core import VOCAB_KINDS, Action, B, F, Schedule, VocabAction
+from conveyor.schedules.order import merged_order
 
-__all__ = ["Step", "check_vocab", "merged_order", "vocab_collectives", "with_vocab"]
+__all__ = ["check_vocab", "merged_order", "vocab_collectives", "with_vocab"]
 
 _TINY = 1e-6  # the smallest duration an action is simulated with (strict time order)
 

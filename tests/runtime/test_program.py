@@ -19,7 +19,17 @@ from conveyor.runtime.program import (
     single_process_program,
     ticks,
 )
-from conveyor.schedules import SCHEDULE_NAMES, Action, F, Schedule, default_chunks, get_schedule
+from conveyor.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    F,
+    Schedule,
+    default_chunks,
+    get_schedule,
+    paired,
+)
+from conveyor.schedules.pairs import paired_with_vocab
+from conveyor.schedules.vocab import with_vocab
 from tests.support.nccl_model import Record, check
 
 
@@ -32,9 +42,12 @@ def schedules(draw: st.DrawFn) -> Schedule:
     if name in ("interleaved-1f1b", "looped-bfs"):
         chunks = draw(st.integers(2, 3))  # one chunk: the name is refused
     try:
-        return get_schedule(name, p, m, chunks)
+        schedule = get_schedule(name, p, m, chunks)
     except ConfigError:  # e.g. dualpipev with too few micro-batches
-        return get_schedule(name, p, max(m, 2 * p), chunks)
+        schedule = get_schedule(name, p, max(m, 2 * p), chunks)
+    if draw(st.booleans()):  # vocabulary passes (rule 6), the pairs that run around them
+        schedule = paired_with_vocab(with_vocab(schedule), paired(schedule).pairs)
+    return schedule
 
 
 @given(schedules(), st.booleans(), st.booleans(), st.booleans())
@@ -137,6 +150,9 @@ def _trace(schedule: Schedule, rank: int, pairs: bool) -> list[Record]:
     out: list[Record] = []
     posted: dict[Action, int] = {}  # producer -> seq of its receive
     for batch, step in enumerate(rank_program(schedule, rank, pairs=pairs).ticks):
+        if step.boundary is not None:  # a pass: collectives of every pipeline rank
+            members = tuple(range(schedule.ranks))
+            out.append(Record(rank, len(out), "collective", "all_reduce", None, "pp", members))
         for action in step.computed:
             producer = producer_of(action, schedule.stages)
             if producer is not None and producer in posted:

@@ -124,17 +124,15 @@ def test_merged_order_runs_everything_once_in_dependency_order(
 ) -> None:
     _, s, _ = case
     steps = merged_order(s)
-    actions = [a for r, a in steps if r is not None]
-    passes = [v for r, v in steps if r is None]
-    assert sorted(actions) == sorted(a for _, a in s) and len(set(actions)) == len(actions)
-    assert passes == list(s.vocab)
-    at = {step: k for k, (_, step) in enumerate(steps)}
-    for r, a in steps:
-        if r is not None:
-            assert isinstance(a, Action) and s.placement[a.stage] == r
-            assert all(at[d] < at[a] for d in dependencies(s, a))
+    actions = [a for a in steps if isinstance(a, Action)]
+    passes = [v for v in steps if isinstance(v, VocabAction)]
+    assert sorted(actions) == sorted(a for _, a in s) and len(steps) == len(set(steps))
+    assert passes == list(s.vocab) and len(actions) + len(passes) == len(steps)
+    at = {step: k for k, step in enumerate(steps)}
+    for a in actions:
+        assert all(at[d] < at[a] for d in dependencies(s, a))
     for r, program in enumerate(s.actions):
-        assert [a for q, a in steps if q == r] == list(program)
+        assert [a for a in actions if s.placement[a.stage] == r] == list(program)
         for k, v in enumerate(s.vocab):
             slot = s.vocab_slots[r][k]
             assert all(at[a] < at[v] for a in program[:slot])
