@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from conveyor import _rules
+import conveyor._rules as _rules
 from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.experts.collections import check_plan

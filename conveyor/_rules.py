@@ -14,9 +14,9 @@ are checked by :class:`~conveyor._options.Options` at construction.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from conveyor.errors import ConfigError
 from conveyor.runtime.recompute import recompute_stages
@@ -25,8 +25,23 @@ from conveyor.schedules import Schedule
 if TYPE_CHECKING:
     from torch import nn
 
-    from conveyor._options import Options
     from conveyor.context import Context
+
+
+class Options(Protocol):
+    """What the rules read of :class:`~conveyor._options.Options` (a protocol, so this
+    module stays below the one that calls it)."""
+
+    @property
+    def fsdp(self) -> bool | str: ...
+
+    @property
+    def tp_plan(self) -> Mapping[str, Any] | str | None: ...
+
+    @property
+    def recompute(self) -> bool | Iterable[int]: ...
+
+    def compile_keywords(self) -> dict[str, Any] | None: ...
 
 
 @dataclass(frozen=True)

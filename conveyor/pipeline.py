@@ -140,7 +140,7 @@ class Pipeline(LastStep):
         self.plan: Plan | None = settled.plan
         self.schedule = settled.schedule
         options = settled.options
-        self.options = dataclasses.replace(options, sample=None)  # the planner's; not kept
+        self.options: Options = dataclasses.replace(options, sample=None)  # the planner's
         self._model = model
         self._parts: RankParts | None = None
         self._last_train: StepRecord | None = None  # what traces and measurements show

@@ -8,17 +8,23 @@ step's record; gathering over ranks is :mod:`conveyor.observe.measure`'s).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from conveyor.observe.measure import memory_report, pipeline_bubble, write_trace
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.timing import Timing
 
 if TYPE_CHECKING:
-    from conveyor._options import Options
     from conveyor.context import Context
     from conveyor.runtime.step_state import StepRecord
     from conveyor.schedules import Schedule
+
+
+class _Options(Protocol):
+    """What the measurements read of the pipeline's options."""
+
+    @property
+    def track_memory(self) -> bool: ...
 
 
 class LastStep:
@@ -26,7 +32,7 @@ class LastStep:
 
     context: Context
     schedule: Schedule
-    options: Options
+    options: _Options
     _last_train: StepRecord | None
 
     def _split(self, what: str) -> Any:
