@@ -51,12 +51,8 @@ class Launcher(_MultiProcessingLauncher):
     trained network (as :class:`conveyor.integrations.lightning.Launcher`)."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        strategy = trainer.strategy
-        assert isinstance(strategy, PipelineStrategy)
-        whole = strategy.gathered_network(trainer)
-        output = super()._collect_rank_zero_results(trainer, results)
-        save = self._strategy.checkpoint_io.save_checkpoint
-        return rank_zero_results(output, whole, f"{strategy.module_attr}.", save)
+        own = super()._collect_rank_zero_results
+        return rank_zero_results(trainer.strategy, trainer, lambda: own(trainer, results))
 
 
 class PipelineStrategy(StrategyBody, ParallelStrategy):
@@ -66,18 +62,3 @@ class PipelineStrategy(StrategyBody, ParallelStrategy):
     strategy_name = "conveyor_pipeline"
     package = PACKAGE
     launcher_class = Launcher
-
-    def __init__(
-        self,
-        pp: int | None = None,
-        dp: int = 1,
-        *,
-        module_attr: str = "model",
-        loss_attr: str = "loss_fn",
-        start_method: str = "popen",
-        process_group_backend: str | None = None,
-        **pipeline_options: Any,
-    ) -> None:
-        ParallelStrategy.__init__(self)
-        StrategyBody.__init__(self, pp, dp, module_attr, loss_attr, start_method,
-                              process_group_backend, pipeline_options)  # fmt: skip

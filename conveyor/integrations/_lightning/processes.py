@@ -59,25 +59,26 @@ def check_one_process(device: torch.device) -> None:
         )
 
 
-def rank_zero_results(
-    output: Any,
-    whole: dict[str, torch.Tensor] | None,
-    prefix: str,
-    save: Callable[[dict[str, Any], Any], None],
-) -> Any:
+def rank_zero_results(strategy: Any, trainer: Any, collect: Callable[[], Any]) -> Any:
     """What a spawn / fork launcher's rank 0 hands back to the main process: Lightning's
     ``_WorkerOutput`` with the whole network's weights, gathered from every stage.
 
     Args:
-        output: Lightning's own output (None on other ranks).
-        whole: The whole network's state dict, or None when it is not gathered (not
-            fitting, or a network on the meta device, which no process may hold whole:
-            its weights are in the checkpoints).
-        prefix: The network's attribute in the LightningModule, with a dot.
-        save: Lightning's ``checkpoint_io.save_checkpoint``.
+        strategy: The pipeline strategy (its ``gathered_network`` is a collective, so every
+            rank calls it, before Lightning's own collection).
+        trainer: Lightning's trainer.
+        collect: Lightning's own collection (None on ranks other than 0).
     """
+    whole = strategy.gathered_network(trainer)
+    output = collect()
     if output is None or output.weights_path is None:
         return output
+    if whole is None:  # not fitting, or a network on meta: its weights are in checkpoints
+        return output._replace(weights_path=None)
+    prefix = f"{strategy.module_attr}."
+    save = strategy.checkpoint_io.save_checkpoint
+    save({prefix + k: v for k, v in whole.items()}, output.weights_path)
+    return output
     if whole is None:
         return output._replace(weights_path=None)  # nothing for the main process
     save({prefix + k: v for k, v in whole.items()}, output.weights_path)

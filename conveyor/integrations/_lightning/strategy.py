@@ -65,14 +65,16 @@ class StrategyBody:
 
     def __init__(
         self,
-        pp: int | None,
-        dp: int,
-        module_attr: str,
-        loss_attr: str,
-        start_method: str,
-        process_group_backend: str | None,
-        pipeline_options: dict[str, Any],
+        pp: int | None = None,
+        dp: int = 1,
+        *,
+        module_attr: str = "model",
+        loss_attr: str = "loss_fn",
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        **pipeline_options: Any,
     ) -> None:
+        super().__init__()  # the package's ParallelStrategy, next in the strategy's MRO
         options = StrategyOptions.sort(pp, dp, start_method, pipeline_options)
         self.init_options = options.init_options
         self.pipeline_options = options.pipeline_options
