@@ -11,9 +11,15 @@ stage; the embeddings take stage 0 and the final norm and head the last stage, b
 un-annotated modules take the stage of the data they consume. The tied weight lives on the
 first and the last stage; conveyor finds it and keeps both copies equal.
 
-With ``--checkpoint DIR`` the run saves every ``--save-every`` steps and resumes from DIR
-when started again (or restarted by ``--max-restarts``): batch ``k`` is drawn from a
-generator seeded with ``k``, so a resumed run sees the batches the lost one would have.
+``--dp``, ``--tp`` and ``--fsdp`` add data parallelism, tensor parallelism (the blocks
+are written so ``tp_plan()`` can shard them) and FSDP2 to the pipeline.
+
+The training loop is written out here, with conveyor's public pieces: ``pipe.train_step``,
+the optimizer, ``conveyor.save`` / ``conveyor.load`` and a ``Progress`` line a tenth of the
+way (``conveyor.Trainer`` runs that loop for you in the other examples). With
+``--checkpoint DIR`` the run saves every ``--save-every`` steps and resumes from DIR when
+started again (or restarted by ``--max-restarts``): batch ``k`` is drawn from a generator
+seeded with ``k``, so a resumed run sees the batches the lost one would have.
 """
 
 from __future__ import annotations
