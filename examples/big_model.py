@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     whole = sum(p.numel() for p in model.parameters())
 
     text = Path(argparse.__file__).read_bytes()
-    ids = torch.tensor(list(text[: len(text) // args.context * args.context]))
-    rows = ids.view(-1, args.context)
+    rows = torch.tensor(list(text)).unfold(0, args.context, args.context)  # whole rows only
     pipe = conveyor.Pipeline(
         model,
         loss_fn=None,

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = conveyor.init(pp=pp)
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     text = b"".join(f.read_bytes() for f in files)[: args.bytes]
-    rows = torch.tensor(list(text)).view(-1, args.context)[: len(text) // args.context]
+    rows = torch.tensor(list(text)).unfold(0, args.context, args.context)  # whole rows only
     held_out = args.batch_size * max(len(rows) // (20 * args.batch_size), 1)  # a 20th
     train = StackDataset(input_ids=rows[held_out:], labels=rows[held_out:])
     model = LlamaForCausalLM(
