@@ -1,8 +1,7 @@
 """A Llama no process holds whole: built on the meta device, each rank allocating and
-initializing (or loading) only its own stages, trained on the Python standard library's
-own source.
+initializing (or loading) only its own stages.
 
-    python examples/big_model.py                                      # one process, 2 stages
+    python examples/big_model.py --save DIR                           # one process, 2 stages
     conveyor launch --nproc-per-node 2 examples/big_model.py          # each rank: its half
     conveyor launch --nproc-per-node 4 examples/big_model.py --depth 8 --weights DIR
 
@@ -10,146 +9,26 @@ The model is built under ``conveyor.empty_weights()``: its parameters are shapes
 device and take no memory; its buffers (the rotary ``inv_freq``) stay real. The pipeline
 splits it as it is and each rank gives values only to the parameters of its stages: with
 ``--weights DIR`` (a transformers checkpoint: ``model.safetensors`` or shards with
-``model.safetensors.index.json``, e.g. ``save_pretrained``'s), each rank reads only its own
-tensors; without, each module's own initialization (transformers' ``_init_weights``) seeded
-by ``--init-seed`` and the module's name, so every layout starts from the same weights.
-Each rank prints what it holds against the whole model, and its peak resident memory.
+``model.safetensors.index.json``, e.g. ``save_pretrained``'s; or a conveyor checkpoint such
+as ``--save`` writes, from any layout), each rank reads only its own tensors; without, each
+module's own initialization (transformers' ``_init_weights``) seeded by ``--init-seed`` and
+the module's name, so every layout starts from the same weights. Each rank prints what it
+holds against the whole model, trains a few steps on the bytes of argparse's source, and
+prints its peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import sysconfig
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import StackDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import conveyor
-from conveyor.checkpoint import exists
-from conveyor.observe.progress import Progress
-from conveyor.schedules import check_chunks
-
-# --- what the other examples have too, copied so that this file runs on its own ---
-
-
-def config(vocab: int, args: argparse.Namespace) -> LlamaConfig:
-    """The model's shape, from the options (no weights, nothing downloaded)."""
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=args.width,
-        intermediate_size=args.width * 8 // 3,
-        num_hidden_layers=args.depth,
-        num_attention_heads=args.heads,
-        num_key_value_heads=max(args.heads // 2, 1),
-        max_position_embeddings=args.context,
-        use_cache=False,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-
-
-def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
-    """``--pp``, ``--schedule``, ``--chunks``, ``--microbatches``, ``--checkpoint`` and
-    ``--save-every``."""
-    ap.add_argument(
-        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
-    )
-    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
-    )
-    ap.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
-    )
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
-    ap.add_argument(
-        "--save-every",
-        type=int,
-        default=50,
-        metavar="K",
-        help="steps between saves (default: %(default)s)",
-    )
-
-
-def context(args: argparse.Namespace, dp: int = 1, tp: int = 1) -> conveyor.Context:
-    """``--pp`` pipeline ranks; without it, as many as the launched processes allow, or two
-    in one process when started with plain ``python``."""
-    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
-    return conveyor.init(pp=pp, dp=dp, tp=tp)
-
-
-def printer(ctx: conveyor.Context) -> Callable[..., None]:
-    """``print`` on rank 0, nothing elsewhere."""
-    return print if ctx.rank == 0 else (lambda *a, **k: None)
-
-
-def train(
-    pipe: conveyor.Pipeline,
-    opt: torch.optim.Optimizer,
-    step_of: Callable[[int], torch.Tensor],
-    steps: int,
-    args: argparse.Namespace,
-    say: Callable[..., Any],
-) -> torch.Tensor:
-    """Resume from ``--checkpoint`` if it holds one, run the steps that are left
-    (``step_of(k)`` trains step k and returns its loss), log a tenth of the way each, save
-    every ``--save-every`` steps and at the end; returns the last loss."""
-    start = 0
-    if args.checkpoint and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, steps)
-        say(f"resumed from {args.checkpoint} at step {start}")
-    progress = Progress(pipe, steps - start, every=max(steps // 10, 1))
-    progress.count = start
-    loss = torch.tensor(0.0)
-    for step in range(start, steps):
-        loss = step_of(step)
-        opt.step()
-        opt.zero_grad()
-        progress.step(loss, args.batch_size)
-        done = step + 1
-        if args.checkpoint and (done % args.save_every == 0 or done == steps):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
-    return loss
-
-
-def corpus(limit: int) -> str:
-    """Up to ``limit`` characters of the standard library's Python source, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts: list[str] = []
-    size = 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= limit:
-            break
-    return "".join(parts)[:limit]
-
-
-def encode(text: str) -> tuple[list[str], torch.Tensor]:
-    """The characters of ``text`` (the vocabulary, sorted) and ``text`` as their indices."""
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    return vocab, torch.tensor([lookup[c] for c in text], dtype=torch.long)
-
-
-def windows(data: torch.Tensor, step: int, rows: int, length: int) -> torch.Tensor:
-    """``rows`` windows of ``length + 1`` tokens; the batch of a step depends on the step
-    alone, so a run resumed from a checkpoint repeats nothing."""
-    gen = torch.Generator().manual_seed(step)
-    at = torch.randint(len(data) - length - 1, (rows,), generator=gen)
-    return torch.stack([data[i : i + length + 1] for i in at.tolist()])
-
-
-# --- this example ---
+from conveyor.training import ProgressBar
 
 
 def peak_memory_mib() -> float:
@@ -164,46 +43,43 @@ def peak_memory_mib() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0].replace("``", ""),
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_pipeline_options(ap)
-    ap.add_argument(
-        "--weights",
-        default=None,
-        metavar="DIR",
-        help="a transformers (or conveyor) checkpoint to load; default: initialize",
-    )
+    ap.add_argument("--weights", metavar="DIR", help="checkpoint to load; None: initialize")
     ap.add_argument("--init-seed", type=int, default=0, help="seed of the initialization")
-    ap.add_argument("--steps", type=int, default=100, help="training steps")
+    ap.add_argument("--save", metavar="DIR", help="write the trained model to DIR at the end")
+    ap.add_argument("--pp", type=int, help="pipeline ranks; None: the processes, or 2 alone")
+    ap.add_argument("--steps", type=int, default=20, help="training steps")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    ap.add_argument("--context", type=int, default=64, help="tokens per sequence")
-    ap.add_argument("--width", type=int, default=128, help="hidden size")
+    ap.add_argument("--context", type=int, default=64, help="tokens (bytes) per sequence")
+    ap.add_argument("--width", type=int, default=256, help="hidden size")
     ap.add_argument("--depth", type=int, default=4, help="decoder layers")
-    ap.add_argument("--heads", type=int, default=4, help="attention heads")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size")
-    args = ap.parse_args(argv)  # fmt: skip
+    args = ap.parse_args(argv)
 
-    ctx = context(args)
-    text = corpus(args.chars)
-    vocab, data = encode(text)
+    torch.manual_seed(0)  # the data's order
+    ctx = conveyor.init(pp=args.pp or (None if dist.is_torchelastic_launched() else 2))
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.width,
+        intermediate_size=4 * args.width,
+        num_hidden_layers=args.depth,
+        num_attention_heads=args.width // 32,
+        max_position_embeddings=args.context,
+        use_cache=False,
+    )
     with conveyor.empty_weights():  # shapes only: no process holds the whole model
-        model = LlamaForCausalLM(config(len(vocab), args))
+        model = LlamaForCausalLM(config)
     whole = sum(p.numel() for p in model.parameters())
 
-    def batch(step: int) -> dict[str, torch.Tensor]:
-        ids = windows(data, step, args.batch_size, args.context - 1)
-        return {"input_ids": ids, "labels": ids}  # the model shifts the labels itself
-
+    text = Path(argparse.__file__).read_bytes()
+    rows = torch.tensor(list(text)).unfold(0, args.context, args.context)  # whole rows only
     pipe = conveyor.Pipeline(
         model,
         loss_fn=None,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        chunks=check_chunks(args.schedule, args.chunks, flags=True),
+        microbatches=4,
         context=ctx,
-        sample=(batch(0), None),
+        sample=({"input_ids": rows[:8], "labels": rows[:8]}, None),  # splits it now
         weights=args.weights,
         init_seed=args.init_seed,
     )
@@ -211,12 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     still_meta = sum(p.numel() for p in model.parameters() if p.is_meta)
     print(f"rank {ctx.rank}: stages {list(pipe.held_stages)} hold {held:,} of {whole:,} "
           f"parameters ({held / whole:.0%}); {still_meta:,} stay on the meta device")  # fmt: skip
-    say = printer(ctx)
-    say(pipe)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    loss = train(pipe, opt, lambda step: pipe.train_step(batch(step), None), args.steps, args, say)
+    if ctx.rank == 0:
+        print(pipe)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    trainer = conveyor.Trainer(pipe, opt, callbacks=[ProgressBar()], checkpoint_dir=args.save)
+    trainer.fit(
+        StackDataset(input_ids=rows, labels=rows), batch_size=args.batch_size, max_steps=args.steps
+    )
     print(f"rank {ctx.rank}: peak resident memory {peak_memory_mib():.0f} MiB")
-    return 0 if math.isfinite(loss.item()) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,9 +11,15 @@ stage; the embeddings take stage 0 and the final norm and head the last stage, b
 un-annotated modules take the stage of the data they consume. The tied weight lives on the
 first and the last stage; conveyor finds it and keeps both copies equal.
 
-With ``--checkpoint DIR`` the run saves every ``--save-every`` steps and resumes from DIR
-when started again (or restarted by ``--max-restarts``): batch ``k`` is drawn from a
-generator seeded with ``k``, so a resumed run sees the batches the lost one would have.
+``--dp``, ``--tp`` and ``--fsdp`` add data parallelism, tensor parallelism (the blocks
+are written so ``tp_plan()`` can shard them) and FSDP2 to the pipeline.
+
+The training loop is written out here, with conveyor's public pieces: ``pipe.train_step``,
+the optimizer, ``conveyor.save`` / ``conveyor.load`` and a ``Progress`` line a tenth of the
+way (``conveyor.Trainer`` runs that loop for you in the other examples). With
+``--checkpoint DIR`` the run saves every ``--save-every`` steps and resumes from DIR when
+started again (or restarted by ``--max-restarts``): batch ``k`` is drawn from a generator
+seeded with ``k``, so a resumed run sees the batches the lost one would have.
 """
 
 from __future__ import annotations
@@ -21,9 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import sysconfig
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,116 +38,6 @@ import conveyor
 from conveyor.checkpoint import exists
 from conveyor.observe.progress import Progress
 from conveyor.schedules import check_chunks
-
-# --- what the other examples have too, copied so that this file runs on its own ---
-
-
-def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
-    """``--pp``, ``--schedule``, ``--chunks``, ``--microbatches``, ``--checkpoint`` and
-    ``--save-every``."""
-    ap.add_argument(
-        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
-    )
-    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
-    )
-    ap.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
-    )
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
-    ap.add_argument(
-        "--save-every",
-        type=int,
-        default=50,
-        metavar="K",
-        help="steps between saves (default: %(default)s)",
-    )
-
-
-def context(args: argparse.Namespace, dp: int = 1, tp: int = 1) -> conveyor.Context:
-    """``--pp`` pipeline ranks; without it, as many as the launched processes allow, or two
-    in one process when started with plain ``python``."""
-    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
-    return conveyor.init(pp=pp, dp=dp, tp=tp)
-
-
-def printer(ctx: conveyor.Context) -> Callable[..., None]:
-    """``print`` on rank 0, nothing elsewhere."""
-    return print if ctx.rank == 0 else (lambda *a, **k: None)
-
-
-def train(
-    pipe: conveyor.Pipeline,
-    opt: torch.optim.Optimizer,
-    step_of: Callable[[int], torch.Tensor],
-    steps: int,
-    args: argparse.Namespace,
-    say: Callable[..., Any],
-) -> torch.Tensor:
-    """Resume from ``--checkpoint`` if it holds one, run the steps that are left
-    (``step_of(k)`` trains step k and returns its loss), log a tenth of the way each, save
-    every ``--save-every`` steps and at the end; returns the last loss."""
-    start = 0
-    if args.checkpoint and exists(args.checkpoint):
-        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, steps)
-        say(f"resumed from {args.checkpoint} at step {start}")
-    progress = Progress(pipe, steps - start, every=max(steps // 10, 1))
-    progress.count = start
-    loss = torch.tensor(0.0)
-    for step in range(start, steps):
-        loss = step_of(step)
-        opt.step()
-        opt.zero_grad()
-        progress.step(loss, args.batch_size)
-        done = step + 1
-        if args.checkpoint and (done % args.save_every == 0 or done == steps):
-            conveyor.save(pipe, args.checkpoint, opt, step=done)
-    progress.close()
-    return loss
-
-
-def where(ctx: conveyor.Context, fsdp: bool = False) -> str:
-    """Where the stages run, for the first line a run prints."""
-    if not ctx.distributed:
-        return f"in one process ({ctx.pp_size} pipeline ranks simulated)"
-    place = f"on {ctx.pp_size} ranks"
-    if ctx.dp_size > 1 or ctx.tp_size > 1:
-        replicas = f"{ctx.dp_size} replicas{' (FSDP)' if fsdp else ''}"
-        place += f" x {replicas} x {ctx.tp_size} tensor-parallel"
-    return place
-
-
-def corpus(limit: int) -> str:
-    """Up to ``limit`` characters of the standard library's Python source, sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts: list[str] = []
-    size = 0
-    for path in sorted(root.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= limit:
-            break
-    return "".join(parts)[:limit]
-
-
-def encode(text: str) -> tuple[list[str], torch.Tensor]:
-    """The characters of ``text`` (the vocabulary, sorted) and ``text`` as their indices."""
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    return vocab, torch.tensor([lookup[c] for c in text], dtype=torch.long)
-
-
-def windows(data: torch.Tensor, step: int, rows: int, length: int) -> torch.Tensor:
-    """``rows`` windows of ``length + 1`` tokens; the batch of a step depends on the step
-    alone, so a run resumed from a checkpoint repeats nothing."""
-    gen = torch.Generator().manual_seed(step)
-    at = torch.randint(len(data) - length - 1, (rows,), generator=gen)
-    return torch.stack([data[i : i + length + 1] for i in at.tolist()])
-
-
-# --- this example ---
 
 
 class Block(nn.Module):
@@ -225,6 +119,26 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def corpus(limit: int) -> tuple[list[str], torch.Tensor]:
+    """The characters of up to ``limit`` characters of the standard library's Python source
+    (the vocabulary, sorted) and that text as their indices."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in files)[:limit]
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    return vocab, torch.tensor([lookup[c] for c in text], dtype=torch.long)
+
+
+def windows(data: torch.Tensor, step: int, rows: int, length: int) -> torch.Tensor:
+    """Step ``step``'s batch: ``rows`` windows of ``length + 1`` tokens drawn by a generator
+    seeded with the step alone, so a run resumed from a checkpoint sees the batches the lost
+    one would have."""
+    at = torch.randint(
+        len(data) - length - 1, (rows,), generator=torch.Generator().manual_seed(step)
+    )
+    return torch.stack([data[i : i + length + 1] for i in at.tolist()])
+
+
 def sample(
     pipe: conveyor.Pipeline,
     ctx: conveyor.Context,
@@ -251,55 +165,47 @@ def sample(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_pipeline_options(ap)
-    ap.add_argument("--steps", type=int, default=300, help="training steps (default: %(default)s)")
-    ap.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per step (default: %(default)s)"
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument(
-        "--context", type=int, default=64, help="characters per sequence (default: %(default)s)"
-    )
-    ap.add_argument("--width", type=int, default=128, help="model width (default: %(default)s)")
-    ap.add_argument(
-        "--depth", type=int, default=4, help="transformer blocks (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--heads", type=int, default=4, help="attention heads per block (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--lr", type=float, default=3e-3, help="AdamW's learning rate (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--chars",
+        "--pp",
         type=int,
-        default=2_000_000,
-        help="corpus size in characters (default: %(default)s)",
+        default=None,
+        help="pipeline ranks; None: the processes / (dp x tp), or 2 in one process",
     )
-    ap.add_argument(
-        "--sample", type=int, default=200, help="characters to generate (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--dp", type=int, default=1, help="data-parallel replicas (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel ranks per pipeline rank, sharding attention and MLP "
-        "(default: %(default)s)",
-    )
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline rank")
     ap.add_argument(
         "--fsdp",
         action="store_true",
         help="shard parameters, gradients and optimizer state over the --dp replicas",
     )
+    ap.add_argument("--schedule", default="1f1b", help="pipeline schedule")
+    ap.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank; None: the schedule's"
+    )
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--steps", type=int, default=300, help="training steps")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    ap.add_argument("--context", type=int, default=64, help="characters per sequence")
+    ap.add_argument("--width", type=int, default=128, help="model width")
+    ap.add_argument("--depth", type=int, default=4, help="transformer blocks")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    ap.add_argument("--chars", type=int, default=2_000_000, help="corpus size in characters")
+    ap.add_argument("--sample", type=int, default=200, help="characters to generate")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to and resume from DIR")
+    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    ctx = context(args, dp=args.dp, tp=args.tp)
-    text = corpus(args.chars)
-    vocab, data = encode(text)
+    # Under conveyor launch the processes give the pipeline ranks; alone, simulate two.
+    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
+    ctx = conveyor.init(pp=pp, dp=args.dp, tp=args.tp)
+    say = print if ctx.rank == 0 else (lambda *a: None)
+    vocab, data = corpus(args.chars)
     model = GPT(len(vocab), args.context, args.width, args.depth, args.heads)
     count = sum(p.numel() for p in model.parameters())  # before sharding unties the copies
     chunks = check_chunks(args.schedule, args.chunks, flags=True)
@@ -315,19 +221,29 @@ def main(argv: list[str] | None = None) -> int:
         tp_plan=tp_plan() if args.tp > 1 else None,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    say = printer(ctx)
-    say(
-        f"{len(text):,} characters, vocabulary {len(vocab)}, "
-        f"{count:,} parameters, "
-        f"{pipe.schedule.stages} stages {where(ctx, args.fsdp)} ({args.schedule})"
-    )
+    say(f"{len(data):,} characters, vocabulary {len(vocab)}, {count:,} parameters")
+    say(pipe)
 
-    def step_of(step: int) -> torch.Tensor:
+    # The loop, written out: conveyor.Trainer (examples/resnet.py) does the same for you.
+    start = 0
+    if args.checkpoint and exists(args.checkpoint):  # a second run, or torchrun's restart
+        start = min(conveyor.load(pipe, args.checkpoint, opt) or 0, args.steps)
+        say(f"resumed from {args.checkpoint} at step {start}")
+    progress = Progress(pipe, args.steps - start)  # a log line a tenth of the way
+    progress.count = start
+    loss = torch.tensor(0.0)
+    for step in range(start, args.steps):
         rows = windows(data, step, args.batch_size, args.context)
         rows = rows[ctx.dp_rank :: ctx.dp_size]  # this replica's share of the batch
-        return pipe.train_step(rows[:, :-1], rows[:, 1:])
+        loss = pipe.train_step(rows[:, :-1], rows[:, 1:])
+        opt.step()
+        opt.zero_grad()
+        progress.step(loss, args.batch_size)
+        done = step + 1
+        if args.checkpoint and (done % args.save_every == 0 or done == args.steps):
+            conveyor.save(pipe, args.checkpoint, opt, step=done)
+    progress.close()
 
-    loss = train(pipe, opt, step_of, args.steps, args, say)
     out = sample(pipe, ctx, [vocab.index(c) for c in "def "], args.sample, args.context)
     say("sample:\n" + "".join(vocab[i] for i in out[0].tolist()))
     return 0 if math.isfinite(loss.item()) else 1

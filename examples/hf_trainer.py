@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
@@ -54,38 +54,25 @@ def gpt2(args: argparse.Namespace) -> GPT2LMHeadModel:
     )  # fmt: skip
 
 
-def options(ap: argparse.ArgumentParser) -> Callable[[str, object, str], None]:
-    """The model's, data's and pipeline's options; returns the helper that adds one."""
-
-    def option(name: str, default: object, what: str) -> None:
-        kind = type(default) if default is not None else int
-        ap.add_argument(name, type=kind, default=default, help=f"{what} (default: %(default)s)")
-
-    option("--steps", 200, "optimizer steps")
-    option("--layers", 4, "GPT-2 blocks")
-    option("--width", 64, "model width")
-    option("--vocab", 64, "vocabulary size")
-    option("--length", 32, "tokens per sequence")
-    option("--batch-size", 16, "sequences per replica and step")
-    option("--microbatches", 4, "micro-batches per step")
-    option("--schedule", "1f1b", "pipeline schedule")
-    option("--pp", None, "pipeline ranks; None: processes / dp, or 2 in one process")
-    option("--dp", 1, "data-parallel replicas")
-    return option
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    options(ap)
-    ap.add_argument("--output", default=None, help="output directory (default: a temporary one)")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    ap.add_argument("--layers", type=int, default=4, help="GPT-2 blocks")
+    ap.add_argument("--width", type=int, default=64, help="model width")
+    ap.add_argument("--vocab", type=int, default=64, help="vocabulary size")
+    ap.add_argument("--length", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per replica and step")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--schedule", default="1f1b", help="pipeline schedule")
+    ap.add_argument("--pp", type=int, help="pipeline ranks; None: processes / dp, or 2 alone")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    ap.add_argument("--output", help="output directory; None: a temporary one")
     args = ap.parse_args(argv)
 
-    import torch.distributed as dist
-
-    launched = dist.is_torchelastic_launched()
-    pp = args.pp or (None if launched else 2)
+    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
     model = gpt2(args)
     output = args.output or tempfile.mkdtemp(prefix="hf-trainer-")
     training = TrainingArguments(

@@ -32,9 +32,7 @@ or skipped.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,82 +43,10 @@ from torch.utils.data import TensorDataset
 
 import conveyor
 from conveyor.schedules import check_chunks
-from conveyor.training import Callback, ProgressBar
+from conveyor.training import ProgressBar
 
 MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
-
-
-# --- what the other examples have too, copied so that this file runs on its own ---
-
-
-def add_pipeline_options(ap: argparse.ArgumentParser) -> None:
-    """``--pp``, ``--schedule``, ``--chunks``, ``--microbatches``, ``--checkpoint`` and
-    ``--save-every``."""
-    ap.add_argument(
-        "--pp", type=int, default=None, help="pipeline ranks (default: processes, or 2)"
-    )
-    ap.add_argument("--schedule", default="1f1b", help="schedule name (default: %(default)s)")
-    ap.add_argument(
-        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
-    )
-    ap.add_argument(
-        "--microbatches", type=int, default=4, help="micro-batches per step (default: %(default)s)"
-    )
-    ap.add_argument("--checkpoint", default=None, metavar="DIR", help="save to / resume from DIR")
-    ap.add_argument(
-        "--save-every",
-        type=int,
-        default=50,
-        metavar="K",
-        help="steps between saves (default: %(default)s)",
-    )
-
-
-def context(args: argparse.Namespace, dp: int = 1, tp: int = 1) -> conveyor.Context:
-    """``--pp`` pipeline ranks; without it, as many as the launched processes allow, or two
-    in one process when started with plain ``python``."""
-    pp = args.pp or (None if dist.is_torchelastic_launched() else 2)
-    return conveyor.init(pp=pp, dp=dp, tp=tp)
-
-
-def printer(ctx: conveyor.Context) -> Callable[..., None]:
-    """``print`` on rank 0, nothing elsewhere."""
-    return print if ctx.rank == 0 else (lambda *a, **k: None)
-
-
-def trainer(
-    pipe: conveyor.Pipeline,
-    opt: torch.optim.Optimizer,
-    args: argparse.Namespace,
-    callbacks: tuple[Callback, ...] = (),
-    **options: Any,
-) -> conveyor.Trainer:
-    """A :class:`conveyor.Trainer` that logs a tenth of the way and, with ``--checkpoint``,
-    saves every ``--save-every`` steps (resume with ``fit(..., resume=True)``);
-    ``options`` are the Trainer's other keywords (``lr_scheduler``, ``max_grad_norm``)."""
-    return conveyor.Trainer(
-        pipe,
-        opt,
-        callbacks=[ProgressBar(), *callbacks],
-        checkpoint_dir=args.checkpoint,
-        checkpoint_every=args.save_every if args.checkpoint else None,
-        **options,
-    )
-
-
-def where(ctx: conveyor.Context, fsdp: bool = False) -> str:
-    """Where the stages run, for the first line a run prints."""
-    if not ctx.distributed:
-        return f"in one process ({ctx.pp_size} pipeline ranks simulated)"
-    place = f"on {ctx.pp_size} ranks"
-    if ctx.dp_size > 1 or ctx.tp_size > 1:
-        replicas = f"{ctx.dp_size} replicas{' (FSDP)' if fsdp else ''}"
-        place += f" x {replicas} x {ctx.tp_size} tensor-parallel"
-    return place
-
-
-# --- this example ---
 
 
 class Bottleneck(nn.Module):
@@ -213,49 +139,46 @@ def random_cifar(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 3, 32, 32, generator=gen), torch.randint(10, (n,), generator=gen)
 
 
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as it is written, and each option's default."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument(
         "--data",
         type=Path,
-        default=None,
         metavar="DIR",
-        help="the cifar-10-batches-bin folder (default: random images)",
+        help="the cifar-10-batches-bin folder; None: random images",
     )
-    add_pipeline_options(ap)
-    ap.add_argument(
-        "--batch-size", type=int, default=64, help="images per step (default: %(default)s)"
-    )
-    ap.add_argument(
-        "--steps", type=int, default=0, help="stop after this many steps (default: 0, one epoch)"
-    )
+    ap.add_argument("--pp", type=int, help="pipeline ranks; None: the processes, or 2 alone")
+    ap.add_argument("--schedule", default="1f1b", help="pipeline schedule")
+    ap.add_argument("--chunks", type=int, help="stages per rank; None: the schedule's")
+    ap.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--batch-size", type=int, default=64, help="images per step")
+    ap.add_argument("--steps", type=int, default=0, help="stop after this many steps; 0: one epoch")
     ap.add_argument(
         "--base",
         type=int,
         default=64,
-        help="width of the first layer group (default: %(default)s, ResNet-50's)",
+        help="width of the first layer group (the default is ResNet-50's)",
     )
     ap.add_argument(
         "--blocks",
         default="3,4,6,3",
-        help="bottleneck blocks per layer group (default: %(default)s, ResNet-50's)",
+        help="bottleneck blocks per layer group (the default is ResNet-50's)",
     )
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
     ap.add_argument(
-        "--lr", type=float, default=0.05, help="SGD's learning rate (default: %(default)s)"
+        "--clip", type=float, default=1.0, help="largest gradient norm, 0 for no clipping"
     )
-    ap.add_argument(
-        "--clip",
-        type=float,
-        default=1.0,
-        help="largest gradient norm, 0 for no clipping (default: %(default)s)",
-    )
+    ap.add_argument("--checkpoint", metavar="DIR", help="save to and resume from DIR")
+    ap.add_argument("--save-every", type=int, default=50, metavar="K", help="steps between saves")
     args = ap.parse_args(argv)
 
     torch.manual_seed(0)
-    ctx = context(args)
-    say = printer(ctx)
+    ctx = conveyor.init(pp=args.pp or (None if dist.is_torchelastic_launched() else 2))
+    say = print if ctx.rank == 0 else (lambda *a: None)
     if args.data is not None:
         x_train, y_train = load_cifar(args.data, train=True)
         x_test, y_test = load_cifar(args.data, train=False)
@@ -281,13 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     say(
         f"ResNet: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{pipe.schedule.stages} stages {where(ctx)} ({args.schedule}), "
         f"{'CIFAR-10' if args.data else 'random data'}: {len(x_train)} images"
     )
+    say(pipe)
     per_epoch = len(x_train) // args.batch_size
     steps = min(per_epoch, args.steps) if args.steps else per_epoch
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    fit = trainer(pipe, opt, args, lr_scheduler=sched, max_grad_norm=args.clip or None)
+    fit = conveyor.Trainer(
+        pipe,
+        opt,
+        lr_scheduler=sched,
+        max_grad_norm=args.clip or None,
+        callbacks=[ProgressBar()],  # a line a tenth of the way
+        checkpoint_dir=args.checkpoint,
+        checkpoint_every=args.save_every if args.checkpoint else None,
+    )
     fit.fit(
         TensorDataset(x_train, y_train),
         batch_size=args.batch_size,

@@ -56,7 +56,7 @@ def test_gpt_learns_in_one_process() -> None:
     assert log.endswith("(one process runs the stages one after another: no bubble to measure)")
     assert "bubble 0." not in out
     assert "sample:\ndef " in out
-    assert "2 stages in one process (2 pipeline ranks simulated) (1f1b)" in out
+    assert "Pipeline(1f1b, 2 ranks x 1 chunks = 2 stages, 4 micro-batches, in one process)" in out
 
 
 @pytest.mark.multiprocess
@@ -82,32 +82,52 @@ def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
         ],
         timeout=240,
     )
-    assert "8 stages on 4 ranks (interleaved-1f1b)" in out
+    assert "Pipeline(interleaved-1f1b, 4 ranks x 2 chunks = 8 stages, 4 micro-batches)" in out
     assert len(losses(out)) >= 2 and "sample:" in out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_hf_llama_learns_and_saves_checkpoints(tmp_path: Path) -> None:
+def test_gpt_resumed_from_its_checkpoint_trains_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The docstring's promise: a run started again resumes from --checkpoint and sees the
+    batches the lost one would have, so its losses are the uninterrupted run's."""
+    tiny = [sys.executable, "examples/gpt.py", *GPT_TINY, "--steps", "12"]
+    whole = losses(run(tiny))
+    saved = ["--checkpoint", str(tmp_path), "--save-every", "4"]
+    run([*tiny[:-1], "8", *saved])
+    out = run([*tiny, *saved])
+    assert f"resumed from {tmp_path} at step 8" in out
+    again = losses(out)
+    assert len(again) >= 2 and len(whole) == 12, out
+    assert again == whole[-len(again) :]  # printed to 4 decimals
+    assert (tmp_path / "latest").read_text().startswith("step-00000012-")
+
+
+LLAMA_TINY = ["examples/hf_llama.py", "--bytes", "20000", "--width", "32", "--depth", "2",
+              "--context", "16", "--schedule", "zb-h1"]  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_hf_llama_learns_saves_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """conveyor.Trainer with the model's own loss learns, saves every --save-every steps,
+    and a run stopped at step 20 and started again ends where the uninterrupted one does."""
     pytest.importorskip("transformers")
-    tiny = [
-        sys.executable,
-        "examples/hf_llama.py",
-        *GPT_TINY,
-        "--checkpoint",
-        str(tmp_path),
-        "--save-every",
-        "10",
-        "--schedule",
-        "zb-h1",
-    ]
-    out = run(tiny)
+    saved = ["--save-every", "10", "--checkpoint"]
+    out = run([sys.executable, *LLAMA_TINY, "--steps", "30", *saved, str(tmp_path / "a")])
     seen = losses(out)
     assert len(seen) >= 5 and seen[-1] < seen[0] - 0.5, out  # it learns
     assert "LlamaForCausalLM in 2 stages (captured with torch.export" in out
     assert "stage 1 on rank 1: lm_head, model.layers.1, model.norm" in out
-    assert "sample:\ndef " in out
-    assert (tmp_path / "latest").read_text().startswith("step-00000030-")
+    assert (tmp_path / "a" / "latest").read_text().startswith("step-00000030-")
+    held_out = float(out.split("held-out loss ")[1].split()[0])
+    assert held_out < seen[0] - 0.5, out
+    run([sys.executable, *LLAMA_TINY, "--steps", "20", *saved, str(tmp_path / "b")])
+    again = run([sys.executable, *LLAMA_TINY, "--steps", "30", *saved, str(tmp_path / "b")])
+    assert f"resuming from {tmp_path / 'b'}" in again
+    steps = [int(line.split()[1]) for line in again.splitlines() if line.startswith("step")]
+    assert steps[0] == 21 and steps[-1] == 30 and losses(again)[-1] == seen[-1], again
+    assert float(again.split("held-out loss ")[1].split()[0]) == pytest.approx(held_out, rel=1e-4)
 
 
 @pytest.mark.multiprocess
@@ -124,7 +144,8 @@ def test_resnet_on_random_data_under_launch() -> None:
             *RESNET_TINY,
         ]
     )
-    assert "2 stages on 2 ranks" in out and "random data" in out
+    assert "Pipeline(1f1b, 2 ranks x 1 chunks = 2 stages, 4 micro-batches)" in out
+    assert "random data" in out
     assert "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz" in out
     assert "held-out accuracy" in out
 
@@ -171,9 +192,9 @@ def test_big_model_ranks_hold_their_own_stages_and_load_weights(tmp_path: Path) 
     """examples/big_model.py: built on the meta device; each of 2 ranks holds its stages
     only (the rest stays meta), initialized, then loaded from a checkpoint."""
     pytest.importorskip("transformers")
-    tiny = ["examples/big_model.py", "--steps", "4", "--chars", "20000", "--width", "32",
-            "--depth", "2", "--context", "16"]  # fmt: skip
-    first = run([sys.executable, *tiny, "--checkpoint", str(tmp_path), "--save-every", "4"])
+    tiny = ["examples/big_model.py", "--steps", "4", "--width", "32", "--depth", "2",
+            "--context", "16"]  # fmt: skip
+    first = run([sys.executable, *tiny, "--save", str(tmp_path)])
     assert "rank 0: stages [0, 1] hold" in first and "(100%); 0 stay on the meta device" in first
     out = run([sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", *tiny,
                "--weights", str(tmp_path)], timeout=240)  # fmt: skip
