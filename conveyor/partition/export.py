@@ -83,14 +83,18 @@ def capture_export(
     gm = program.module()
     graph = gm.graph
     as_module_calls(graph, whole)  # expert collections and tp modules run as modules
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        _devices_of_inputs(graph, args, kwargs)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     guards = getattr(gm, "_guards_fn", None)
-    for node in list(graph.nodes):  # stage 0 checks the guards itself (check_inputs)
-        guard = node.op == "call_module" and node.target == "_guards_fn"
-        # export's checks of the dtypes it saw: under autocast the stages see others
-        if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.erase_node(node)
+    for body in _bodies(gm):
+        if on_meta:
+            _devices_of_inputs(body.graph, args, kwargs)
+        for node in list(body.graph.nodes):  # stage 0 checks the guards itself (check_inputs)
+            guard = node.op == "call_module" and node.target == "_guards_fn"
+            # export's checks of the dtypes it saw: under autocast the stages see others
+            if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
+                body.graph.erase_node(node)
+        if body is not gm:
+            body.recompile()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fixed = tuple(_fixed_sizes(n.meta.get("val")) for n in placeholders)
     layout = InputLayout(
@@ -107,6 +111,22 @@ def capture_export(
         inputs=layout,
         output_spec=program.call_spec.out_spec,
     )
+
+
+def _bodies(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and, depth first, the bodies of its higher-order operations (the graph
+    modules its ``get_attr`` nodes read): every graph a rewrite of the capture must reach.
+
+    transformers 5.0-5.23 decorate the rotary embedding's ``forward`` with
+    ``torch.no_grad()``; export records that region as a ``wrap_with_set_grad_enabled``
+    call whose body is a submodule, with its own ``meta`` devices and metadata checks.
+    From 5.24 the region is inline in the top graph."""
+    yield gm
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            body = getattr(gm, str(node.target), None)
+            if isinstance(body, fx.GraphModule):
+                yield from _bodies(body)
 
 
 def _devices_of_inputs(graph: fx.Graph, args: Any, kwargs: Any) -> None:
