@@ -53,8 +53,10 @@ def capture_export(
     from torch.export import Dim, ShapesCollection
 
     args, kwargs = _call_arguments(_at_least_two(sample))
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    traced_args, traced_kwargs = _where_parameters_are(on_meta, args, kwargs)
     dynamic: Any = ShapesCollection()  # type: ignore[no-untyped-call]
-    for leaf in pytree.tree_leaves((args, kwargs)):
+    for leaf in pytree.tree_leaves((traced_args, traced_kwargs)):
         if isinstance(leaf, torch.Tensor):
             dynamic[leaf] = {i: Dim.AUTO for i in range(leaf.dim())}
     modes = [(m, m.training) for m in model.modules()]
@@ -63,11 +65,11 @@ def capture_export(
         with _quiet(), recorded_as_calls(model, kept or {}) as whole:
             try:
                 program = torch.export.export(
-                    model, args, kwargs, dynamic_shapes=dynamic, strict=False
+                    model, traced_args, traced_kwargs, dynamic_shapes=dynamic, strict=False
                 )
             except AssertionError:
                 # torch 2.13 cannot map dynamic shapes onto extra ``**kwargs``: fix every size.
-                program = torch.export.export(model, args, kwargs, strict=False)
+                program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as export_error:
         config = getattr(model, "config", None)
         if getattr(config, "use_cache", False) and "Cache" in str(export_error):
@@ -83,7 +85,6 @@ def capture_export(
     gm = program.module()
     graph = gm.graph
     as_module_calls(graph, whole)  # expert collections and tp modules run as modules
-    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     guards = getattr(gm, "_guards_fn", None)
     for body in _bodies(gm):
         if on_meta:
@@ -111,6 +112,23 @@ def capture_export(
         inputs=layout,
         output_spec=program.call_spec.out_spec,
     )
+
+
+def _where_parameters_are(on_meta: bool, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The sample export runs a model on: on the meta device when the model's parameters
+    are (``conveyor.empty_weights``), else as given.
+
+    torch 2.10-2.12 cannot export an embedding of meta weights looked up with real token
+    ids ("Unhandled FakeTensor Device Propagation for aten.embedding"); from 2.13 mixing
+    the two works. Export records only shapes and dtypes of the sample, and
+    :func:`_devices_of_inputs` writes the real inputs' device back into the graph."""
+    if not on_meta:
+        return args, kwargs
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    return pytree.tree_map(meta, args), pytree.tree_map(meta, kwargs)
 
 
 def _bodies(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
