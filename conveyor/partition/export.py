@@ -53,8 +53,10 @@ def capture_export(
     from torch.export import Dim, ShapesCollection
 
     args, kwargs = _call_arguments(_at_least_two(sample))
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    traced_args, traced_kwargs = _where_parameters_are(on_meta, args, kwargs)
     dynamic: Any = ShapesCollection()  # type: ignore[no-untyped-call]
-    for leaf in pytree.tree_leaves((args, kwargs)):
+    for leaf in pytree.tree_leaves((traced_args, traced_kwargs)):
         if isinstance(leaf, torch.Tensor):
             dynamic[leaf] = {i: Dim.AUTO for i in range(leaf.dim())}
     modes = [(m, m.training) for m in model.modules()]
@@ -63,11 +65,11 @@ def capture_export(
         with _quiet(), recorded_as_calls(model, kept or {}) as whole:
             try:
                 program = torch.export.export(
-                    model, args, kwargs, dynamic_shapes=dynamic, strict=False
+                    model, traced_args, traced_kwargs, dynamic_shapes=dynamic, strict=False
                 )
             except AssertionError:
                 # torch 2.13 cannot map dynamic shapes onto extra ``**kwargs``: fix every size.
-                program = torch.export.export(model, args, kwargs, strict=False)
+                program = torch.export.export(model, traced_args, traced_kwargs, strict=False)
     except Exception as export_error:
         config = getattr(model, "config", None)
         if getattr(config, "use_cache", False) and "Cache" in str(export_error):
@@ -83,14 +85,17 @@ def capture_export(
     gm = program.module()
     graph = gm.graph
     as_module_calls(graph, whole)  # expert collections and tp modules run as modules
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        _devices_of_inputs(graph, args, kwargs)
     guards = getattr(gm, "_guards_fn", None)
-    for node in list(graph.nodes):  # stage 0 checks the guards itself (check_inputs)
-        guard = node.op == "call_module" and node.target == "_guards_fn"
-        # export's checks of the dtypes it saw: under autocast the stages see others
-        if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.erase_node(node)
+    for body in _bodies(gm):
+        if on_meta:
+            _devices_of_inputs(body.graph, args, kwargs)
+        for node in list(body.graph.nodes):  # stage 0 checks the guards itself (check_inputs)
+            guard = node.op == "call_module" and node.target == "_guards_fn"
+            # export's checks of the dtypes it saw: under autocast the stages see others
+            if guard or node.target is torch.ops.aten._assert_tensor_metadata.default:
+                body.graph.erase_node(node)
+        if body is not gm:
+            body.recompile()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fixed = tuple(_fixed_sizes(n.meta.get("val")) for n in placeholders)
     layout = InputLayout(
@@ -107,6 +112,39 @@ def capture_export(
         inputs=layout,
         output_spec=program.call_spec.out_spec,
     )
+
+
+def _where_parameters_are(on_meta: bool, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The sample export runs a model on: on the meta device when the model's parameters
+    are (``conveyor.empty_weights``), else as given.
+
+    torch 2.10-2.12 cannot export an embedding of meta weights looked up with real token
+    ids ("Unhandled FakeTensor Device Propagation for aten.embedding"); from 2.13 mixing
+    the two works. Export records only shapes and dtypes of the sample, and
+    :func:`_devices_of_inputs` writes the real inputs' device back into the graph."""
+    if not on_meta:
+        return args, kwargs
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    return pytree.tree_map(meta, args), pytree.tree_map(meta, kwargs)
+
+
+def _bodies(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    """``gm`` and, depth first, the bodies of its higher-order operations (the graph
+    modules its ``get_attr`` nodes read): every graph a rewrite of the capture must reach.
+
+    transformers 5.0-5.23 decorate the rotary embedding's ``forward`` with
+    ``torch.no_grad()``; export records that region as a ``wrap_with_set_grad_enabled``
+    call whose body is a submodule, with its own ``meta`` devices and metadata checks.
+    From 5.24 the region is inline in the top graph."""
+    yield gm
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            body = getattr(gm, str(node.target), None)
+            if isinstance(body, fx.GraphModule):
+                yield from _bodies(body)
 
 
 def _devices_of_inputs(graph: fx.Graph, args: Any, kwargs: Any) -> None:
