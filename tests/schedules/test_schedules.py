@@ -76,6 +76,7 @@ def test_generated_schedules_are_complete_and_in_dependency_order(schedule: Sche
         done.add(action)
 
 
+@pytest.mark.slow  # an exhaustive sweep; the property tests cover it in the fast lane
 def test_interleaved_is_valid_for_every_size_up_to_8_ranks_32_microbatches() -> None:
     # Exhaustive: this is where Megatron's own warm-up rule would deadlock.
     for p in range(1, 9):

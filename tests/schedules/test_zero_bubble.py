@@ -71,6 +71,7 @@ def test_new_schedules_are_complete_valid_and_placed(name: str, p: int, m: int) 
                 assert order == sorted(order)
 
 
+@pytest.mark.slow  # an exhaustive sweep; the property tests cover it in the fast lane
 def test_zbv_and_zb_h1_are_valid_for_every_size_up_to_8_ranks_32_microbatches() -> None:
     # Exhaustive for the two cheap closed-form generators (ZB-V below m = 2p-1 drops the
     # actions of micro-batches that do not exist from the 2p-1 pattern).
@@ -332,6 +333,7 @@ def test_cli_reports_a_v_schedule_without_chunks_in_one_sentence(
     assert "pass --chunks 2" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_generating_and_validating_large_zero_bubble_schedules_is_fast() -> None:
     for name, v in (("zb-h1", 1), ("zbv", 2)):
         start = time.perf_counter()
