@@ -15,7 +15,6 @@ read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_ste
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,20 +30,13 @@ from conveyor.context import in_torchrun, init
 from conveyor.errors import ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
 from conveyor.integrations._hf_model import Stages, gather_state_dict, without_cache
+from conveyor.integrations._keywords import INIT_KEYS, pipeline_keys
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
 
-# conveyor.init's keywords, derived as PIPELINE_KEYS below (a new one needs no edit here).
-INIT_KEYS = tuple(inspect.signature(init).parameters)
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
-# Pipeline's keywords, less those the trainer sets itself: derived, so a new keyword of
-# Pipeline is a pipeline option without a second list to keep.
-_SET_HERE = ("loss_fn", "context", "sample", "autocast")
-PIPELINE_KEYS = tuple(
-    name
-    for name, p in inspect.signature(Pipeline.__init__).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _SET_HERE
-)
+# Pipeline's keywords the trainer sets itself; the others are pipeline options.
+PIPELINE_KEYS = pipeline_keys(("loss_fn", "context", "sample", "autocast"))
 
 
 class PipelineTrainer(Trainer):

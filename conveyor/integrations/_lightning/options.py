@@ -3,14 +3,12 @@ signatures (so a keyword either gains works here unchanged), and the ones it ref
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.context import init
 from conveyor.errors import ConfigError
-from conveyor.pipeline import Pipeline
+from conveyor.integrations._keywords import INIT_KEYS, pipeline_keys
 
 NOT_OPTIONS = {
     "self": "",
@@ -22,12 +20,6 @@ NOT_OPTIONS = {
 """``Pipeline`` keywords the strategy sets itself, and what to do instead."""
 
 START_METHODS = ("popen", "spawn", "fork")
-
-
-def keywords(function: Callable[..., Any]) -> list[str]:
-    """The keyword parameters of ``function``."""
-    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return [n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds]
 
 
 @dataclass(frozen=True)
@@ -56,8 +48,8 @@ class StrategyOptions:
         if refused:
             name = refused[0]
             raise ConfigError(f"PipelineStrategy does not take {name}=; {NOT_OPTIONS[name]}")
-        init_keys = [k for k in keywords(init) if k not in ("pp", "dp")]
-        pipe_keys = [k for k in keywords(Pipeline.__init__) if k not in NOT_OPTIONS]
+        init_keys = [k for k in INIT_KEYS if k not in ("pp", "dp")]
+        pipe_keys = list(pipeline_keys(NOT_OPTIONS))
         unknown = sorted(set(options) - set(init_keys) - set(pipe_keys))
         if unknown:
             raise ConfigError(
