@@ -122,7 +122,7 @@ class FileWriter:
             return
         flat = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._file.seek(self._offsets[name])
-        self._file.write(memoryview(flat.numpy()))
+        self._file.write(flat.numpy().data)
 
     def close(self) -> None:
         """Finish the file: every tensor written, on disk (fsync), under its final name."""
