@@ -20,6 +20,7 @@ experts), at a time:
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +56,7 @@ from conveyor.checkpoint.safetensors_file import (
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.storage import FORMAT, LATEST, VERSION, dcp_errors, exists, quiet, read_checkpoint
 
-__all__ = ["BUFFER", "TARGETS", "Conversion", "convert"]
+__all__ = ["BUFFER", "TARGETS", "Conversion", "SafetensorsFiles", "check", "convert"]
 
 TARGETS = ("transformers", "conveyor")
 """The formats :func:`convert` writes."""
@@ -137,15 +138,8 @@ def convert(
             file or a non-empty directory that is not a checkpoint of format ``to``, or
             reading or writing fails.
     """
-    if to not in TARGETS:
-        raise ConfigError(f"to must be 'transformers' or 'conveyor', got {to!r}")
-    try:
-        limit = parse_size(max_shard_size)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    limit = check(src, out, to, config, max_shard_size)
     source, target = Path(src), Path(out)
-    _check_source(source, to)
-    _check_out(source, target, to)
     config_dir = Path(config) if config is not None else None
     model = _meta_model(config_dir) if config_dir is not None else None
     if to == "conveyor":
@@ -157,6 +151,40 @@ def convert(
 
 
 # ------------------------------------------------------------------ paths and the model
+def check(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    to: str,
+    config: str | os.PathLike[str] | None = None,
+    max_shard_size: int | str = "5GB",
+) -> int:
+    """The checks :func:`convert` makes before it reads or writes anything.
+
+    Returns:
+        ``max_shard_size`` in bytes.
+
+    Raises:
+        ConfigError: For an unknown ``to``, a bad ``max_shard_size``, or a ``config``
+            without a ``config.json``.
+        CheckpointError: If ``src`` holds no checkpoint of the other format, or ``out``
+            is a file or a non-empty directory that is not a checkpoint of format ``to``.
+    """
+    if to not in TARGETS:
+        raise ConfigError(f"to must be 'transformers' or 'conveyor', got {to!r}")
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config is not None and not (Path(config) / "config.json").is_file():
+        raise ConfigError(
+            f"--config {config} has no config.json; pass the directory of the model's "
+            f"transformers config (what config.save_pretrained writes)"
+        )
+    _check_source(Path(src), to)
+    _check_out(Path(src), Path(out), to)
+    return limit
+
+
 def _is_transformers(path: Path) -> bool:
     """Whether ``path`` is a transformers checkpoint directory or a safetensors file."""
     if path.is_file():
@@ -169,13 +197,12 @@ def _check_source(src: Path, to: str) -> None:
     if not src.exists():
         raise CheckpointError(f"no checkpoint at {src}: the path does not exist; check it")
     if to == "transformers" and not exists(src):
-        other = " (it is a transformers checkpoint: use --to conveyor)" if _is_transformers(src) else ""
+        other = " (a transformers checkpoint: use --to conveyor)" if _is_transformers(src) else ""
         raise CheckpointError(
-            f"{src} is not a conveyor checkpoint{other}; pass a directory written by "
-            f"conveyor.save"
+            f"{src} is not a conveyor checkpoint{other}; pass a directory written by conveyor.save"
         )
     if to == "conveyor" and not _is_transformers(src):
-        other = " (it is a conveyor checkpoint: use --to transformers)" if exists(src) else ""
+        other = " (a conveyor checkpoint: use --to transformers)" if exists(src) else ""
         raise CheckpointError(
             f"{src} is not a transformers checkpoint{other}; pass a directory with "
             f"{SINGLE} or {INDEX}, or a .safetensors file"
@@ -202,25 +229,24 @@ def _check_out(src: Path, out: Path, to: str) -> None:
 def _meta_model(config: Path) -> nn.Module:
     """The transformers model of ``config`` (a directory with config.json), its parameters
     on the meta device: its names, shapes and weight conversions, no memory."""
-    if not (config / "config.json").is_file():
-        raise ConfigError(
-            f"--config {config} has no config.json; pass the directory of the model's "
-            f"transformers config (what config.save_pretrained writes)"
-        )
     import transformers
 
     from conveyor.weights.empty import empty_weights
 
     cfg = transformers.AutoConfig.from_pretrained(str(config))
     classes = [getattr(transformers, a, None) for a in (cfg.architectures or [])]
+    auto: Any = transformers.AutoModelForCausalLM
     with empty_weights():
         cls = next((c for c in classes if c is not None), None)
         if cls is not None:
-            return cls(cfg)  # type: ignore[no-any-return]
+            model: nn.Module = cls(cfg)
+            return model
         try:
-            return transformers.AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-any-return]
-        except ValueError:
-            return transformers.AutoModel.from_config(cfg)  # type: ignore[no-any-return]
+            model = auto.from_config(cfg)
+        except ValueError:  # not a causal LM: the base model
+            auto = transformers.AutoModel
+            model = auto.from_config(cfg)
+        return model
 
 
 def _batches(items: Iterable[tuple[Any, int]], buffer: int) -> Iterator[list[Any]]:
@@ -238,7 +264,7 @@ def _batches(items: Iterable[tuple[Any, int]], buffer: int) -> Iterator[list[Any
 
 
 # ------------------------------------------------------------ conveyor -> transformers
-def _reverse_groups(model: nn.Module | None, names: list[str]) -> list[list[str]]:
+def _reverse_groups(model: Any, names: list[str]) -> list[list[str]]:
     """``names`` grouped as transformers' ``revert_weight_conversion`` converts them
     together (a layer's stacked experts: one group), in order of their first name."""
     try:
@@ -270,7 +296,7 @@ def _reverse_groups(model: nn.Module | None, names: list[str]) -> list[list[str]
     return list(groups.values())
 
 
-def _revert(model: nn.Module | None, values: dict[str, Tensor]) -> dict[str, Tensor]:
+def _revert(model: Any, values: dict[str, Tensor]) -> dict[str, Tensor]:
     """One group's tensors under the names and in the layout transformers saves them."""
     if model is None:
         return values
@@ -454,7 +480,7 @@ class SafetensorsFiles:
                     )
                 start = 8 + length + int(entry["data_offsets"][0])
                 self._at[name] = (file, start, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        self._open: dict[Path, BinaryIO] = {}
+        self._open: dict[Path, io.BufferedReader] = {}
 
     def names(self) -> list[str]:
         """The stored tensors' names, in stored order."""
@@ -474,7 +500,7 @@ class SafetensorsFiles:
         for name in names:
             file, start, dtype, shape = self._at[name]
             value = torch.empty(shape, dtype=dtype)
-            view = memoryview(value.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            view = memoryview(value.reshape(-1).view(torch.uint8).numpy().data)
             if file not in self._open:
                 self._open[file] = open(file, "rb")  # noqa: SIM115 (closed by close())
             f = self._open[file]
