@@ -20,6 +20,9 @@ experts), at a time:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import io
 import json
 import math
@@ -249,6 +252,26 @@ def _meta_model(config: Path) -> nn.Module:
         return model
 
 
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _trim() -> None:
+    """Give freed memory back to the system. glibc keeps a freed block that sat below
+    its heap's top resident, and the small objects each write leaves (DCP's records)
+    fill such holes, so the next tensor of the same size takes new memory: without this,
+    the process would grow by about each tensor up to glibc's mmap threshold (32 MiB)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _batches(items: Iterable[tuple[Any, int]], buffer: int) -> Iterator[list[Any]]:
     """Consecutive items of at most ``buffer`` bytes together (a larger one alone)."""
     batch: list[Any] = []
@@ -267,6 +290,8 @@ def _batches(items: Iterable[tuple[Any, int]], buffer: int) -> Iterator[list[Any
 def _reverse_groups(model: Any, names: list[str]) -> list[list[str]]:
     """``names`` grouped as transformers' ``revert_weight_conversion`` converts them
     together (a layer's stacked experts: one group), in order of their first name."""
+    if model is None:
+        return [[n] for n in names]
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
@@ -274,9 +299,7 @@ def _reverse_groups(model: Any, names: list[str]) -> list[list[str]]:
             WeightConverter,
             apply_converters,
         )
-    except ImportError:  # no model, or a transformers without conversions (< 5)
-        return [[n] for n in names]
-    if model is None:
+    except ImportError:  # a transformers without conversions (< 5)
         return [[n] for n in names]
     # As revert_weight_conversion picks them for a model not loaded by from_pretrained.
     conversions = getattr(model, "_weight_conversions", None)
@@ -362,6 +385,7 @@ def _to_transformers(
                         writers[file_of[name]].write(name, value)
                     del converted
                 del values
+                _trim()
             for w in writers.values():
                 w.close()
         except BaseException:
@@ -500,7 +524,11 @@ class SafetensorsFiles:
         for name in names:
             file, start, dtype, shape = self._at[name]
             value = torch.empty(shape, dtype=dtype)
-            view = memoryview(value.reshape(-1).view(torch.uint8).numpy().data)
+            # The tensor's memory as a writable buffer, through ctypes rather than numpy:
+            # numpy would pin the storage's size, and _LazyPlanner frees it by resizing.
+            view = memoryview((ctypes.c_char * value.nbytes).from_address(value.data_ptr())).cast(
+                "B"
+            )
             if file not in self._open:
                 self._open[file] = open(file, "rb")  # noqa: SIM115 (closed by close())
             f = self._open[file]
@@ -549,17 +577,37 @@ class _MetaReads:
 
 class _LazyPlanner(DefaultSavePlanner):
     """DCP's planner over a state dict of meta tensors: each tensor is read from
-    ``read(name)`` only when DCP writes it, and dropped after."""
+    ``read(name)`` only when DCP writes it.
+
+    DCP's file writer keeps every tensor of a file referenced until the file is closed
+    (it collects them for its safetensors format, whatever the format), and a rank writes
+    one file: the whole checkpoint would stay in memory. With its serial loader (no copy
+    ahead: ``per_thread_copy_ahead=0``) the next tensor is resolved only once the previous
+    one is written, so resolving one frees the memory of the one before.
+    """
 
     def __init__(self, read: Any) -> None:
         super().__init__()
         self._read = read
+        self._last: Tensor | None = None
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         fqn = write_item.index.fqn
-        if fqn.startswith("model/"):
-            return self._read(fqn[len("model/") :])
-        return super().resolve_data(write_item)
+        if not fqn.startswith("model/"):
+            return super().resolve_data(write_item)
+        self.release()
+        value: Tensor = self._read(fqn[len("model/") :])
+        if value.untyped_storage().nbytes() != value.nbytes:
+            value = value.clone()  # its own memory, all of it, to be freed after
+        self._last = value
+        return value
+
+    def release(self) -> None:
+        """Free the memory of the tensor resolved last (DCP has written it)."""
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+            self._last = None
+            _trim()
 
 
 def _ties(model: nn.Module) -> list[list[str]]:
@@ -610,16 +658,21 @@ def _to_conveyor(src: Path, out: Path, model: nn.Module | None) -> Conversion:
         value: Tensor = source.read([name])[name]
         return value.contiguous()
 
+    planner = _LazyPlanner(read)
+
     out.mkdir(parents=True, exist_ok=True)
     ckpt_name = new_name(None)
     try:
         with quiet(), dcp_errors(f"writing a checkpoint to {out}", "the previous one is kept"):
             dcp_save(
                 state,
-                storage_writer=FileSystemWriter(out / f"{ckpt_name}.tmp"),
-                planner=_LazyPlanner(read),
+                storage_writer=FileSystemWriter(
+                    out / f"{ckpt_name}.tmp", thread_count=1, per_thread_copy_ahead=0
+                ),
+                planner=planner,
                 no_dist=True,
             )
+        planner.release()
         commit(out, ckpt_name, meta)
     except BaseException:
         shutil.rmtree(out / f"{ckpt_name}.tmp", ignore_errors=True)
