@@ -236,7 +236,13 @@ def _meta_model(config: Path) -> nn.Module:
 
     from conveyor.weights.empty import empty_weights
 
-    cfg = transformers.AutoConfig.from_pretrained(str(config))
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(str(config))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(
+            f"--config {config}: transformers cannot read its config.json ({exc}); pass the "
+            f"directory of the model's transformers config"
+        ) from None
     classes = [getattr(transformers, a, None) for a in (cfg.architectures or [])]
     auto: Any = transformers.AutoModelForCausalLM
     with empty_weights():
@@ -319,6 +325,17 @@ def _reverse_groups(model: Any, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def _tied_copies(model: nn.Module) -> dict[str, str]:
+    """Each other name of a parameter the model ties -> its first name (the one
+    ``named_parameters`` gives, and the one transformers' ``save_pretrained`` keeps)."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    return {
+        n: first[id(p)]
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if first[id(p)] != n
+    }
+
+
 def _revert(model: Any, values: dict[str, Tensor]) -> dict[str, Tensor]:
     """One group's tensors under the names and in the layout transformers saves them."""
     if model is None:
@@ -345,6 +362,9 @@ def _to_transformers(
     # Model order (conveyor.json's keys), tied weights once: under their stored name.
     order = [n for n in meta["keys"] if n in stored]
     order += [n for n in stored if n not in set(order)]
+    if model is not None:  # copies of a tied weight (each rank of a pipeline saved its own)
+        copies = _tied_copies(model)
+        order = [n for n in order if not (n in copies and copies[n] in stored)]
     groups = _reverse_groups(model, order)
     # What each group becomes, on the meta device: the files' headers come first.
     outputs: list[list[TensorInfo]] = []
@@ -482,7 +502,7 @@ class SafetensorsFiles:
             files = [path / SINGLE]
         else:
             weight_map: dict[str, str] = json.loads((path / INDEX).read_text())["weight_map"]
-            files = [path / f for f in dict.fromkeys(weight_map.values())]
+            files = [path / f for f in sorted(set(weight_map.values()))]  # shard order
         # name -> (file, absolute offset, dtype, shape)
         self._at: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
         for file in files:
@@ -494,9 +514,8 @@ class SafetensorsFiles:
                 raise CheckpointError(
                     f"cannot read the safetensors header of {file}: {exc}; is it damaged?"
                 ) from None
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
+            entries = [(n, e) for n, e in header.items() if n != "__metadata__"]
+            for name, entry in sorted(entries, key=lambda e: int(e[1]["data_offsets"][0])):
                 if entry["dtype"] not in _DTYPES:
                     raise CheckpointError(
                         f"{file} stores {name} as {entry['dtype']}, which conveyor cannot "

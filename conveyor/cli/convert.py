@@ -78,7 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config=args.config,
                 max_shard_size=args.max_shard_size,
             )
-    except (ConfigError, CheckpointError, OSError) as error:
+    except ConfigError as error:  # --config that transformers cannot read
+        print(f"conveyor convert: error: {error}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as error:  # reading or writing failed
         print(f"conveyor convert: error: {error}", file=sys.stderr)
         return 1
     gib = done.nbytes / 2**30
