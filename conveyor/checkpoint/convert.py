@@ -461,8 +461,17 @@ def _publish(stage: Path, out: Path, written: list[str], replaced: list[str]) ->
         os.rename(stage, out)
         return
     last = [n for n in (INDEX, SINGLE) if n in written][:1]
-    for name in [*(n for n in written if n not in last), *last]:
-        os.replace(stage / name, out / name)
+    moved: list[str] = []
+    try:
+        for name in [*(n for n in written if n not in last), *last]:
+            os.replace(stage / name, out / name)
+            moved.append(name)
+    except BaseException:
+        # The old checkpoint is still the current one: drop the new files beside it.
+        for name in moved:
+            if name.endswith(".safetensors") and name not in replaced:
+                (out / name).unlink(missing_ok=True)
+        raise
     for name in replaced:
         if name not in written:
             (out / name).unlink(missing_ok=True)

@@ -9,6 +9,7 @@ stores in another layout than it holds them (slow lane)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -181,6 +182,23 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
     assert not list(tmp_path.glob(".*.tmp"))
     monkeypatch.undo()
+    # ... and so does one that fails while it moves the new files in: the index last.
+    import conveyor.checkpoint.convert as module
+
+    replace, moves = os.replace, []
+
+    def failing_move(src: Any, dst: Any) -> None:
+        if Path(dst).parent == hf:
+            moves.append(dst)
+            if len(moves) == 2:
+                raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(module.os, "replace", failing_move)
+    with pytest.raises(OSError, match="No space left"):
+        _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
 
     # A conveyor checkpoint replaces the one in OUT like conveyor.save does.
     _quiet_convert(hf, tmp_path / "back", to="conveyor")
