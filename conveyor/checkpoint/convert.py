@@ -420,7 +420,18 @@ def _to_transformers(
         configs = _copy_configs(config, stage) if config is not None else []
         written = [*configs, *file_names, *([INDEX] if len(files) > 1 else [])]
         _publish(stage, out, written, replaced=_weight_files(out))
-    note = None if config is not None else NO_CONFIG.format(out=out)
+    notes = [] if config is not None else [NO_CONFIG.format(out=out)]
+    objects = [
+        k[len("model/") :]
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith("model/") and not isinstance(md, TensorStorageMetadata)
+    ]
+    if objects:
+        notes.append(
+            f"{len(objects)} entries of {src} that are not tensors (a module's extra state, "
+            f"e.g. {objects[0]}) were left out: safetensors files hold tensors only"
+        )
+    note = "; ".join(notes) or None
     nbytes = sum(i.nbytes for i in infos)
     return Conversion(out, "transformers", len(infos), nbytes, written, note)
 

@@ -37,6 +37,8 @@ def _module() -> nn.Module:
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8),
                           nn.Linear(8, 10, bias=False))  # fmt: skip
     model[3].weight = model[0].weight
+    model.register_buffer("scale", torch.randn(3).bfloat16())  # other dtypes too
+    model.register_buffer("seen", torch.tensor([7, 11]))
     with torch.no_grad():  # values no initialization draws
         for p in model.parameters():
             p.add_(torch.randn_like(p))
@@ -70,23 +72,45 @@ def test_a_module_round_trip_sharded_with_the_tie_written_once(tmp_path: Path) -
     hf = tmp_path / "hf"
     index = json.loads((hf / INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 4)]
+    assert len(shards) > 2
+    assert shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     assert sorted(p.name for p in hf.iterdir()) == sorted([*shards, INDEX])
     got = _hf_tensors(hf)
     want = model.state_dict()
     assert sorted(got) == sorted(k for k in want if k != "3.weight")  # the tie: once
     assert all(torch.equal(v, want[k]) for k, v in got.items())
-    assert done.tensors == 5 and done.note and "--config" in done.note
+    assert done.tensors == 7 and done.note and "--config" in done.note
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in got.values())
 
     back = convert(hf, tmp_path / "back", to="conveyor")
     state = conveyor.load_model_state(tmp_path / "back")
     assert list(state) == list(got) and all(torch.equal(state[k], got[k]) for k in got)
+    assert state["scale"].dtype == torch.bfloat16 and state["seen"].dtype == torch.int64
     assert back.to == "conveyor" and (tmp_path / "back" / "latest").is_file()
     # One .safetensors file converts too.
     one = tmp_path / "one.safetensors"
     (hf / shards[0]).rename(one)
     assert convert(one, tmp_path / "single", to="conveyor").tensors == len(load_file(str(one)))
+
+
+class _Counter(nn.Linear):
+    """A linear layer with extra state (not a tensor)."""
+
+    def get_extra_state(self) -> Any:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls = state["calls"]
+
+
+def test_what_safetensors_cannot_hold_is_named(tmp_path: Path) -> None:
+    conveyor.save(nn.Sequential(_Counter(2, 2)), tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match=r"1 entries .* not tensors .*e\.g\. 0\._extra_state"):
+        done = convert(tmp_path / "ckpt", tmp_path / "hf", to="transformers")
+    assert sorted(_hf_tensors(tmp_path / "hf")) == ["0.bias", "0.weight"]
+    assert done.note and done.note.startswith("no config.json was written")
 
 
 def test_the_command_line_writes_and_says_no_config_was_written(
@@ -96,7 +120,7 @@ def test_the_command_line_writes_and_says_no_config_was_written(
     out = tmp_path / "hf"
     assert main(["convert", str(tmp_path / "ckpt"), str(out), "--to", "transformers"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("wrote 5 tensors") and str(out) in captured.out
+    assert captured.out.startswith("wrote 7 tensors") and str(out) in captured.out
     assert captured.err.count("\n") == 1 and "no config.json was written" in captured.err
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
     assert main(["convert", str(out), str(tmp_path / "back"), "--to", "conveyor"]) == 0
