@@ -411,3 +411,9 @@ def test_a_mixtral_in_the_layout_transformers_saves_and_back(tmp_path: Path) -> 
     state = conveyor.load_model_state(back)
     assert list(state) == list(want)
     assert all(torch.equal(state[k], want[k]) for k in want)
+    # A config.json transformers cannot read is refused before anything is written.
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"transformers cannot read its config\.json"):
+        convert(tmp_path / "published", tmp_path / "o", to="conveyor", config=tmp_path / "bad")
+    assert not (tmp_path / "o").exists()
