@@ -7,14 +7,17 @@ Neither direction holds more than a bounded buffer of small tensors, or one larg
 experts), at a time:
 
 - ``to="transformers"``: DCP reads the tensors of a batch whole (a batch: tensors up to
-  :data:`BUFFER` bytes, or one larger tensor) and :class:`~conveyor.checkpoint.
-  safetensors_file.FileWriter` writes each at its place in a file whose header was written
-  first.
+  :data:`BUFFER` bytes, or one larger tensor), and the streaming writer of
+  :mod:`conveyor.checkpoint.safetensors_file` writes each at its place in a file whose
+  header was written first. Not torch's ``HuggingFaceStorageWriter``: it hands every
+  tensor of a file to safetensors' ``save`` at once (a whole shard, up to
+  ``max_shard_size``, in memory, and its bytes once more).
 - ``to="conveyor"``: DCP saves a state dict of meta tensors; its planner reads each tensor
   from the safetensors files only when DCP writes it. The files are read with plain file
-  reads, not memory maps: a mapped file's pages count as the process's memory while it
-  stays mapped, so reading a whole checkpoint through maps would grow the process by its
-  size.
+  reads, not memory maps (nor ``HuggingFaceStorageReader``, which loads into a state dict
+  that would have to be whole): a mapped file's pages count as the process's memory while
+  it stays mapped, so reading a whole checkpoint through maps would grow the process by
+  its size.
 """
 
 from __future__ import annotations
@@ -385,41 +388,50 @@ def _to_transformers(
     file_of = {n: f for f, names in zip(file_names, files, strict=True) for n in names}
     by_name = {i.name: i for i in infos}
 
+    sizes = (
+        (g, sum(math.prod(stored[n].size) * stored[n].properties.dtype.itemsize for n in g))
+        for g in groups
+    )
+    doing = f"writing into {out}"
+    writers: dict[str, FileWriter] = {}
     with _staging(out) as stage:
-        writers = {
-            f: FileWriter(stage / f, [by_name[n] for n in names])
-            for f, names in zip(file_names, files, strict=True)
-        }
         try:
+            for f, names in zip(file_names, files, strict=True):
+                doing = f"writing {f} into {out}"
+                writers[f] = FileWriter(stage / f, [by_name[n] for n in names])
             reader = ConveyorCheckpoint(src)
-            sizes = (
-                (g, sum(math.prod(stored[n].size) * stored[n].properties.dtype.itemsize
-                        for n in g))
-                for g in groups
-            )  # fmt: skip
             for batch in _batches(sizes, buffer):
                 values = reader.read([n for g in batch for n in g])
                 for g in batch:
                     converted = _revert(model, {n: values.pop(n) for n in g})
                     for name, value in converted.items():
+                        doing = f"writing {file_of[name]} into {out}"
                         writers[file_of[name]].write(name, value)
                     del converted
                 del values
                 _trim()
-            for w in writers.values():
+            for f, w in writers.items():
+                doing = f"writing {f} into {out}"
                 w.close()
-        except BaseException:
+            doing = f"writing {INDEX} into {out}"
+            if len(files) > 1:
+                total = sum(i.nbytes for i in infos)
+                params = sum(math.prod(i.shape) for i in infos)
+                write_index(stage, file_of, {"total_parameters": params, "total_size": total})
+            doing = f"copying the configs of {config} into {out}"
+            configs = _copy_configs(config, stage) if config is not None else []
+            written = [*configs, *file_names, *([INDEX] if len(files) > 1 else [])]
+            doing = f"moving the new files into {out}"
+            _publish(stage, out, written, replaced=_weight_files(out))
+        except OSError as exc:
+            raise CheckpointError(
+                f"converting {src}: {doing} failed: {type(exc).__name__}: {exc}; the "
+                f"previous checkpoint there (if any) is kept"
+            ) from None
+        finally:
             for w in writers.values():
                 with contextlib.suppress(OSError):
-                    w.abort()
-            raise
-        if len(files) > 1:
-            total = sum(i.nbytes for i in infos)
-            params = sum(math.prod(i.shape) for i in infos)
-            write_index(stage, file_of, {"total_parameters": params, "total_size": total})
-        configs = _copy_configs(config, stage) if config is not None else []
-        written = [*configs, *file_names, *([INDEX] if len(files) > 1 else [])]
-        _publish(stage, out, written, replaced=_weight_files(out))
+                    w.abort()  # a closed one is already renamed: nothing to remove
     notes = [] if config is not None else [NO_CONFIG.format(out=out)]
     objects = [
         k[len("model/") :]
@@ -699,6 +711,7 @@ def _to_conveyor(src: Path, out: Path, model: nn.Module | None) -> Conversion:
 
     planner = _LazyPlanner(read)
 
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     ckpt_name = new_name(None)
     try:
@@ -712,9 +725,18 @@ def _to_conveyor(src: Path, out: Path, model: nn.Module | None) -> Conversion:
                 no_dist=True,
             )
         planner.release()
-        commit(out, ckpt_name, meta)
+        try:
+            commit(out, ckpt_name, meta)
+        except OSError as exc:
+            raise CheckpointError(
+                f"converting {src}: committing checkpoint {out / ckpt_name} failed: "
+                f"{type(exc).__name__}: {exc}; the previous checkpoint there (if any) is kept"
+            ) from None
     except BaseException:
         shutil.rmtree(out / f"{ckpt_name}.tmp", ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
         raise
     finally:
         files.close()

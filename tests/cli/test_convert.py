@@ -201,7 +201,7 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors_file.FileWriter, "write", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"writing model\.safetensors into .* No space left"):
         _quiet_convert(tmp_path / "ckpt", hf, to="transformers")
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
     assert not list(tmp_path.glob(".*.tmp"))
@@ -219,7 +219,7 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
         replace(src, dst)
 
     monkeypatch.setattr(module.os, "replace", failing_move)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"moving the new files into .* is kept"):
         _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
@@ -232,6 +232,23 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
     assert new != old and sorted(p.name for p in (tmp_path / "back").iterdir()) == ["latest", new]
     state = conveyor.load_model_state(tmp_path / "back")
     assert all(torch.equal(state[k], first[k]) for k in first)
+    # ... and keeps it when reading fails halfway; a new OUT is not even created.
+    reads = []
+
+    def failing_read(self: Any, names: Any) -> Any:
+        reads.append(names)
+        if len(reads) == 3:
+            raise OSError(5, "Input/output error")
+        return read(self, names)
+
+    read = module.SafetensorsFiles.read
+    monkeypatch.setattr(module.SafetensorsFiles, "read", failing_read)
+    for out in (tmp_path / "back", tmp_path / "new"):
+        reads.clear()
+        with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[0\]: OSError"):
+            _quiet_convert(hf, out, to="conveyor")
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["latest", new]
+    assert not (tmp_path / "new").exists()
 
 
 # ------------------------------------------------------------------- peak memory, slow
