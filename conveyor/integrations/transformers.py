@@ -25,18 +25,22 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from conveyor.checkpoint import load as load_checkpoint
 from conveyor.checkpoint import save as save_checkpoint
 from conveyor.context import in_torchrun, init
-from conveyor.errors import ConfigError
+from conveyor.errors import CheckpointError, ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
 from conveyor.integrations._hf_model import Stages, gather_state_dict, without_cache
 from conveyor.integrations._keywords import INIT_KEYS, pipeline_keys
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
+from conveyor.storage import exists as checkpoint_exists
 
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 # Pipeline's keywords the trainer sets itself; the others are pipeline options.
 PIPELINE_KEYS = pipeline_keys(("loss_fn", "context", "sample", "autocast"))
+PIPELINE_DIR = "pipeline"  # in checkpoint-N: conveyor.save's weights and optimizer states
+SCHEDULER_NAME = "scheduler.pt"  # transformers' name for the scheduler's state
 
 
 class PipelineTrainer(Trainer):
@@ -285,29 +289,46 @@ class PipelineTrainer(Trainer):
             predictions=nothing, label_ids=None, metrics=metrics, num_samples=count
         )
 
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """``transformers.Trainer.train``; resuming from a checkpoint is not supported yet.
-
-        Raises:
-            ConfigError: ``resume_from_checkpoint`` was given.
-        """
-        if resume_from_checkpoint not in (None, False):
-            raise ConfigError(
-                "PipelineTrainer cannot resume_from_checkpoint yet; its checkpoints hold the "
-                "whole model (from_pretrained) and each rank's optimizer state under "
-                "checkpoint-N/pipeline (conveyor.load); start a new run from the model"
+    # ------------------------------------------------------------------ checkpoints
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Check that the checkpoint can be resumed: the weights come back with the
+        optimizer state, from ``pipeline/`` (:meth:`_load_optimizer_and_scheduler`)."""
+        state = os.path.join(resume_from_checkpoint, PIPELINE_DIR)
+        if not checkpoint_exists(state):
+            raise CheckpointError(
+                f"cannot resume from {resume_from_checkpoint}: it has no {PIPELINE_DIR}/ "
+                f"with each rank's weights and optimizer state (a checkpoint saved by "
+                f"another trainer, or with save_only_model=True); resume from a checkpoint "
+                f"PipelineTrainer saved, or start a new run from its weights"
             )
-        return super().train(None, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The weights and this rank's optimizer state with :func:`conveyor.load` (any
+        layout saved them), and the scheduler."""
+        if checkpoint is None:
+            return
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        load_checkpoint(self.pipe, os.path.join(checkpoint, PIPELINE_DIR), optimizer)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """Every rank loads its stages' weights of the best checkpoint (a collective, as
+        ``_finalize_training`` calls it on every rank)."""
+        best = self.state.best_model_checkpoint
+        assert best is not None  # the plain trainer calls this only with one
+        load_checkpoint(self.pipe, os.path.join(best, PIPELINE_DIR))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
         the scheduler on rank 0."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         save_checkpoint(
-            self.pipe, os.path.join(output_dir, "pipeline"), optimizer, step=self.state.global_step
+            self.pipe, os.path.join(output_dir, PIPELINE_DIR), optimizer, step=self.state.global_step
         )
         if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     # ------------------------------------------------------------------ saving
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
