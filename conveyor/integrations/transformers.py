@@ -325,7 +325,10 @@ class PipelineTrainer(Trainer):
         the scheduler on rank 0."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         save_checkpoint(
-            self.pipe, os.path.join(output_dir, PIPELINE_DIR), optimizer, step=self.state.global_step
+            self.pipe,
+            os.path.join(output_dir, PIPELINE_DIR),
+            optimizer,
+            step=self.state.global_step,
         )
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
