@@ -166,7 +166,9 @@ def write(
                         writers.pop(index).close()
                         done.append(root / file_names[index])
             except OSError as exc:
-                error = f"writing {target or root} failed: {exc.strerror or exc}"
+                # raise_any names the rank of a distributed world's errors
+                rank = "" if view.distributed else "rank 0: "
+                error = f"{rank}writing {target or root} failed: {exc.strerror or exc}"
     finally:
         for w in writers.values():
             with contextlib.suppress(OSError):
