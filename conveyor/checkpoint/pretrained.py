@@ -167,8 +167,8 @@ def write(
                         done.append(root / file_names[index])
             except OSError as exc:
                 # raise_any names the rank of a distributed world's errors
-                rank = "" if view.distributed else "rank 0: "
-                error = f"{rank}writing {target or root} failed: {exc.strerror or exc}"
+                who = "" if view.distributed else "rank 0: "
+                error = f"{who}writing {target or root} failed: {exc.strerror or exc}"
     finally:
         for w in writers.values():
             with contextlib.suppress(OSError):
