@@ -9,8 +9,15 @@ parameters with the whole model's weight-decay groups; ``training_step`` is
 ``pipe.train_step`` (a token-averaged loss counts tokens as the plain trainer's
 ``num_items_in_batch`` does); ``_clip_grad_norm`` is ``pipe.clip_grad_norm_``; the data
 loaders give each replica its share of the global batches the one-process trainer draws,
-read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_step``; and
-``save_model`` gathers the stages to rank 0 under the model's names for ``from_pretrained``.
+read only where a stage needs them (a ``DataLoader`` over this rank's batch sampler, which
+accelerate's ``skip_first_batches`` resumes mid-epoch); ``evaluation_loop`` averages
+``pipe.eval_step``; ``save_model`` writes a ``from_pretrained`` directory with
+``conveyor.save_pretrained`` (every rank its own tensors, nothing gathered); a checkpoint
+adds ``pipeline/`` (:func:`conveyor.save`: each rank's weights and optimizer state, any
+layout) and the scheduler, which resuming (``_load_optimizer_and_scheduler``) and
+``load_best_model_at_end`` (``_load_best_model``) read back with :func:`conveyor.load`; the
+plain trainer's own code restores the random states per rank, the ``TrainerState`` and the
+data position.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput
 
 from conveyor.checkpoint import load as load_checkpoint
 from conveyor.checkpoint import save as save_checkpoint
+from conveyor.checkpoint.pretrained import write as write_pretrained
 from conveyor.context import in_torchrun, init
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
@@ -41,6 +50,7 @@ TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 PIPELINE_KEYS = pipeline_keys(("loss_fn", "context", "sample", "autocast"))
 PIPELINE_DIR = "pipeline"  # in checkpoint-N: conveyor.save's weights and optimizer states
 SCHEDULER_NAME = "scheduler.pt"  # transformers' name for the scheduler's state
+MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default, which the plain trainer uses
 
 
 class PipelineTrainer(Trainer):
@@ -344,11 +354,32 @@ class PipelineTrainer(Trainer):
         return gather_state_dict(self.pipe, self.whole)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the whole model (``from_pretrained`` loads it) on rank 0; every rank calls
-        it (the stages' weights are gathered)."""
-        state = self.whole_state_dict()
+        """Save the model where ``from_pretrained`` (and ``Pipeline(weights=...)``) reads it:
+        every rank writes the tensors it holds into safetensors shards
+        (``conveyor.save_pretrained``: no process gathers the whole model); rank 0 adds
+        the index, the configs, the processing class and ``training_args.bin``. A
+        collective: every rank calls it (the plain trainer's loop does).
+
+        Args:
+            output_dir: The directory (default: ``args.output_dir``); it may hold other
+                files (checkpoints, logs).
+            _internal_call: As for ``transformers.Trainer.save_model`` (no push to the Hub).
+        """
+        target = str(output_dir if output_dir is not None else self.args.output_dir)
+        write_pretrained(self.pipe, target, MAX_SHARD_SIZE, any_directory=True)
         if self.args.should_save:
-            self._save(output_dir, state_dict=state)
+            self._save_extras(target)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_extras(self, output_dir: str) -> None:
+        """What the plain trainer saves beside the weights: the processing class (or the
+        collator's tokenizer) and the training arguments."""
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)  # type: ignore[union-attr]
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
 def _sharded(p: torch.Tensor) -> bool:

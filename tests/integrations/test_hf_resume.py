@@ -30,6 +30,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
+import conveyor.integrations.transformers as T  # noqa: E402
 from conveyor.integrations.transformers import PipelineTrainer  # noqa: E402
 from tests.integrations.test_hf_trainer import features  # noqa: E402
 from tests.support.trainer_forked import run_forked  # noqa: E402
@@ -141,10 +142,26 @@ def test_a_resumed_run_equals_the_uninterrupted_one(
     assert len(set(losses)) == len(losses)
 
 
+class Processor:
+    """A processing class that says which rank saved it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def save_pretrained(self, path: str) -> None:
+        Path(path, f"processor-{self.rank}").touch()
+
+
+def _no_gather(*args: Any) -> Any:
+    raise AssertionError("save_model gathered the whole model")
+
+
 def _best(rank: int, tmp: str) -> dict[str, Any]:
+    T.gather_state_dict = _no_gather  # a forked worker: patched for this run only
     trainer = PipelineTrainer(
         llama(), arguments(tmp, 8, **BEST), train_dataset=features(),
         eval_dataset=features(16, seed=1), pipeline_options={"microbatches": 2},
+        processing_class=Processor(rank),
     )  # fmt: skip
     trainer.train()
     weights = {}
@@ -164,7 +181,9 @@ BEST = dict(
 def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(tmp_path: Path) -> None:
     """pp=2: ``save_total_limit=1`` keeps the best checkpoint (and the newest while
     training), as the plain trainer does; every rank's weights after ``train()`` are the
-    best checkpoint's (step 2's, not the last step's)."""
+    best checkpoint's (step 2's, not the last step's). The checkpoints are written
+    without gathering the model; rank 0 alone adds the processing class and the training
+    arguments."""
     plain = Trainer(
         model=llama(), args=arguments(str(tmp_path / "plain"), 8, **BEST),
         train_dataset=features(), eval_dataset=features(16, seed=1),
@@ -175,6 +194,9 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(tmp_path: Path) -> No
     assert plain.state.best_model_checkpoint == str(tmp_path / "plain" / "checkpoint-2")
     results = run_forked(_best, 2, str(tmp_path / "pipe"), timeout=600)
     assert sorted(os.listdir(tmp_path / "pipe")) == kept
+    files = set(os.listdir(tmp_path / "pipe" / "checkpoint-2"))
+    assert {"processor-0", "training_args.bin", "config.json", "pipeline"} <= files
+    assert "processor-1" not in files
     best = LlamaForCausalLM.from_pretrained(tmp_path / "pipe" / "checkpoint-2").state_dict()
     for r in results:
         assert r["best"] == str(tmp_path / "pipe" / "checkpoint-2")
