@@ -39,7 +39,12 @@ from conveyor.checkpoint.pretrained import write as write_pretrained
 from conveyor.context import in_torchrun, init
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
-from conveyor.integrations._hf_model import Stages, gather_state_dict, without_cache
+from conveyor.integrations._hf_model import (
+    Stages,
+    gather_state_dict,
+    read_pretrained,
+    without_cache,
+)
 from conveyor.integrations._keywords import INIT_KEYS, pipeline_keys
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
@@ -325,10 +330,15 @@ class PipelineTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         """Every rank loads its stages' weights of the best checkpoint (a collective, as
-        ``_finalize_training`` calls it on every rank)."""
+        ``_finalize_training`` calls it on every rank): from ``pipeline/``, or, saved with
+        ``save_only_model=True``, from the safetensors files."""
         best = self.state.best_model_checkpoint
         assert best is not None  # the plain trainer calls this only with one
-        load_checkpoint(self.pipe, os.path.join(best, PIPELINE_DIR))
+        state = os.path.join(best, PIPELINE_DIR)
+        if checkpoint_exists(state):
+            load_checkpoint(self.pipe, state)
+        else:
+            read_pretrained(self.pipe, self.whole, best)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
