@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 from transformers import (  # noqa: E402
     LlamaConfig,
@@ -31,8 +31,10 @@ from transformers import (  # noqa: E402
 )
 
 import conveyor.integrations.transformers as T  # noqa: E402
+from conveyor.errors import CheckpointError  # noqa: E402
 from conveyor.integrations.transformers import PipelineTrainer  # noqa: E402
 from tests.integrations.test_hf_trainer import features  # noqa: E402
+from tests.support.helpers import reset_context  # noqa: E402
 from tests.support.trainer_forked import run_forked  # noqa: E402
 
 STEPS = 8
@@ -118,6 +120,7 @@ def _resume(rank: int, tmp: str, batch: int, dp: int, latest: bool) -> dict[str,
     }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("world", "dp", "batch", "latest"),
     [(2, 1, 8, False), (4, 2, 4, True)],
@@ -182,6 +185,7 @@ BEST = dict(
 )  # fmt: skip
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("only_model", [False, True], ids=["whole", "save_only_model"])
 def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(
     only_model: bool, tmp_path: Path
@@ -212,3 +216,17 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(
         assert r["weights"]
         for name, value in r["weights"].items():
             assert torch.equal(value, best[name]), name
+
+
+def test_a_checkpoint_without_pipeline_state_is_refused(tmp_path: Path) -> None:
+    """One process: a checkpoint of the weights alone (another trainer's, or
+    save_only_model's) cannot be resumed, in one sentence."""
+    reset_context()
+    weights_only = tmp_path / "checkpoint-4"
+    weights_only.mkdir()
+    trainer = PipelineTrainer(
+        llama(), arguments(str(tmp_path), 8), train_dataset=features(),
+        pipeline_options={"pp": 2, "microbatches": 2},
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"^cannot resume from .*checkpoint-4: it has no "):
+        trainer.train(resume_from_checkpoint=True)
