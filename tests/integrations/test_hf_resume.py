@@ -79,10 +79,10 @@ class StopAt(TrainerCallback):  # type: ignore[misc]
         return control
 
 
-def _trainer(tmp: str, batch: int, dp: int, **kwargs: Any) -> PipelineTrainer:
+def _trainer(tmp: str, batch: int, options: dict[str, Any], **kwargs: Any) -> PipelineTrainer:
     return PipelineTrainer(
         llama(), arguments(tmp, batch), train_dataset=features(),
-        pipeline_options={"dp": dp, "microbatches": 2}, **kwargs,
+        pipeline_options={"microbatches": 2, **options}, **kwargs,
     )  # fmt: skip
 
 
@@ -96,17 +96,21 @@ def _logged(trainer: PipelineTrainer) -> dict[int, dict[str, float]]:
 
 
 def _weights(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.pipe.state_dict().items()}
+    """This rank's tensors (its shards, under FSDP)."""
+    state = trainer.pipe.state_dict().items()
+    return {k: getattr(v, "to_local", lambda v=v: v)().detach().clone() for k, v in state}
 
 
-def _resume(rank: int, tmp: str, batch: int, dp: int, latest: bool) -> dict[str, Any]:
-    whole = _trainer(f"{tmp}/whole", batch, dp)
+def _resume(
+    rank: int, tmp: str, batch: int, options: dict[str, Any], latest: bool
+) -> dict[str, Any]:
+    whole = _trainer(f"{tmp}/whole", batch, options)
     whole.train()
-    stopped = _trainer(f"{tmp}/run", batch, dp, callbacks=[StopAt(STOP)])
+    stopped = _trainer(f"{tmp}/run", batch, options, callbacks=[StopAt(STOP)])
     stopped.train()
     assert stopped.state.global_step == STOP
     assert sorted(os.listdir(f"{tmp}/run")) == [f"checkpoint-{STOP}"]
-    resumed = _trainer(f"{tmp}/run", batch, dp)
+    resumed = _trainer(f"{tmp}/run", batch, options)
     where: Any = True if latest else f"{tmp}/run/checkpoint-{STOP}"
     out = resumed.train(resume_from_checkpoint=where)
     assert out.global_step == resumed.state.global_step == STEPS
@@ -122,20 +126,20 @@ def _resume(rank: int, tmp: str, batch: int, dp: int, latest: bool) -> dict[str,
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("world", "dp", "batch", "latest"),
-    [(2, 1, 8, False), (4, 2, 4, True)],
-    ids=["pp2", "pp2xdp2-latest"],
+    ("world", "options", "batch", "latest"),
+    [(2, {}, 8, False), (4, {"dp": 2}, 4, True), (4, {"dp": 2, "fsdp": True}, 4, False)],
+    ids=["pp2", "pp2xdp2-latest", "pp2xdp2-fsdp"],
 )
 def test_a_resumed_run_equals_the_uninterrupted_one(
-    world: int, dp: int, batch: int, latest: bool, tmp_path: Path
+    world: int, options: dict[str, Any], batch: int, latest: bool, tmp_path: Path
 ) -> None:
     """Loss, gradient norm and learning rate of every step after the resume, and the final
     weights, equal the uninterrupted run's within 1e-6."""
-    for r in run_forked(_resume, world, str(tmp_path), batch, dp, latest, timeout=600):
+    for r in run_forked(_resume, world, str(tmp_path), batch, options, latest, timeout=600):
         assert sorted(r["got"]) == list(range(STOP + 1, STEPS + 1))
         assert r["got"].keys() == r["want"].keys()
         worst = max(abs(r["got"][s][k] - v) for s, d in r["want"].items() for k, v in d.items())
-        print(f"pp2 x dp{dp}: largest difference {worst:.1e} (logged values), "
+        print(f"{options}: largest difference {worst:.1e} (logged values), "
               f"{r['weights']:.1e} (weights)")  # fmt: skip
         for step, values in r["want"].items():
             for key, value in values.items():
