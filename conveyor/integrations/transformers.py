@@ -66,7 +66,10 @@ class PipelineTrainer(Trainer):
     what they mean for the plain trainer, with ``per_device_train_batch_size`` per
     data-parallel replica (each replica's batch is cut into ``microbatches``). ``bf16``
     runs the stages under ``torch.autocast(bfloat16)``. The model computes its loss from
-    ``labels`` (pass them in the dataset's features).
+    ``labels`` (pass them in the dataset's features). ``save_model`` and the checkpoints
+    write a ``from_pretrained`` directory without gathering the model;
+    ``train(resume_from_checkpoint=path or True)`` goes on exactly where a checkpoint was
+    saved (same launch: ``pp``, ``dp`` and process count).
 
     Args:
         model: A transformers model (or any ``nn.Module`` computing its loss from keyword
