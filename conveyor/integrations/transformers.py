@@ -13,9 +13,10 @@ read only where a stage needs them (a ``DataLoader`` over this rank's batch samp
 accelerate's ``skip_first_batches`` resumes mid-epoch); ``evaluation_loop`` averages
 ``pipe.eval_step``; ``save_model`` writes a ``from_pretrained`` directory with
 ``conveyor.save_pretrained`` (every rank its own tensors, nothing gathered); a checkpoint
-adds ``pipeline/`` (:func:`conveyor.save`: each rank's weights and optimizer state, any
-layout) and the scheduler, which resuming (``_load_optimizer_and_scheduler``) and
-``load_best_model_at_end`` (``_load_best_model``) read back with :func:`conveyor.load`; the
+adds ``pipeline/`` (a conveyor checkpoint of each rank's optimizer state, any layout, the
+weights not stored twice) and the scheduler; resuming (``_load_optimizer_and_scheduler``)
+reads both and the weights, ``load_best_model_at_end`` (``_load_best_model``) the
+weights, each rank only its own tensors; the
 plain trainer's own code restores the random states per rank, the ``TrainerState`` and the
 data position.
 """
@@ -33,8 +34,7 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput
 
-from conveyor.checkpoint import load as load_checkpoint
-from conveyor.checkpoint import save as save_checkpoint
+from conveyor.checkpoint import load_training_state, save_training_state
 from conveyor.checkpoint.pretrained import write as write_pretrained
 from conveyor.context import in_torchrun, init
 from conveyor.errors import CheckpointError, ConfigError
@@ -53,7 +53,7 @@ from conveyor.storage import exists as checkpoint_exists
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 # Pipeline's keywords the trainer sets itself; the others are pipeline options.
 PIPELINE_KEYS = pipeline_keys(("loss_fn", "context", "sample", "autocast"))
-PIPELINE_DIR = "pipeline"  # in checkpoint-N: conveyor.save's weights and optimizer states
+PIPELINE_DIR = "pipeline"  # in checkpoint-N: each rank's optimizer state (conveyor's format)
 SCHEDULER_NAME = "scheduler.pt"  # transformers' name for the scheduler's state
 MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default, which the plain trainer uses
 
@@ -309,45 +309,41 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Check that the checkpoint can be resumed: the weights come back with the
-        optimizer state, from ``pipeline/`` (:meth:`_load_optimizer_and_scheduler`)."""
+        """Check that the checkpoint can be resumed (it has the optimizer states in
+        ``pipeline/``); :meth:`_load_optimizer_and_scheduler` reads them and the weights."""
         state = os.path.join(resume_from_checkpoint, PIPELINE_DIR)
         if not checkpoint_exists(state):
             raise CheckpointError(
                 f"cannot resume from {resume_from_checkpoint}: it has no {PIPELINE_DIR}/ "
-                f"with each rank's weights and optimizer state (a checkpoint saved by "
+                f"with each rank's optimizer state (a checkpoint saved by "
                 f"another trainer, or with save_only_model=True); resume from a checkpoint "
                 f"PipelineTrainer saved, or start a new run from its weights"
             )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The weights and this rank's optimizer state with :func:`conveyor.load` (any
-        layout saved them), and the scheduler."""
+        """This rank's weights from the checkpoint's safetensors, its optimizer state from
+        ``pipeline/`` (any layout saved them), and the scheduler."""
         if checkpoint is None:
             return
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        load_checkpoint(self.pipe, os.path.join(checkpoint, PIPELINE_DIR), optimizer)
+        read_pretrained(self.pipe, self.whole, checkpoint)
+        load_training_state(self.pipe, os.path.join(checkpoint, PIPELINE_DIR), optimizer)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def _load_best_model(self) -> None:
-        """Every rank loads its stages' weights of the best checkpoint (a collective, as
-        ``_finalize_training`` calls it on every rank): from ``pipeline/``, or, saved with
-        ``save_only_model=True``, from the safetensors files."""
+        """Every rank loads its stages' weights of the best checkpoint from its
+        safetensors files (``_finalize_training`` calls it on every rank)."""
         best = self.state.best_model_checkpoint
         assert best is not None  # the plain trainer calls this only with one
-        state = os.path.join(best, PIPELINE_DIR)
-        if checkpoint_exists(state):
-            load_checkpoint(self.pipe, state)
-        else:
-            read_pretrained(self.pipe, self.whole, best)
+        read_pretrained(self.pipe, self.whole, best)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
-        the scheduler on rank 0."""
+        """Every rank's optimizer state in ``output_dir/pipeline`` (a conveyor checkpoint
+        without the weights: ``save_model`` wrote them beside it), the scheduler on rank 0."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        save_checkpoint(
+        save_training_state(
             self.pipe,
             os.path.join(output_dir, PIPELINE_DIR),
             optimizer,

@@ -84,9 +84,11 @@ class ConveyorCheckpoint:
     def __init__(self, path: Path) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from conveyor.storage import read_checkpoint
+        from conveyor.storage import read_checkpoint, without_weights
 
         self._dir, meta, metadata = read_checkpoint(path)
+        if meta.get("weights") is False:
+            raise CheckpointError(without_weights(self._dir))
         self.where = str(self._dir)
         self._aliases: dict[str, str] = meta["aliases"]
         self._stored = {

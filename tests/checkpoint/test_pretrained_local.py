@@ -18,7 +18,7 @@ from conveyor.checkpoint import safetensors_file
 from conveyor.checkpoint.safetensors_file import pack, parse_size
 from conveyor.context import forget
 from conveyor.errors import CheckpointError, ConfigError
-from tests.support.models import mlp
+from tests.support.models import batch, mlp
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +147,27 @@ def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
     tied = {"lm_head.weight": "lm_head.weight", "model.embed_tokens.weight": "lm_head.weight"}
     assert set(published.preferred(tied).values()) == {"model.embed_tokens.weight"}
     assert published.preferred({"mlp.w": "mlp.w"}) == {"mlp.w": "mlp.w"}
+
+
+def test_the_training_state_beside_it_holds_no_weights(tmp_path: Path) -> None:
+    from conveyor.checkpoint import load_training_state, save_training_state
+
+    pipe = _pipe()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    pipe.train_step(*batch(4))
+    opt.step()
+    save_training_state(pipe, tmp_path / "state", opt, step=3)
+    stored = torch.distributed.checkpoint.FileSystemReader(
+        conveyor.storage.resolve(tmp_path / "state")
+    ).read_metadata()
+    keys = set(stored.state_dict_metadata)
+    assert keys and all(k.startswith("optim/") for k in keys)  # the weights are not stored
+    for load in (conveyor.load, conveyor.load_model_state):
+        with pytest.raises(CheckpointError, match="holds optimizer state only"):
+            load(*((pipe, tmp_path / "state") if load is conveyor.load else (tmp_path / "state",)))
+    again = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+    assert load_training_state(pipe, tmp_path / "state", again) == 3
+    want, got = opt.state_dict(), again.state_dict()
+    assert got["param_groups"][0]["lr"] == 0.1
+    for i, s in want["state"].items():
+        assert all(torch.equal(v, got["state"][i][k]) for k, v in s.items())
