@@ -36,10 +36,14 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
 from conveyor.integrations._lightning.package import Package
-from conveyor.integrations._lightning.processes import rank_zero_results
+from conveyor.integrations._lightning.processes import (
+    GATHER_LIMIT,
+    rank_zero_results,
+    returned_weights,
+)
 from conveyor.integrations._lightning.strategy import StrategyBody
 
-__all__ = ["TRAINER_STATE", "PipelineStrategy"]
+__all__ = ["GATHER_LIMIT", "TRAINER_STATE", "PipelineStrategy"]
 
 PACKAGE = Package(
     trainer_fn=TrainerFn,
@@ -66,6 +70,10 @@ class Launcher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         own = super()._collect_rank_zero_results
         return rank_zero_results(trainer.strategy, trainer, lambda: own(trainer, results))
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        output = returned_weights(trainer.strategy, trainer, worker_output)
+        super()._recover_results_in_main_process(output, trainer)
 
 
 class PipelineStrategy(StrategyBody, ParallelStrategy):

@@ -1,0 +1,112 @@
+"""What Lightning's fork / spawn launcher hands the main process after ``fit`` under
+``PipelineStrategy``: the trained network, bit for bit, gathered into rank 0 for a network
+of at most ``gather_limit`` bytes, else through a temporary conveyor checkpoint that every
+rank writes its part of and the main process reads one tensor at a time, then removes.
+On ``lightning`` and the standalone ``pytorch_lightning`` (forked workers, ``devices=2``:
+the LightningModules of tests/support/lightning_launched.py, whose ``on_train_end`` saves
+the workers' trained weights as a conveyor checkpoint to compare with)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+pytest.importorskip("lightning")
+pytest.importorskip("pytorch_lightning")
+
+import conveyor
+from conveyor.errors import ConfigError
+from conveyor.integrations._lightning.processes import GATHER_LIMIT, network_bytes
+from tests.support import lightning_launched as script
+
+PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
+
+
+def strategy_module(package: str) -> Any:
+    return importlib.import_module(f"conveyor.integrations.{package}")
+
+
+def test_the_bound_is_a_documented_number_of_bytes_that_pickles() -> None:
+    module = strategy_module("lightning")
+    assert module.GATHER_LIMIT == GATHER_LIMIT == 2**30
+    assert module.PipelineStrategy(pp=2).gather_limit == GATHER_LIMIT
+    strategy = module.PipelineStrategy(pp=2, gather_limit=0, start_method="spawn")
+    assert pickle.loads(pickle.dumps(strategy)).gather_limit == 0  # what spawn sends
+    for bad in (-1, "1GB", 1.5, True):
+        with pytest.raises(ConfigError, match="gather_limit is a number of bytes"):
+            module.PipelineStrategy(pp=2, gather_limit=bad)
+
+
+def test_a_networks_bytes_count_each_tensor_once_meta_too() -> None:
+    shared = nn.Linear(4, 4)  # 16 + 4 floats
+    net = nn.Sequential(shared, nn.BatchNorm1d(4), shared)  # 4 x 4 floats + 1 int64
+    assert network_bytes(net) == 4 * (20 + 16) + 8
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert network_bytes(meta) == network_bytes(net)
+
+
+def fit_forked(package: str, gather_limit: int | None, out: Path) -> tuple[Any, list[Any]]:
+    """Fit the script's module on 2 forked workers (pp=2); returns the module as the main
+    process has it afterwards, and each ``weights_path`` the launcher handed it."""
+    module = strategy_module(package)
+    handed: list[Any] = []
+    launcher = module.Launcher
+    recover = launcher._recover_results_in_main_process
+
+    def spy(self: Any, output: Any, trainer: Any) -> None:
+        handed.append(output.weights_path)
+        recover(self, output, trainer)
+
+    lit = (script.LitLightning if package == "lightning" else script.LitPytorchLightning)(out)
+    options = {} if gather_limit is None else {"gather_limit": gather_limit}
+    strategy = module.PipelineStrategy(pp=2, microbatches=2, start_method="fork", timeout=60,
+                                       **options)  # fmt: skip
+    trainer = importlib.import_module(PACKAGES[package]).Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    environment = dict(os.environ)
+    launcher._recover_results_in_main_process = spy
+    try:
+        trainer.fit(lit, DataLoader(script.data(), batch_size=script.BATCH))
+    finally:  # the launcher sets MASTER_PORT here: leave this process as it was
+        launcher._recover_results_in_main_process = recover
+        os.environ.clear()
+        os.environ.update(environment)
+    return lit, handed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+@pytest.mark.parametrize("gather_limit", [0, None], ids=["checkpoint", "gathered"])
+def test_the_main_process_gets_the_trained_network_bit_for_bit(
+    package: str, gather_limit: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the workers' too
+    (tmp_path / "tmp").mkdir()
+    initial = script.network().state_dict()
+    lit, handed = fit_forked(package, gather_limit, tmp_path)
+    trained = conveyor.load_model_state(tmp_path / "ckpt")  # the workers' own weights
+    got = lit.model.state_dict()
+    assert list(got) == list(initial)
+    for name, value in trained.items():
+        assert not torch.equal(value, initial[name]), name  # training moved every tensor
+        assert torch.equal(got[name], value), name
+    [path] = handed
+    if gather_limit == 0:  # larger than the bound: a checkpoint directory, then removed
+        assert Path(path).name.startswith("conveyor-weights-"), path
+        assert not any((tmp_path / "tmp").iterdir())  # Lightning's own file removed too
+    else:  # the default bound: Lightning's file of the gathered state dict
+        assert Path(path).name == ".temp.ckpt", path
+        assert not Path(path).exists()
