@@ -52,7 +52,8 @@ PACKAGE = Package(
 
 class Launcher(_MultiProcessingLauncher):
     """``pytorch_lightning``'s spawn / fork launcher, handing the main process the whole
-    trained network (as :class:`conveyor.integrations.lightning.Launcher`)."""
+    trained network, gathered or through a checkpoint (as
+    :class:`conveyor.integrations.lightning.Launcher`)."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         own = super()._collect_rank_zero_results
