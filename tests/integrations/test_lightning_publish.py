@@ -110,3 +110,75 @@ def test_the_main_process_gets_the_trained_network_bit_for_bit(
     else:  # the default bound: Lightning's file of the gathered state dict
         assert Path(path).name == ".temp.ckpt", path
         assert not Path(path).exists()
+
+
+def lit_lm(package: str, out: Path) -> Any:
+    """A LightningModule on ``package`` with a transformers GPT-2 (tied embeddings) that
+    computes its own loss, and a callback that publishes it with ``conveyor.save_pretrained``
+    (a collective: on every rank) and saves the strategy's checkpoint, at the end of fit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    pl = importlib.import_module(PACKAGES[package])
+
+    class Publish(pl.Callback):  # type: ignore[name-defined,misc]
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            conveyor.save_pretrained(trainer.strategy.pipe, out / "published")
+            trainer.save_checkpoint(out / "ckpt")
+
+    class LitLM(pl.LightningModule):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(
+                n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, use_cache=False,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                eos_token_id=None,
+            ))  # fmt: skip
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return LitLM(), Publish()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_a_callback_publishes_what_from_pretrained_reads_bit_for_bit(
+    package: str, tmp_path: Path
+) -> None:
+    """Two forked workers (pp=2) publish from ``on_train_end``; the main process gets the
+    network back through a checkpoint (``gather_limit=0``), its tied weight too."""
+    from transformers import GPT2LMHeadModel
+
+    lit, publish = lit_lm(package, tmp_path)
+    initial = {k: v.clone() for k, v in lit.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (32, 16), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    strategy = strategy_module(package).PipelineStrategy(
+        pp=2, microbatches=2, start_method="fork", timeout=60, gather_limit=0
+    )
+    trainer = importlib.import_module(PACKAGES[package]).Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[publish],
+    )  # fmt: skip
+    environment = dict(os.environ)
+    try:
+        trainer.fit(lit, DataLoader(data, batch_size=8))
+    finally:  # the launcher sets MASTER_PORT here: leave this process as it was
+        os.environ.clear()
+        os.environ.update(environment)
+    trained = conveyor.load_model_state(tmp_path / "ckpt")  # the workers' own weights
+    published = GPT2LMHeadModel.from_pretrained(tmp_path / "published").state_dict()
+    returned = lit.model.state_dict()
+    assert set(published) == set(returned) == set(initial)
+    for name, value in trained.items():
+        assert not torch.equal(value, initial[name]), name
+        assert torch.equal(published[name], value), name
+        assert torch.equal(returned[name], value), name
+    assert returned["lm_head.weight"].data_ptr() == returned["transformer.wte.weight"].data_ptr()
