@@ -76,8 +76,8 @@ def check_one_process(device: torch.device) -> None:
 def network_bytes(network: nn.Module) -> int:
     """Bytes of ``network``'s parameters and buffers, each tensor once, from their shapes
     (the same on every rank, meta tensors included)."""
-    tensors = {id(t): t for t in (*network.parameters(), *network.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    tensors = (*network.parameters(), *network.buffers())  # each without repeats
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def rank_zero_results(strategy: Any, trainer: Any, collect: Callable[[], Any]) -> Any:
