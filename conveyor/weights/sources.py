@@ -41,6 +41,10 @@ class Safetensors:
     ``model.safetensors.index.json``; each tensor is read on its own (safetensors maps
     the file and copies only that tensor)."""
 
+    # Not torch's HuggingFaceStorageReader: that is a DCP reader, which loads a whole
+    # state dict planned up front, while a rank here asks for tensors one group at a time
+    # (transformers' conversions stack several stored tensors into one), by name.
+
     def __init__(self, path: Path) -> None:
         self.where = str(path)
         if path.is_file():

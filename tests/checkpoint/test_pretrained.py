@@ -19,7 +19,8 @@ import torch
 
 import conveyor
 from conveyor.context import forget
-from tests.support import distributed
+from tests.support import distributed, nccl_model
+from tests.support.nccl_record import recording
 from tests.support.tp_models import LR, batches, tiny
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -59,9 +60,9 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
 
 
-def _layouts(rank: int, root: str, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def _layouts(rank: int, root: str, names: list[str]) -> dict[str, Any]:
     """Each layout on this rank: build, train one step, save_pretrained; this rank's
-    trained values (whole tensors) by name."""
+    trained values (whole tensors) by name, and what the save posted (``name/posted``)."""
     out = {}
     for name in names:
         layout = LAYOUTS[name]
@@ -79,7 +80,9 @@ def _layouts(rank: int, root: str, names: list[str]) -> dict[str, dict[str, torc
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
         pipe.train_step(batch, None)
         opt.step()
-        conveyor.save_pretrained(pipe, Path(root) / name, max_shard_size=SHARD)
+        with recording() as posted:
+            conveyor.save_pretrained(pipe, Path(root) / name, max_shard_size=SHARD)
+        out[f"{name}/posted"] = posted
         out[name] = {n: _whole(v).detach().clone() for n, v in pipe.state_dict().items()}
     return out
 
@@ -131,6 +134,14 @@ def test_from_pretrained_reads_every_layout_bit_for_bit(
     conveyor.materialize(again, weights=where)
     for n, v in again.state_dict().items():
         assert torch.equal(v, state[n]), f"{name}: {n} differs through weights="
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_save_posts_what_nccl_runs(saved: tuple[Path, list[dict[str, Any]]], name: str) -> None:
+    """Every rank's collectives (the object collectives, each sharded tensor made whole
+    among its holders) replayed under NCCL's rules: same order in every group."""
+    _, results = saved
+    nccl_model.check({r: result[f"{name}/posted"] for r, result in enumerate(results)})
 
 
 def _killed(rank: int, root: str) -> None:

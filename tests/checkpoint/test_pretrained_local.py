@@ -133,3 +133,17 @@ def test_shard_sizes_as_transformers_reads_them() -> None:
         with pytest.raises(ValueError):
             parse_size(bad)  # type: ignore[arg-type]
     assert pack([("a", 2), ("b", 2), ("c", 9), ("d", 1)], 5) == [["a", "b"], ["c"], ["d"]]
+
+
+def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
+    transformers = pytest.importorskip("transformers")
+    from conveyor.checkpoint.pretrained import Published
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      tie_word_embeddings=True)  # fmt: skip
+    published = Published(transformers.LlamaForCausalLM(config))
+    # Whichever copy a split met first (here the output layer's), the embedding's name.
+    tied = {"lm_head.weight": "lm_head.weight", "model.embed_tokens.weight": "lm_head.weight"}
+    assert set(published.preferred(tied).values()) == {"model.embed_tokens.weight"}
+    assert published.preferred({"mlp.w": "mlp.w"}) == {"mlp.w": "mlp.w"}
