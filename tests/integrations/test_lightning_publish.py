@@ -24,8 +24,8 @@ pytest.importorskip("lightning")
 pytest.importorskip("pytorch_lightning")
 
 import conveyor
-from conveyor.errors import ConfigError
-from conveyor.integrations._lightning.processes import GATHER_LIMIT, network_bytes
+from conveyor.errors import CheckpointError, ConfigError
+from conveyor.integrations._lightning.processes import GATHER_LIMIT, fill_from, network_bytes
 from tests.support import lightning_launched as script
 
 PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
@@ -53,6 +53,35 @@ def test_a_networks_bytes_count_each_tensor_once_meta_too() -> None:
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     assert network_bytes(meta) == network_bytes(net)
+
+
+class Tied(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.embed, self.body, self.head = (
+            nn.Embedding(6, width),
+            nn.Linear(width, width),
+            nn.Linear(width, 6, bias=False),
+        )
+        self.head.weight = self.embed.weight
+
+
+def test_the_main_process_fills_its_network_from_the_checkpoint_tied_weights_too(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(1)
+    trained = Tied()
+    conveyor.save(trained, tmp_path / "weights")  # a tied weight is stored once
+    torch.manual_seed(2)
+    main = Tied()
+    main.extra = nn.Linear(2, 2)  # not in the checkpoint: left as it is
+    extra = main.extra.weight.clone()
+    fill_from(main, tmp_path / "weights")
+    for name, value in trained.state_dict().items():
+        assert torch.equal(main.state_dict()[name], value), name
+    assert main.head.weight is main.embed.weight and torch.equal(main.extra.weight, extra)
+    with pytest.raises(CheckpointError, match="build the same network in every process"):
+        fill_from(Tied(width=5), tmp_path / "weights")
 
 
 def fit_forked(package: str, gather_limit: int | None, out: Path) -> tuple[Any, list[Any]]:
