@@ -1,9 +1,12 @@
 """Models too big for one process: peak memory per rank and time to the first step of a
 Llama built whole on every rank, built on the meta device and initialized per rank, and
-built on the meta device and loaded per rank from a sharded transformers checkpoint.
+built on the meta device and loaded per rank from a sharded transformers checkpoint; and
+peak memory per rank and time to save it as a transformers checkpoint, per rank
+(``conveyor.save_pretrained``) against the whole model gathered into rank 0.
 
-    python benchmarks/big_model.py [--pp 2,4] [--paths whole,init,load] [--layers 20]
-                                   [--hidden 1024] [--json FILE] [--quick] [--together]
+    python benchmarks/big_model.py [--pp 2,4] [--paths whole,init,load,save,gather]
+                                   [--layers 20] [--hidden 1024] [--json FILE] [--quick]
+                                   [--together] [--keep DIR]
 
 The model: a transformers ``LlamaForCausalLM`` built from a ``LlamaConfig`` (nothing
 downloaded; default hidden 1024, 20 layers, intermediate 2816, vocabulary 32000, untied
@@ -19,7 +22,13 @@ each). The three paths:
 - ``load``: built under ``conveyor.empty_weights()``, ``Pipeline(..., weights=DIR)``: each
   rank reads only its own tensors from ``DIR``, the ``whole`` model saved beforehand by
   ``save_pretrained(DIR, max_shard_size=...)`` (sharded safetensors; the save is timed on
-  its own, outside the runs), so its loss equals the ``whole`` path's.
+  its own, outside the runs), so its loss equals the ``whole`` path's;
+- ``save``: built as ``init`` (no step), then ``conveyor.save_pretrained(pipe, DIR,
+  max_shard_size=...)`` on every rank: each writes the tensors it holds;
+- ``gather``: built as ``init`` (no step), then what ``PipelineTrainer.save_model`` did: the
+  whole state dict gathered into rank 0 (``conveyor.integrations._hf_model.
+  gather_state_dict``), which writes it with transformers' ``model.save_pretrained(DIR,
+  state_dict=..., max_shard_size=...)``.
 
 Each rank reports its peak resident memory (``VmHWM`` of ``/proc/self/status``) at the end
 of its first step and once ``Pipeline(..., sample=)`` has split the model and given its
@@ -30,6 +39,14 @@ paths of one pp at once, for a quick test; their times then mean nothing), each 
 an estimate of its memory fits in what the machine has available. The checkpoint goes to
 a temporary directory (under ``$BIG_MODEL_DIR`` if set). Prints a markdown table;
 ``--json`` writes every number.
+
+The two save paths report, per rank, instead of a step: ``VmRSS`` and ``VmHWM`` just before
+the save (after a barrier) and ``VmHWM`` and ``VmRSS`` after it (the peak is never reset:
+``VmHWM`` after minus ``VmRSS`` before bounds what the save itself held at once, exactly
+when the peak grew), the seconds of the save on that rank (``gather``: the gather, and on
+rank 0 the write), its share (its parameters) and the model's largest tensor. The
+directories they write go to the temporary directory, or are kept under ``--keep DIR``
+(``DIR/save-pp2``, ...).
 """
 
 from __future__ import annotations
@@ -48,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import status_kib
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("whole", "init", "load")
+PATHS = ("whole", "init", "load", "save", "gather")
+SAVES = ("save", "gather")  # paths that save instead of stepping
 MIB = 2**20
 SHARD = "200MB"  # save_pretrained's max_shard_size: a 1.3 GB model is 7 files
 QUICK = {"hidden": 512, "layers": 2, "intermediate": 1376, "vocab": 32000, "heads": 8,
@@ -114,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
     imported_at = since_start()
     if args.run == "whole":
         model, weights = build_whole(shape), None
-    else:
+    else:  # init, load and both saves
         with conveyor.empty_weights():
             model = LlamaForCausalLM(config(shape))
         weights = args.weights if args.run == "load" else None
@@ -126,6 +144,11 @@ def worker(args: argparse.Namespace) -> None:
         context=ctx, weights=weights, init_seed=0, sample=(data, None),
     )  # fmt: skip
     built, built_at = status_kib("VmHWM"), since_start()
+    if args.run in SAVES:
+        report = save_run(args.run, pipe, model, args.weights, ctx)
+        report.update(imports=imports * 1024, built=built * 1024, built_seconds=built_at)
+        Path(args.out, f"{ctx.rank}.json").write_text(json.dumps(report))
+        return
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     loss = pipe.train_step(data, None)
     opt.step()
@@ -145,6 +168,40 @@ def worker(args: argparse.Namespace) -> None:
         "loss": float(loss),
     }  # fmt: skip
     Path(args.out, f"{ctx.rank}.json").write_text(json.dumps(report))
+
+
+def save_run(run: str, pipe: Any, model: Any, where: str, ctx: Any) -> dict[str, Any]:
+    """Save the pipeline's model to ``where`` per rank (``save``) or gathered into rank 0
+    (``gather``); this rank's memory before and after, and the save's seconds."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import conveyor
+    from conveyor.integrations._hf_model import gather_state_dict
+
+    share = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+    dist.barrier()
+    rss, peak = status_kib("VmRSS"), status_kib("VmHWM")
+    start = time.perf_counter()
+    if run == "save":
+        conveyor.save_pretrained(pipe, where, max_shard_size=SHARD)
+    else:
+        # An empty module stands for the model: its own entries (those no stage holds) are
+        # read from it, and here the other ranks' stages are on the meta device.
+        whole = gather_state_dict(pipe, nn.Module())
+        if ctx.rank == 0:
+            model.save_pretrained(where, state_dict=whole, max_shard_size=SHARD)
+        del whole
+    seconds = time.perf_counter() - start
+    after, rss_after = status_kib("VmHWM"), status_kib("VmRSS")
+    dist.barrier()
+    return {
+        "rank": ctx.rank, "rss_before": rss * 1024, "peak_before": peak * 1024,
+        "peak": after * 1024, "rss_after": rss_after * 1024, "save_seconds": seconds,
+        "params": share, "share": share, "largest": largest,
+        "file": status_kib("RssFile") * 1024,
+    }  # fmt: skip
 
 
 def save(shape: dict[str, int], where: str) -> None:
@@ -177,9 +234,12 @@ def fits(run: str, pp: int, whole: int, imports: int, runs: int = 1) -> tuple[bo
     """Whether ``pp`` ranks of ``run`` fit in the memory available now (shared by ``runs``
     alike at once), and their estimated total: every rank's imports and two copies of its
     share (parameters, gradients), the whole model on every rank for ``whole``, and an
-    eighth of the model for activations and the rest."""
-    per_rank = imports + 2 * whole // pp + (whole if run == "whole" else 0) + whole // 8
-    total = pp * per_rank
+    eighth of the model for activations and the rest; for the saves, one copy of the share
+    (no gradients), and for ``gather`` three copies of the model on rank 0 (the gathered
+    state dict, the pickled parts in flight, their tensors)."""
+    copies = 1 if run in SAVES else 2
+    per_rank = imports + copies * whole // pp + (whole if run == "whole" else 0) + whole // 8
+    total = pp * per_rank + (3 * whole if run == "gather" else 0)
     return total * runs < 0.9 * available(), total
 
 
@@ -212,7 +272,7 @@ class Launch:
 
 
 def table(runs: list[dict[str, Any]], whole: int) -> str:
-    """The markdown table of every run."""
+    """The markdown table of every run (the saves': :func:`save_table`)."""
 
     def each(ranks: list[dict[str, Any]], key: str) -> str:
         return " / ".join(f"{r[key] / MIB:.0f}" for r in ranks)
@@ -224,6 +284,8 @@ def table(runs: list[dict[str, Any]], whole: int) -> str:
     ]
     for run in runs:
         ranks = run["ranks"]
+        if run["path"] in SAVES:
+            continue
         if not ranks:
             lines.append(f"| {run['path']} | {run['pp']} | skipped: {run['skipped']} "
                          f"| | | | | | |")  # fmt: skip
@@ -234,6 +296,37 @@ def table(runs: list[dict[str, Any]], whole: int) -> str:
             f"| {each(ranks, 'share')} | {top / MIB:.0f} | {top / whole:.2f} "
             f"| {max(r['seconds'] for r in ranks):.1f} "
             f"({max(r['built_seconds'] for r in ranks):.1f}) | {ranks[0]['loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def save_table(runs: list[dict[str, Any]], whole: int) -> str:
+    """The markdown table of the save runs: per rank, what it held before the save, its
+    peak before and after, how far the peak rose above what it held, and its share."""
+
+    def each(ranks: list[dict[str, Any]], value: Any) -> str:
+        return " / ".join(f"{value(r) / MIB:.0f}" for r in ranks)
+
+    lines = [
+        "| path | pp | held before (RSS) MiB | peak before MiB | peak after MiB "
+        "| peak after - held before MiB | share MiB | max rise / model | save s |",
+        "|---|---:|---|---|---|---|---|---:|---:|",
+    ]
+    for run in runs:
+        ranks = run["ranks"]
+        if run["path"] not in SAVES:
+            continue
+        if not ranks:
+            lines.append(f"| {run['path']} | {run['pp']} | skipped: {run['skipped']} "
+                         f"| | | | | | |")  # fmt: skip
+            continue
+        rise = max(r["peak"] - r["rss_before"] for r in ranks)
+        lines.append(
+            f"| {run['path']} | {run['pp']} | {each(ranks, lambda r: r['rss_before'])} "
+            f"| {each(ranks, lambda r: r['peak_before'])} | {each(ranks, lambda r: r['peak'])} "
+            f"| {each(ranks, lambda r: r['peak'] - r['rss_before'])} "
+            f"| {each(ranks, lambda r: r['share'])} | {rise / whole:.2f} "
+            f"| {max(r['save_seconds'] for r in ranks):.1f} |"
         )
     return "\n".join(lines)
 
@@ -249,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--together", action="store_true", help="start the paths of one pp at "
                    "once (faster; their times then mean nothing)")  # fmt: skip
     p.add_argument("--json", help="write every number to this file")
+    p.add_argument("--keep", help="keep the directories the save paths write under this "
+                   "directory (DIR/save-pp2, DIR/gather-pp2, ...)")  # fmt: skip
     p.add_argument("--worker", dest="run", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -283,9 +378,12 @@ def main(argv: list[str] | None = None) -> int:
             files = sorted(Path(weights).glob("*.safetensors"))
             result["save"] = {"seconds": time.perf_counter() - start, "files": len(files),
                               "bytes": sum(f.stat().st_size for f in files)}  # fmt: skip
-            print(f"saved with save_pretrained(max_shard_size={SHARD!r}): {len(files)} files, "
-                  f"{result['save']['bytes'] / MIB:.0f} MiB, "
-                  f"{result['save']['seconds']:.1f} s (not in any run's time)", flush=True)
+            print(
+                f"saved with save_pretrained(max_shard_size={SHARD!r}): {len(files)} files, "
+                f"{result['save']['bytes'] / MIB:.0f} MiB, "
+                f"{result['save']['seconds']:.1f} s (not in any run's time)",
+                flush=True,
+            )
         for pp in pps:
             runs = [{"path": path, "pp": pp, "ranks": []} for path in paths]
             started: list[tuple[dict[str, Any], Launch]] = []
@@ -296,29 +394,46 @@ def main(argv: list[str] | None = None) -> int:
                     run["skipped"] = (f"needs about {need / 2**30:.1f} GiB, "
                                       f"{available() / 2**30:.1f} GiB available")  # fmt: skip
                     continue
-                started.append((run, Launch(run["path"], pp, shape, weights)))
+                where = weights
+                if run["path"] in SAVES:
+                    where = str(Path(args.keep or tmp, f"{run['path']}-pp{pp}"))
+                started.append((run, Launch(run["path"], pp, shape, where)))
                 if not args.together:
                     run["ranks"] = started.pop()[1].reports()
                     imports = max(r["imports"] for r in run["ranks"])
-                    print(table([run], whole).splitlines()[-1], flush=True)
+                    show = save_table if run["path"] in SAVES else table
+                    print(show([run], whole).splitlines()[-1], flush=True)
             for run, launched in started:
                 run["ranks"] = launched.reports()
             result["runs"] += runs
     measured = [r for run in result["runs"] for r in run["ranks"]]
+    steps = [run for run in result["runs"] if run["path"] not in SAVES]
     low = min((r["imports"] for r in measured), default=0) / MIB
     high = max((r["imports"] for r in measured), default=0) / MIB
-    print(
-        f"\n{count / 1e6:.0f}M-parameter Llama ({whole / MIB:.0f} MiB fp32), batch "
-        f"{shape['batch']} x {shape['tokens']} tokens in {shape['microbatches']} "
-        f"micro-batches, 1F1B, gloo, one thread per process. Peak: VmHWM at the end of the "
-        f"first step; of it, built: VmHWM once Pipeline(..., sample=) has split the model "
-        f"and given the rank's stages their values; share: parameters + gradients of the "
-        f"rank's own stages; time: from the process's start (imports included) to the end "
-        f"of its first step (to the built pipeline), largest rank. Each process holds "
-        f"{low:.0f}-{high:.0f} MiB before building anything (interpreter, torch, "
-        f"transformers, process group).\n"
-    )
-    print(table(result["runs"], whole))
+    if steps:
+        print(
+            f"\n{count / 1e6:.0f}M-parameter Llama ({whole / MIB:.0f} MiB fp32), batch "
+            f"{shape['batch']} x {shape['tokens']} tokens in {shape['microbatches']} "
+            f"micro-batches, 1F1B, gloo, one thread per process. Peak: VmHWM at the end of the "
+            f"first step; of it, built: VmHWM once Pipeline(..., sample=) has split the model "
+            f"and given the rank's stages their values; share: parameters + gradients of the "
+            f"rank's own stages; time: from the process's start (imports included) to the end "
+            f"of its first step (to the built pipeline), largest rank. Each process holds "
+            f"{low:.0f}-{high:.0f} MiB before building anything (interpreter, torch, "
+            f"transformers, process group).\n"
+        )
+        print(table(steps, whole))
+    if any(run["path"] in SAVES for run in result["runs"]):
+        largest = max((r["largest"] for run in result["runs"] for r in run["ranks"]
+                       if "largest" in r), default=0)  # fmt: skip
+        print(
+            f"\nSaving it as a transformers checkpoint (max_shard_size={SHARD!r}), built as "
+            f"init, no step: save = conveyor.save_pretrained on every rank; gather = the whole "
+            f"state dict gathered into rank 0, which writes it with model.save_pretrained. "
+            f"Held before: VmRSS just before the save; peak before / after: VmHWM; the "
+            f"largest tensor is {largest / MIB:.0f} MiB; save s: the slowest rank.\n"
+        )
+        print(save_table(result["runs"], whole))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -14,6 +14,7 @@ from conveyor.partition.cuts import balance
 if TYPE_CHECKING:
     from conveyor import checkpoint, losses
     from conveyor.checkpoint import CheckpointError, load, load_model_state, save
+    from conveyor.checkpoint.pretrained import save_pretrained
     from conveyor.context import Context, init
     from conveyor.partition.annotations import set_stage
     from conveyor.partition.execution import sequence
@@ -43,6 +44,7 @@ __all__ = [
     "plan",
     "profile",
     "save",
+    "save_pretrained",
     "sequence",
     "set_stage",
 ]
@@ -55,6 +57,7 @@ _LAZY = {
     "load": "conveyor.checkpoint",
     "load_model_state": "conveyor.checkpoint",
     "save": "conveyor.checkpoint",
+    "save_pretrained": "conveyor.checkpoint.pretrained",
     "Pipeline": "conveyor.pipeline",
     "plan": "conveyor.planning.planner",
     "profile": "conveyor.planning.profiler",

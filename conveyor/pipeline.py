@@ -151,6 +151,12 @@ class Pipeline(LastStep):
             adopt(model, self._parts.named_parameters(), ctx)
 
     @property
+    def model(self) -> nn.Module:
+        """The model the pipeline was built from (other ranks' parts of it stay as given:
+        on the meta device for a model built under ``conveyor.empty_weights()``)."""
+        return self._model
+
+    @property
     def loss_fn(self) -> LossFn | None:
         """The loss function the pipeline was built with (None: the model's own loss)."""
         return self.options.loss_fn

@@ -88,6 +88,15 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any],
     return ckpt_dir, meta, metadata
 
 
+def without_weights(ckpt_dir: Path) -> str:
+    """The error for reading weights from a checkpoint saved without them."""
+    return (
+        f"checkpoint {ckpt_dir} holds optimizer state only (PipelineTrainer keeps the "
+        f"weights beside it, in the transformers directory of the same checkpoint-N); read "
+        f"the weights from that directory (weights=, from_pretrained)"
+    )
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """DCP warns that it runs in one process whenever ``no_dist`` is set; we mean it."""

@@ -56,7 +56,7 @@ from conveyor.checkpoint.view import (
     view_of,
 )
 from conveyor.errors import ConfigError
-from conveyor.storage import dcp_errors, exists, quiet
+from conveyor.storage import dcp_errors, exists, quiet, without_weights
 
 if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline
@@ -96,6 +96,28 @@ def save(
             the previous checkpoint stays current).
         PipelineError: If another rank does not reach the save within the time-out.
     """
+    _save(pipe, path, optimizer, step, weights=True)
+
+
+def save_training_state(
+    pipe: Pipeline,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+) -> None:
+    """:func:`save` without the weights: the optimizer's state and the step, for a trainer
+    that writes the weights beside it with ``save_pretrained`` (stored once, not twice).
+    :func:`load_training_state` reads it back; :func:`load` refuses it."""
+    _save(pipe, path, optimizer, step, weights=False)
+
+
+def _save(
+    pipe: Pipeline | nn.Module,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    weights: bool,
+) -> None:
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ConfigError(f"step must be an int >= 0 or None, got {step!r}")
     view = view_of(pipe, saving=True)
@@ -143,13 +165,16 @@ def save(
 
     # What this rank writes: each entry whose canonical name this rank is the writer of.
     state: dict[str, Any] = {}
+    done: set[str] = set()
     for e in view.entries:
         c = canon[e.names[0][2]]
         # A sharded (DTensor) value is written by every rank holding a shard of it; DCP
         # keeps one copy of a shard several ranks hold.
-        if (writer[c] != view.rank and not is_sharded(e.value)) or f"model/{c}" in state:
+        if (writer[c] != view.rank and not is_sharded(e.value)) or c in done:
             continue
-        state[f"model/{c}"] = pack(e.value)
+        done.add(c)
+        if weights:
+            state[f"model/{c}"] = pack(e.value)
         if e.param and id(e.value) in opt_index:
             for k, v in opt_state.get(opt_index[id(e.value)][0], {}).items():
                 state[f"optim/{c}/{k}"] = pack(v)
@@ -166,7 +191,8 @@ def save(
     commit_error = None
     if view.rank == 0:
         try:
-            commit(root, ckpt_name, build_meta(reports, canon, writer, view, step))
+            meta = build_meta(reports, canon, writer, view, step)
+            commit(root, ckpt_name, {**meta, "weights": weights})
         except Exception as exc:  # tell every rank, then fail everywhere
             commit_error = f"committing checkpoint {root / ckpt_name} failed: {exc!r}"
     commit_error = broadcast(view, commit_error)
@@ -201,6 +227,23 @@ def load(
             has no or another optimizer's state when ``optimizer`` is given.
         PipelineError: If another rank does not reach the load within the time-out.
     """
+    return _load(pipe, path, optimizer, weights=True)
+
+
+def load_training_state(
+    pipe: Pipeline, path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None
+) -> int | None:
+    """Read what :func:`save_training_state` wrote (or the optimizer part of what
+    :func:`save` wrote) into ``optimizer``; the weights are left as they are."""
+    return _load(pipe, path, optimizer, weights=False)
+
+
+def _load(
+    pipe: Pipeline | nn.Module,
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None,
+    weights: bool,
+) -> int | None:
     view = view_of(pipe)
     read: tuple[Path, dict[str, Any], Metadata] | None = None
     failure = None
@@ -220,12 +263,17 @@ def load(
     state: dict[str, Any] = {}
     copies: list[tuple[Tensor, str]] = []
     chosen: list[str | None] = []
+    if weights and meta.get("weights") is False and error is None:
+        error = without_weights(ckpt_dir)
+    known = {f"model/{k}" for k in meta["keys"]} if not weights else set(stored)
     for e in view.entries:
         names = [n for _, _, n in e.names]
-        c = next((aliases.get(n, n) for n in names if f"model/{aliases.get(n, n)}" in stored), None)
+        c = next((aliases.get(n, n) for n in names if f"model/{aliases.get(n, n)}" in known), None)
         chosen.append(c)
         if c is None:
             problems.append(names[0])
+            continue
+        if not weights:
             continue
         md = stored[f"model/{c}"]
         if isinstance(e.value, Tensor):
@@ -287,7 +335,7 @@ def load(
             dst.copy_(state[key])
     # Extra (non-tensor) module state comes back as objects: hand them to their modules.
     for e, c in zip(view.entries, chosen, strict=True):
-        if not isinstance(e.value, Tensor) and c is not None:
+        if weights and not isinstance(e.value, Tensor) and c is not None:
             set_extra(pipe, e, unpack(state[f"model/{c}"]))
 
     if optimizer is not None and opt_meta is not None:
@@ -315,6 +363,8 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, Tensor]:
             a newer conveyor.
     """
     ckpt_dir, meta, metadata = read_checkpoint(path)
+    if meta.get("weights") is False:
+        raise CheckpointError(without_weights(ckpt_dir))
     stored = metadata.state_dict_metadata
     state = {k: empty_for(md) for k, md in stored.items() if k.startswith("model/")}
     with quiet(), dcp_errors(f"loading checkpoint {ckpt_dir}", "is it damaged?"):

@@ -1,6 +1,7 @@
 """The pieces of :class:`~conveyor.integrations.transformers.PipelineTrainer` that stand
-for the model: this rank's stages as one module, the whole state dict gathered, and the
-key/value cache turned off (shared with the Lightning strategy)."""
+for the model: this rank's stages as one module, the whole state dict gathered, weights
+read back from a transformers directory, and the key/value cache turned off (shared with
+the Lightning strategy)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.pipeline import Pipeline
+from conveyor.weights import give_values
 
 
 def without_cache(model: nn.Module) -> None:
@@ -79,3 +81,22 @@ def gather_state_dict(pipe: Pipeline, model: nn.Module) -> dict[str, torch.Tenso
     for name, value in model.state_dict().items():  # buffers no stage holds
         whole.setdefault(name, value.detach().cpu())
     return whole
+
+
+def read_pretrained(pipe: Pipeline, model: nn.Module, path: str) -> None:
+    """Load this rank's tensors (every state-dict entry of its stages) from the
+    transformers directory ``path``, as ``Pipeline(weights=path)`` would have: each rank
+    reads only its own tensors, a sharded one (FSDP, tensor parallel, vocabulary rows)
+    cut to its shard.
+
+    Args:
+        pipe: The pipeline.
+        model: The model it was built from (its names).
+        path: A directory ``save_pretrained`` (or transformers) wrote.
+
+    Raises:
+        CheckpointError: The directory lacks a tensor or holds another shape (named).
+    """
+    holder = pipe.vocab_layers
+    modules = [*pipe.stages, *([holder] if holder is not None else [])]
+    give_values(model, modules, pipe.context.device, path, init_seed=0)

@@ -36,10 +36,14 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
 from conveyor.integrations._lightning.package import Package
-from conveyor.integrations._lightning.processes import rank_zero_results
+from conveyor.integrations._lightning.processes import (
+    GATHER_LIMIT,
+    rank_zero_results,
+    returned_weights,
+)
 from conveyor.integrations._lightning.strategy import StrategyBody
 
-__all__ = ["TRAINER_STATE", "PipelineStrategy"]
+__all__ = ["GATHER_LIMIT", "TRAINER_STATE", "PipelineStrategy"]
 
 PACKAGE = Package(
     trainer_fn=TrainerFn,
@@ -58,14 +62,20 @@ PACKAGE = Package(
 
 
 class Launcher(_MultiProcessingLauncher):
-    """Lightning's spawn / fork launcher; the main process gets the whole trained network
-    (gathered from every stage), not rank 0's stages alone. A network built on the meta
-    device is not gathered (no process may hold it whole): its weights are in the
-    checkpoints."""
+    """Lightning's spawn / fork launcher; the main process gets the whole trained network,
+    not rank 0's stages alone: gathered into rank 0 for a network of at most
+    ``gather_limit`` bytes (:data:`GATHER_LIMIT`, 1 GiB, by default), else through a
+    temporary conveyor checkpoint every rank writes its part of, which the main process
+    reads one tensor at a time and removes. A network built on the meta device is not
+    handed back (no process may hold it whole): its weights are in the checkpoints."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         own = super()._collect_rank_zero_results
         return rank_zero_results(trainer.strategy, trainer, lambda: own(trainer, results))
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        output = returned_weights(trainer.strategy, trainer, worker_output)
+        super()._recover_results_in_main_process(output, trainer)
 
 
 class PipelineStrategy(StrategyBody, ParallelStrategy):
@@ -87,14 +97,32 @@ class PipelineStrategy(StrategyBody, ParallelStrategy):
             did: ``"popen"`` (runs the script again per process, as Lightning's DDP),
             ``"spawn"`` or ``"fork"``.
         process_group_backend: ``"gloo"`` or ``"nccl"`` (default: the device's).
+        gather_limit: With ``"spawn"`` / ``"fork"``, the largest network (bytes of its
+            parameters and buffers; default :data:`GATHER_LIMIT`, 1 GiB) whose trained
+            weights are gathered into rank 0 to hand to the main process; a larger one
+            goes through a temporary :func:`conveyor.save` checkpoint, each rank writing
+            its own part, which the main process reads one tensor at a time and removes
+            (0: always so).
         **pipeline_options: :func:`conveyor.init`'s keywords (``tp``, ``timeout``: seconds
             any wait on another rank may take, the process group's too, ...) and
             :class:`conveyor.Pipeline`'s (``microbatches`` (default: ``pp``),
             ``schedule``, ``chunks``, ``balance``, ``fsdp``, ``tp_plan``, ``compile``,
             ``recompute``, ``sample``, ...).
 
+    Publishing: :func:`conveyor.save_pretrained` writes the trained network as a
+    transformers directory (``from_pretrained`` reads it), each rank its own tensors; it is
+    a collective, so call it on every rank, from a callback (``trainer.strategy.pipe`` is
+    the pipeline)::
+
+        class Publish(L.Callback):
+            def on_train_end(self, trainer, pl_module):
+                conveyor.save_pretrained(trainer.strategy.pipe, "published")
+
+    or after ``fit`` in a script every rank runs (``start_method="popen"``, torchrun).
+
     Raises:
-        ConfigError: an option the strategy does not take, in one sentence.
+        ConfigError: an option the strategy does not take, or a ``gather_limit`` that is
+            not an int >= 0, in one sentence.
     """
 
     strategy_name = "conveyor_pipeline"

@@ -25,10 +25,14 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from conveyor.integrations._lightning.checkpoints import TRAINER_STATE
 from conveyor.integrations._lightning.package import Package
-from conveyor.integrations._lightning.processes import rank_zero_results
+from conveyor.integrations._lightning.processes import (
+    GATHER_LIMIT,
+    rank_zero_results,
+    returned_weights,
+)
 from conveyor.integrations._lightning.strategy import StrategyBody
 
-__all__ = ["TRAINER_STATE", "PipelineStrategy"]
+__all__ = ["GATHER_LIMIT", "TRAINER_STATE", "PipelineStrategy"]
 
 PACKAGE = Package(
     trainer_fn=TrainerFn,
@@ -48,11 +52,16 @@ PACKAGE = Package(
 
 class Launcher(_MultiProcessingLauncher):
     """``pytorch_lightning``'s spawn / fork launcher, handing the main process the whole
-    trained network (as :class:`conveyor.integrations.lightning.Launcher`)."""
+    trained network, gathered or through a checkpoint (as
+    :class:`conveyor.integrations.lightning.Launcher`)."""
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         own = super()._collect_rank_zero_results
         return rank_zero_results(trainer.strategy, trainer, lambda: own(trainer, results))
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        output = returned_weights(trainer.strategy, trainer, worker_output)
+        super()._recover_results_in_main_process(output, trainer)
 
 
 class PipelineStrategy(StrategyBody, ParallelStrategy):

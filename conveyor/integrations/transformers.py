@@ -9,8 +9,16 @@ parameters with the whole model's weight-decay groups; ``training_step`` is
 ``pipe.train_step`` (a token-averaged loss counts tokens as the plain trainer's
 ``num_items_in_batch`` does); ``_clip_grad_norm`` is ``pipe.clip_grad_norm_``; the data
 loaders give each replica its share of the global batches the one-process trainer draws,
-read only where a stage needs them; ``evaluation_loop`` averages ``pipe.eval_step``; and
-``save_model`` gathers the stages to rank 0 under the model's names for ``from_pretrained``.
+read only where a stage needs them (a ``DataLoader`` over this rank's batch sampler, which
+accelerate's ``skip_first_batches`` resumes mid-epoch); ``evaluation_loop`` averages
+``pipe.eval_step``; ``save_model`` writes a ``from_pretrained`` directory with
+``conveyor.save_pretrained`` (every rank its own tensors, nothing gathered); a checkpoint
+adds ``pipeline/`` (a conveyor checkpoint of each rank's optimizer state, any layout, the
+weights not stored twice) and the scheduler; resuming (``_load_optimizer_and_scheduler``)
+reads both and the weights, ``load_best_model_at_end`` (``_load_best_model``) the
+weights, each rank only its own tensors; the
+plain trainer's own code restores the random states per rank, the ``TrainerState`` and the
+data position.
 """
 
 from __future__ import annotations
@@ -23,20 +31,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput
 
-from conveyor.checkpoint import save as save_checkpoint
+from conveyor.checkpoint import load_training_state, save_training_state
+from conveyor.checkpoint.pretrained import write as write_pretrained
 from conveyor.context import in_torchrun, init
-from conveyor.errors import ConfigError
+from conveyor.errors import CheckpointError, ConfigError
 from conveyor.integrations._hf_data import ReplicaLoader, replica_loader
-from conveyor.integrations._hf_model import Stages, gather_state_dict, without_cache
+from conveyor.integrations._hf_model import (
+    Stages,
+    gather_state_dict,
+    read_pretrained,
+    without_cache,
+)
 from conveyor.integrations._keywords import INIT_KEYS, pipeline_keys
 from conveyor.losses import ModelTokenLoss
 from conveyor.pipeline import Pipeline
+from conveyor.storage import exists as checkpoint_exists
 
 TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")
 # Pipeline's keywords the trainer sets itself; the others are pipeline options.
 PIPELINE_KEYS = pipeline_keys(("loss_fn", "context", "sample", "autocast"))
+PIPELINE_DIR = "pipeline"  # in checkpoint-N: each rank's optimizer state (conveyor's format)
+SCHEDULER_NAME = "scheduler.pt"  # transformers' name for the scheduler's state
+MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default, which the plain trainer uses
 
 
 class PipelineTrainer(Trainer):
@@ -47,7 +66,10 @@ class PipelineTrainer(Trainer):
     what they mean for the plain trainer, with ``per_device_train_batch_size`` per
     data-parallel replica (each replica's batch is cut into ``microbatches``). ``bf16``
     runs the stages under ``torch.autocast(bfloat16)``. The model computes its loss from
-    ``labels`` (pass them in the dataset's features).
+    ``labels`` (pass them in the dataset's features). ``save_model`` and the checkpoints
+    write a ``from_pretrained`` directory without gathering the model;
+    ``train(resume_from_checkpoint=path or True)`` goes on exactly where a checkpoint was
+    saved (same launch: ``pp``, ``dp`` and process count).
 
     Args:
         model: A transformers model (or any ``nn.Module`` computing its loss from keyword
@@ -285,29 +307,50 @@ class PipelineTrainer(Trainer):
             predictions=nothing, label_ids=None, metrics=metrics, num_samples=count
         )
 
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """``transformers.Trainer.train``; resuming from a checkpoint is not supported yet.
-
-        Raises:
-            ConfigError: ``resume_from_checkpoint`` was given.
-        """
-        if resume_from_checkpoint not in (None, False):
-            raise ConfigError(
-                "PipelineTrainer cannot resume_from_checkpoint yet; its checkpoints hold the "
-                "whole model (from_pretrained) and each rank's optimizer state under "
-                "checkpoint-N/pipeline (conveyor.load); start a new run from the model"
+    # ------------------------------------------------------------------ checkpoints
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Check that the checkpoint can be resumed (it has the optimizer states in
+        ``pipeline/``); :meth:`_load_optimizer_and_scheduler` reads them and the weights."""
+        state = os.path.join(resume_from_checkpoint, PIPELINE_DIR)
+        if not checkpoint_exists(state):
+            raise CheckpointError(
+                f"cannot resume from {resume_from_checkpoint}: it has no {PIPELINE_DIR}/ "
+                f"with each rank's optimizer state (a checkpoint saved by "
+                f"another trainer, or with save_only_model=True); resume from a checkpoint "
+                f"PipelineTrainer saved, or start a new run from its weights"
             )
-        return super().train(None, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """This rank's weights from the checkpoint's safetensors, its optimizer state from
+        ``pipeline/`` (any layout saved them), and the scheduler."""
+        if checkpoint is None:
+            return
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        read_pretrained(self.pipe, self.whole, checkpoint)
+        load_training_state(self.pipe, os.path.join(checkpoint, PIPELINE_DIR), optimizer)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """Every rank loads its stages' weights of the best checkpoint from its
+        safetensors files (``_finalize_training`` calls it on every rank)."""
+        best = self.state.best_model_checkpoint
+        assert best is not None  # the plain trainer calls this only with one
+        read_pretrained(self.pipe, self.whole, best)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Every rank's optimizer state with :func:`conveyor.save` (``output_dir/pipeline``),
-        the scheduler on rank 0."""
+        """Every rank's optimizer state in ``output_dir/pipeline`` (a conveyor checkpoint
+        without the weights: ``save_model`` wrote them beside it), the scheduler on rank 0."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        save_checkpoint(
-            self.pipe, os.path.join(output_dir, "pipeline"), optimizer, step=self.state.global_step
+        save_training_state(
+            self.pipe,
+            os.path.join(output_dir, PIPELINE_DIR),
+            optimizer,
+            step=self.state.global_step,
         )
         if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     # ------------------------------------------------------------------ saving
     def whole_state_dict(self) -> dict[str, torch.Tensor]:
@@ -320,11 +363,32 @@ class PipelineTrainer(Trainer):
         return gather_state_dict(self.pipe, self.whole)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the whole model (``from_pretrained`` loads it) on rank 0; every rank calls
-        it (the stages' weights are gathered)."""
-        state = self.whole_state_dict()
+        """Save the model where ``from_pretrained`` (and ``Pipeline(weights=...)``) reads it:
+        every rank writes the tensors it holds into safetensors shards
+        (``conveyor.save_pretrained``: no process gathers the whole model); rank 0 adds
+        the index, the configs, the processing class and ``training_args.bin``. A
+        collective: every rank calls it (the plain trainer's loop does).
+
+        Args:
+            output_dir: The directory (default: ``args.output_dir``); it may hold other
+                files (checkpoints, logs).
+            _internal_call: As for ``transformers.Trainer.save_model`` (no push to the Hub).
+        """
+        target = str(output_dir if output_dir is not None else self.args.output_dir)
+        write_pretrained(self.pipe, target, MAX_SHARD_SIZE, any_directory=True)
         if self.args.should_save:
-            self._save(output_dir, state_dict=state)
+            self._save_extras(target)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_extras(self, output_dir: str) -> None:
+        """What the plain trainer saves beside the weights: the processing class (or the
+        collator's tokenizer) and the training arguments."""
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)  # type: ignore[union-attr]
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
 def _sharded(p: torch.Tensor) -> bool:

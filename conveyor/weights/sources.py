@@ -41,6 +41,10 @@ class Safetensors:
     ``model.safetensors.index.json``; each tensor is read on its own (safetensors maps
     the file and copies only that tensor)."""
 
+    # Not torch's HuggingFaceStorageReader: that is a DCP reader, which loads a whole
+    # state dict planned up front, while a rank here asks for tensors one group at a time
+    # (transformers' conversions stack several stored tensors into one), by name.
+
     def __init__(self, path: Path) -> None:
         self.where = str(path)
         if path.is_file():
@@ -80,9 +84,11 @@ class ConveyorCheckpoint:
     def __init__(self, path: Path) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from conveyor.storage import read_checkpoint
+        from conveyor.storage import read_checkpoint, without_weights
 
         self._dir, meta, metadata = read_checkpoint(path)
+        if meta.get("weights") is False:
+            raise CheckpointError(without_weights(self._dir))
         self.where = str(self._dir)
         self._aliases: dict[str, str] = meta["aliases"]
         self._stored = {

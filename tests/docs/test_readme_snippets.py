@@ -69,6 +69,19 @@ pipe.train_step(x, y); opt.step()
 step = 1
 """,
     "plan = conveyor.plan(": _MLP,
+    # The big-models guide's way back: a pipeline of the tiny Llama the page builds.
+    'conveyor.save_pretrained(pipe, "llama-trained"': """
+import torch, conveyor
+from transformers import AutoModelForCausalLM, LlamaConfig
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=100, use_cache=False)
+with conveyor.empty_weights():
+    model = AutoModelForCausalLM.from_config(config)
+batch = {"input_ids": torch.randint(0, 100, (4, 8))}
+batch["labels"] = batch["input_ids"]
+pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, sample=(batch, None),
+                         context=conveyor.init(pp=2))
+""",
     'pipe = conveyor.Pipeline(model, loss_fn=loss_fn, microbatches=8, schedule="1f1b"': (
         _MLP + "conveyor.init(pp=2)\n"
     ),

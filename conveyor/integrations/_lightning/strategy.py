@@ -4,6 +4,7 @@ which hands this body that package's pieces (:class:`Package`) and its launcher.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from conveyor.checkpoint import save as save_checkpoint
 from conveyor.context import Context, in_torchrun, init
 from conveyor.errors import ConfigError, one_line
 from conveyor.integrations._hf_model import gather_state_dict
@@ -19,7 +21,9 @@ from conveyor.integrations._lightning.building import build, check_optimizers, d
 from conveyor.integrations._lightning.options import StrategyOptions
 from conveyor.integrations._lightning.package import Package
 from conveyor.integrations._lightning.processes import (
+    GATHER_LIMIT,
     check_one_process,
+    network_bytes,
     process_group_options,
     sampler_arguments,
 )
@@ -72,9 +76,15 @@ class StrategyBody:
         loss_attr: str = "loss_fn",
         start_method: str = "popen",
         process_group_backend: str | None = None,
+        gather_limit: int = GATHER_LIMIT,
         **pipeline_options: Any,
     ) -> None:
         super().__init__()  # the package's ParallelStrategy, next in the strategy's MRO
+        if isinstance(gather_limit, bool) or not isinstance(gather_limit, int) or gather_limit < 0:
+            raise ConfigError(
+                f"gather_limit is a number of bytes (an int >= 0), got {gather_limit!r}; pass "
+                f"0 to hand every network back through a checkpoint"
+            )
         options = StrategyOptions.sort(pp, dp, start_method, pipeline_options)
         self.init_options = options.init_options
         self.pipeline_options = options.pipeline_options
@@ -82,6 +92,7 @@ class StrategyBody:
         self.loss_attr = loss_attr
         self.start_method = start_method
         self.process_group_backend = process_group_backend
+        self.gather_limit = gather_limit
         self.num_nodes = 1
         self.context: Context | None = None
         self.pipe: Pipeline | None = None
@@ -361,13 +372,29 @@ class StrategyBody:
         assert self.pipe is not None
         return gather_state_dict(self.pipe, self._original())
 
-    def gathered_network(self, trainer: Any) -> dict[str, torch.Tensor] | None:
-        """What a spawn / fork launcher hands the main process: :meth:`whole_state_dict`
-        after fitting, None otherwise or for a network on the meta device. A collective
-        (the same answer on every rank: each keeps the others' stages on meta)."""
+    def trained_weights(self, trainer: Any) -> dict[str, torch.Tensor] | Path | None:
+        """What a spawn / fork launcher hands the main process after fitting, a collective
+        (the same kind of answer on every rank):
+
+        - a network of at most ``gather_limit`` bytes: :meth:`whole_state_dict`, gathered
+          into rank 0;
+        - a larger one: the directory of a :func:`conveyor.save` checkpoint (made in the
+          temporary directory of rank 0's machine), every rank writing its own part of it,
+          so no process holds the network whole; the main process reads it one tensor at
+          a time and removes it;
+        - None when not fitting, or for a network on the meta device (no process may hold
+          it whole: each keeps the others' stages on meta; its weights are in the
+          checkpoints).
+        """
         if trainer.state.fn != self.package.trainer_fn.FITTING or self.network_on_meta():
             return None
-        return self.whole_state_dict()
+        if network_bytes(self._original()) <= self.gather_limit:
+            return self.whole_state_dict()
+        assert self.pipe is not None
+        made = tempfile.mkdtemp(prefix="conveyor-weights-") if self.is_global_zero else None
+        path = Path(self.broadcast(made))
+        save_checkpoint(self.pipe, path)
+        return path
 
     def _original(self) -> torch.nn.Module:
         stand_in = getattr(self.lightning_module, self.module_attr)

@@ -1,0 +1,173 @@
+"""``conveyor.save_pretrained`` in one process: shards within ``max_shard_size``, a model
+without a transformers config, directories it refuses, a write that fails (the previous
+checkpoint stays), and saving twice into one directory."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from conveyor.checkpoint import safetensors_file
+from conveyor.checkpoint.safetensors_file import pack, parse_size
+from conveyor.context import forget
+from conveyor.errors import CheckpointError, ConfigError
+from tests.support.models import batch, mlp
+
+
+@pytest.fixture(autouse=True)
+def _one_process() -> Any:
+    forget()
+    yield
+    forget()
+
+
+def _pipe(seed: int = 0) -> conveyor.Pipeline:
+    conveyor.init(pp=2)
+    return conveyor.Pipeline(mlp(seed=seed), loss_fn=nn.functional.mse_loss, microbatches=2)
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    model = mlp(seed=9)
+    conveyor.materialize(model, weights=path)
+    return model.state_dict()
+
+
+def test_a_model_without_config_gets_weights_an_index_and_a_warning(tmp_path: Path) -> None:
+    pipe = _pipe()
+    with pytest.warns(UserWarning, match="no config.json"):
+        conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert sorted(set(index["weight_map"].values())) == files and len(files) > 1
+    assert not (tmp_path / "config.json").exists()
+    for f in files:  # within the limit unless one tensor alone is larger
+        tensors = [n for n, v in index["weight_map"].items() if v == f]
+        assert (tmp_path / f).stat().st_size <= 400 + 1000 or len(tensors) == 1
+    want = mlp(seed=0).state_dict()
+    assert all(torch.equal(v, want[n]) for n, v in _read(tmp_path).items())
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in want.values())
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_no_old_file(tmp_path: Path) -> None:
+    pipe = _pipe()
+    with pytest.warns(UserWarning):
+        conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
+    first = {p.name for p in tmp_path.iterdir()}
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.mul_(2)
+    with pytest.warns(UserWarning):  # the same shard count: the new files get other names
+        conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
+    second = {p.name for p in tmp_path.iterdir()}
+    assert first.isdisjoint(second - {"model.safetensors.index.json"})
+    want = {n: v * 2 for n, v in mlp(seed=0).state_dict().items()}
+    assert all(torch.equal(v, want[n]) for n, v in _read(tmp_path).items())
+
+
+def test_a_failing_write_names_the_file_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipe = _pipe()
+    with pytest.warns(UserWarning):
+        conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(1)
+    write = safetensors_file.FileWriter.write
+    count = [0]
+
+    def full(self: Any, name: str, value: torch.Tensor) -> None:
+        count[0] += 1
+        if count[0] == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, name, value)
+
+    monkeypatch.setattr(safetensors_file.FileWriter, "write", full)
+    with pytest.raises(CheckpointError, match=r"rank 0: writing .*model-.*safetensors failed: "
+                       r"No space left on device; .* keeps its previous checkpoint"):  # fmt: skip
+        conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    want = mlp(seed=0).state_dict()
+    assert all(torch.equal(v, want[n]) for n, v in _read(tmp_path).items())
+
+
+def test_refuses_a_directory_that_is_not_a_checkpoint_and_a_file(tmp_path: Path) -> None:
+    pipe = _pipe()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="non-empty directory that holds no checkpoint"):
+        conveyor.save_pretrained(pipe, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    with pytest.raises(CheckpointError, match="it is a file"):
+        conveyor.save_pretrained(pipe, tmp_path / "notes.txt")
+    with pytest.raises(ConfigError, match="max_shard_size"):
+        conveyor.save_pretrained(pipe, tmp_path / "new", max_shard_size="lots")
+
+
+def test_a_plain_module_in_one_process_and_transformers_reads_it(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    conveyor.save_pretrained(model, tmp_path, max_shard_size="10KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied to the embedding: once
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    want = model.state_dict()
+    assert all(torch.equal(v, want[n]) for n, v in back.state_dict().items())
+    assert (tmp_path / "generation_config.json").is_file()
+
+
+def test_shard_sizes_as_transformers_reads_them() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
+    assert parse_size(123) == 123
+    for bad in ("", "-1GB", 0, "5 parsecs", 1.5):
+        with pytest.raises(ValueError):
+            parse_size(bad)  # type: ignore[arg-type]
+    assert pack([("a", 2), ("b", 2), ("c", 9), ("d", 1)], 5) == [["a", "b"], ["c"], ["d"]]
+
+
+def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
+    transformers = pytest.importorskip("transformers")
+    from conveyor.checkpoint.pretrained import Published
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      tie_word_embeddings=True)  # fmt: skip
+    published = Published(transformers.LlamaForCausalLM(config))
+    # Whichever copy a split met first (here the output layer's), the embedding's name.
+    tied = {"lm_head.weight": "lm_head.weight", "model.embed_tokens.weight": "lm_head.weight"}
+    assert set(published.preferred(tied).values()) == {"model.embed_tokens.weight"}
+    assert published.preferred({"mlp.w": "mlp.w"}) == {"mlp.w": "mlp.w"}
+
+
+def test_the_training_state_beside_it_holds_no_weights(tmp_path: Path) -> None:
+    from conveyor.checkpoint import load_training_state, save_training_state
+
+    pipe = _pipe()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    pipe.train_step(*batch(4))
+    opt.step()
+    save_training_state(pipe, tmp_path / "state", opt, step=3)
+    stored = torch.distributed.checkpoint.FileSystemReader(
+        conveyor.storage.resolve(tmp_path / "state")
+    ).read_metadata()
+    keys = set(stored.state_dict_metadata)
+    assert keys and all(k.startswith("optim/") for k in keys)  # the weights are not stored
+    for load in (conveyor.load, conveyor.load_model_state):
+        with pytest.raises(CheckpointError, match="holds optimizer state only"):
+            load(*((pipe, tmp_path / "state") if load is conveyor.load else (tmp_path / "state",)))
+    again = torch.optim.AdamW(pipe.parameters(), lr=0.5)
+    assert load_training_state(pipe, tmp_path / "state", again) == 3
+    want, got = opt.state_dict(), again.state_dict()
+    assert got["param_groups"][0]["lr"] == 0.1
+    for i, s in want["state"].items():
+        assert all(torch.equal(v, got["state"][i][k]) for k, v in s.items())
