@@ -21,6 +21,7 @@ FORWARDED = {
     "launch": ("conveyor.cli.launch", "run a script in several processes (a front to torchrun)"),
     "trace": ("conveyor.cli.trace", "draw a trace saved by pipe.save_trace: trace FILE --png PNG"),
     "plan": ("conveyor.cli.plan", "pick split, schedule and micro-batches for FILE.py's model"),
+    "convert": ("conveyor.cli.convert", "a conveyor checkpoint into transformers' format, or back"),
 }
 """Subcommand name -> (module whose ``main(argv)`` runs it, one-line help)."""
 
