@@ -163,15 +163,17 @@ def build(
     units = stages if ends.holder is None else {**stages, HOLDER: ends.holder}
     own = list(units.values())
     pending = Pending(model, own, options.weights, options.init_seed) if given else None
-    if pending is not None and not sharding:
-        pending.give(ctx.device)
-    description = describe_split(model, all_stages, schedule.placement)
-
     # Tied weights on several ranks: copies start equal and their gradients are summed.
+    # Found by identity, so before any value is given (giving a meta parameter its value
+    # makes a new object on this rank, while other ranks' stages keep the meta one).
     ties = [
         ({s: _name_of(all_stages[s], all_stages[group[0]], name) for s in group}, group)
         for name, group in shared_parameters(all_stages)
     ]
+    if pending is not None and not sharding:
+        pending.give(ctx.device)
+    description = describe_split(model, all_stages, schedule.placement)
+
     shared = SharedParameters(ties, schedule.placement, stages, ctx)
     # Values given by conveyor are equal on every rank by construction (seeded by name, or
     # read from one checkpoint); the real parameters of a partly meta model must be built

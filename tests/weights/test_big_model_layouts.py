@@ -172,3 +172,46 @@ def test_fsdp_allocates_shards_and_keeps_the_real_buffers() -> None:
     want["1.running_var"] = torch.full((8,), 3.0)
     for got in distributed.run(_fsdp_state, 4, fork=True):
         assert got and all(torch.equal(v, want[n]) for n, v in got.items()), got.keys()
+
+
+def _tied_llama(rank: int) -> dict[str, Any]:
+    from tests.support.tp_models import batches
+    from tests.support.tp_models import tiny as tiny_model
+
+    conveyor.init(pp=2)
+    config = tiny_model("llama").config
+    config.tie_word_embeddings = True
+    import transformers
+
+    with conveyor.empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    batch = batches()[0]
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, sample=(batch, None),
+                             init_seed=SEED)  # fmt: skip
+    loss = pipe.train_step(batch, None)
+    return {"loss": float(loss), "tied": len(pipe.tied_copies()),
+            "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}}  # fmt: skip
+
+
+def test_a_meta_built_transformers_model_keeps_its_tie_across_ranks() -> None:
+    """The embedding (first stage) and the output layer (last stage) of a tied Llama built
+    on meta are one weight: each rank's copy gets the gradient of both uses, as the
+    unsplit model's weight does."""
+    import transformers
+
+    from tests.support.tp_models import batches
+    from tests.support.tp_models import tiny as tiny_model
+
+    config = tiny_model("llama").config
+    config.tie_word_embeddings = True
+    with conveyor.empty_weights():
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    conveyor.materialize(reference, init_seed=SEED)
+    out = reference(**batches()[0])
+    out.loss.backward()
+    want = reference.model.embed_tokens.weight.grad
+    results = distributed.run(_tied_llama, 2, fork=True)
+    assert [r["tied"] for r in results] == [1, 1]
+    for r, name in zip(results, ("model.embed_tokens.weight", "lm_head.weight"), strict=True):
+        assert abs(r["loss"] - float(out.loss)) < 1e-5 * float(out.loss)
+        assert_close({name: r["grads"][name]}, {name: want}, f"tied {name}", reduction=64)
