@@ -11,60 +11,42 @@ experts over ``ep``) is made whole among its holders one tensor at a time
 
 A transformers model whose layout differs from its files' (its MoE experts are one 3-D
 tensor per projection, its published checkpoints one 2-D tensor per expert) is written as
-transformers' own ``save_pretrained`` writes it: each tensor through transformers' reverse
-weight conversion, so ``from_pretrained`` of the published class reads it.
+transformers' own ``save_pretrained`` writes it
+(:class:`~conveyor.checkpoint.published.Published`), so ``from_pretrained`` of the
+published class reads it.
 
 conveyor writes the files itself rather than through torch's ``HuggingFaceStorageWriter``:
 that writer stores each rank's shards first and consolidates them in a second pass (the
 model written twice, both copies on disk at once), and it cannot apply the reverse
 conversion, which needs each expert tensor whole.
 
-Commit: every file is written under a temporary name and renamed once complete; new shards
-never reuse the name of a file the directory's current index lists; rank 0 replaces the
-index last (``os.replace``), then removes what the old index listed and the new does not.
-Until that moment the directory reads as the previous checkpoint, after it as the new one.
+The directory is written in place and committed by rank 0 replacing the index
+(:mod:`conveyor.checkpoint.hf_dir`): until then it reads as its previous checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import secrets
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
 from conveyor.checkpoint.dcp import is_sharded
 from conveyor.checkpoint.errors import CheckpointError
+from conveyor.checkpoint.hf_dir import Shards, commit, configs_of, free_names, holds_checkpoint
 from conveyor.checkpoint.naming import components
-from conveyor.checkpoint.safetensors_file import (
-    INDEX,
-    SINGLE,
-    FileWriter,
-    TensorInfo,
-    pack,
-    parse_size,
-    read_weight_map,
-    shard_names,
-    write_index,
-)
+from conveyor.checkpoint.published import Published
 from conveyor.checkpoint.view import View, all_gather, broadcast, is_pipeline, raise_any, view_of
 from conveyor.errors import ConfigError
+from conveyor.weights.safetensors_file import pack, parse_size
 
 if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline
 
 __all__ = ["save_pretrained", "write"]
-
-CONFIGS = ("config.json", "generation_config.json")
-# What marks a directory as a checkpoint (or a transformers run's output) to write into.
-MARKS = (INDEX, SINGLE, *CONFIGS, "pytorch_model.bin", "pytorch_model.bin.index.json")
-SHARD = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5}-of-\d{5}\.safetensors(?:\.tmp)?")
 
 
 def save_pretrained(
@@ -124,68 +106,73 @@ def write(
     mine = [e for e in view.entries if writer[canon[e.names[0][2]]] == view.rank]
     writes = {id(e) for e in mine}
     skipped = sorted({canon[e.names[0][2]] for e in mine if not isinstance(e.value, Tensor)})
-    infos = [info for e in mine for info in published.infos(canon[e.names[0][2]], e.value)]
+    together = [g for g in published.groups(sorted(set(canon.values()))) if len(g) > 1]
+    if together:
+        raise ConfigError(
+            f"save_pretrained writes one tensor at a time, but {type(model).__name__}'s "
+            f"checkpoints store {together[0]} as one converted tensor; save with "
+            f"conveyor.save and publish with `conveyor convert --to transformers --config DIR`"
+        )
+    infos = [
+        info
+        for e in mine
+        if isinstance(e.value, Tensor)
+        for info in published.infos({canon[e.names[0][2]]: e.value})
+    ]
     plans = all_gather(view, [(i.name, i.nbytes) for i in infos])
     raise_any(view, refusal)
 
-    files = [pack(plan, limit) for plan in plans]
-    count = sum(len(f) for f in files)
-    names_of, taken = {}, 0
-    for rank_files in files:
-        for group in rank_files:
-            for n in group:
-                names_of[n] = taken
-            taken += 1
-    tag = broadcast(view, _tag(root, count) if view.rank == 0 else None)
-    file_names = shard_names(count, tag)
-    weight_map = {n: file_names[i] for n, i in names_of.items()}
+    # Each rank's tensors in files of its own, numbered in rank order.
+    per_rank = [pack(plan, limit) for plan in plans]
+    count = sum(len(f) for f in per_rank)
+    names = broadcast(view, free_names(root, count) if view.rank == 0 else None)
+    numbered = [group for rank_files in per_rank for group in rank_files]
+    weight_map = {n: names[i] for i, group in enumerate(numbered) for n in group}
+    start = sum(len(f) for f in per_rank[: view.rank])
+    by_name = {i.name: i for i in infos}
+    shards = Shards(root, [(names[start + k], [by_name[n] for n in group])
+                           for k, group in enumerate(per_rank[view.rank])])  # fmt: skip
 
     error = None
-    done: list[Path] = []
-    writers: dict[int, FileWriter] = {}
-    left = {i: len(g) for i, g in enumerate(f for rf in files for f in rf)}
-    by_name = {i.name: i for i in infos}
-    try:
-        for e, whole in _whole_values(view, canon, writer):
-            if error is not None or id(e) not in writes:
-                continue
-            c = canon[e.names[0][2]]
-            target = ""
-            try:
-                for name, value in published.convert(c, whole):
-                    index = names_of[name]
-                    target = str(root / file_names[index])
-                    if index not in writers:
-                        writers[index] = FileWriter(
-                            root / file_names[index],
-                            [by_name[n] for n in files_of(files, index)],
-                        )
-                    writers[index].write(name, value)
-                    left[index] -= 1
-                    if left[index] == 0:
-                        writers.pop(index).close()
-                        done.append(root / file_names[index])
-            except OSError as exc:
-                # raise_any names the rank of a distributed world's errors
-                who = "" if view.distributed else "rank 0: "
-                error = f"{who}writing {target or root} failed: {exc.strerror or exc}"
-    finally:
-        for w in writers.values():
-            with contextlib.suppress(OSError):
-                w.abort()
+    for e, whole in _whole_values(view, canon, writer):
+        if error is not None or id(e) not in writes:
+            continue  # after an error, only the collectives, so that no rank waits
+        if not isinstance(whole, Tensor):
+            continue  # extra state: warned about below
+        target = root
+        try:
+            for name, value in published.revert({canon[e.names[0][2]]: whole.detach()}).items():
+                target = root / shards.file_of[name]
+                shards.write(name, value)
+        except OSError as exc:
+            # raise_any names the rank of a distributed world's errors
+            who = "" if view.distributed else "rank 0: "
+            error = f"{who}writing {target} failed: {exc.strerror or exc}"
+    if error is not None:
+        shards.abort()
     try:
         raise_any(view, error)
     except CheckpointError as exc:
-        for p in done:  # listed by no index
-            p.unlink(missing_ok=True)
+        shards.abort()
         raise CheckpointError(f"{exc}; {root} keeps its previous checkpoint") from None
 
     commit_error = None
     if view.rank == 0:
+        configs = configs_of(model)
         try:
-            _commit(root, model, weight_map, sum(b for p in plans for _, b in p))
+            params = sum(p.numel() for p in model.parameters())
+            total = sum(b for p in plans for _, b in p)
+            metadata = {"total_size": total, "total_parameters": params}
+            commit(root, weight_map, metadata, configs or {})
         except OSError as exc:
             commit_error = f"committing {root} failed: {exc}; it keeps its previous checkpoint"
+        if configs is None:
+            warnings.warn(
+                f"save_pretrained wrote no config.json: {type(model).__name__} has no "
+                f"transformers config (from_pretrained needs one; weights= reads the "
+                f"directory as is)",
+                stacklevel=2,
+            )
         if skipped:
             warnings.warn(
                 f"save_pretrained wrote no value for {skipped[:3]} (not tensors: a module's "
@@ -195,11 +182,6 @@ def write(
     commit_error = broadcast(view, commit_error)
     if commit_error:
         raise CheckpointError(commit_error)
-
-
-def files_of(files: list[list[list[str]]], index: int) -> list[str]:
-    """The tensor names of the ``index``-th file of the whole directory."""
-    return [f for rank_files in files for f in rank_files][index]
 
 
 def _writers(reports: list[dict[str, Any]], canon: dict[str, str]) -> Iterator[tuple[int, str]]:
@@ -234,7 +216,7 @@ def _refusal(root: Path, any_directory: bool) -> str | None:
         return f"cannot save to {root}: it is a file; save_pretrained writes a directory"
     if root.is_dir() and not any_directory:
         present = [p.name for p in root.iterdir()]
-        if present and not any(m in present for m in MARKS):
+        if present and not holds_checkpoint(root):
             return (
                 f"{root} is a non-empty directory that holds no checkpoint (it has e.g. "
                 f"{sorted(present)[:3]}); save into a new or empty directory, or an earlier "
@@ -247,112 +229,3 @@ def _refusal(root: Path, any_directory: bool) -> str | None:
     return None
 
 
-def _tag(root: Path, count: int) -> str:
-    """What the new shards' names carry so that none is a file the directory holds now
-    (its current checkpoint stays whole until the new index replaces the old)."""
-    if any((root / n).exists() for n in shard_names(count)):
-        return secrets.token_hex(4)
-    return ""
-
-
-def _commit(root: Path, model: nn.Module, weight_map: dict[str, str], total: int) -> None:
-    """Rank 0, once every shard is on disk: the configs, then the index (the commit
-    point), then remove what only the previous checkpoint used."""
-    old = set(read_weight_map(root).values())
-    _write_configs(root, model)
-    params = sum(p.numel() for p in model.parameters())
-    write_index(root, weight_map, {"total_size": total, "total_parameters": params})
-    new = set(weight_map.values())
-    for p in root.iterdir():
-        if p.name in new:
-            continue
-        if p.name in old or p.name == SINGLE or SHARD.fullmatch(p.name):
-            p.unlink(missing_ok=True)
-
-
-def _write_configs(root: Path, model: nn.Module) -> None:
-    """The model's ``config.json`` and ``generation_config.json``, each replaced
-    atomically; a model without a transformers config gets a warning instead."""
-    config: Any = getattr(model, "config", None)
-    if not hasattr(config, "to_json_string"):
-        warnings.warn(
-            f"save_pretrained wrote no config.json: {type(model).__name__} has no transformers "
-            f"config (from_pretrained needs one; weights= reads the directory as is)",
-            stacklevel=3,
-        )
-        return
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(model).__name__]  # as transformers' save_pretrained
-    texts = {"config.json": config.to_json_string()}
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "to_json_string"):
-        texts["generation_config.json"] = generation.to_json_string()
-    for name, text in texts.items():
-        partial = root / f"{name}.tmp"
-        with open(partial, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, root / name)
-
-
-class Published:
-    """The names and tensors a model's checkpoint holds for each of its tensors: the same
-    for most; for a transformers model with weight conversions (MoE experts), what its
-    ``save_pretrained`` writes (transformers' reverse conversion, tensor by tensor)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._revert: Any = None
-        self._tied: list[str] = []
-        self._order = {n: i for i, n in enumerate(model.state_dict(keep_vars=True))}
-        self._ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:
-            return
-        if not isinstance(model, PreTrainedModel):
-            return
-        from transformers.core_model_loading import revert_weight_conversion
-
-        self._revert = revert_weight_conversion
-        with contextlib.suppress(Exception):  # a model without tie declarations
-            from transformers.modeling_utils import _get_tied_weight_keys
-
-            self._tied = list(_get_tied_weight_keys(model))
-
-    def preferred(self, canon: dict[str, str]) -> dict[str, str]:
-        """``canon`` with each tie group stored under the name the model's own checkpoints
-        use: the first in the model's order that is not a declared tied copy
-        (``lm_head.weight`` of a model tying it to the embedding)."""
-        groups: dict[str, list[str]] = {}
-        for name, c in canon.items():
-            groups.setdefault(c, []).append(name)
-        out = {}
-        for names in groups.values():
-            ordered = sorted(names, key=lambda n: (self._order.get(n, len(self._order)), n))
-            kept = [n for n in ordered if not any(re.search(p, n) for p in self._tied)]
-            choice = (kept or ordered)[0]
-            out.update(dict.fromkeys(names, choice))
-        return out
-
-    def _reverted(self, name: str, value: Tensor) -> dict[str, Tensor]:
-        if self._revert is None:
-            return {name: value}
-        out: dict[str, Tensor] = self._revert(self.model, {name: value})
-        return out
-
-    def infos(self, name: str, value: Any) -> list[TensorInfo]:
-        """The header entries of what ``name`` (shaped as ``value``, a DTensor's global
-        shape) is stored as; nothing for an ignored name or a non-tensor."""
-        if name in self._ignored or not isinstance(value, Tensor):
-            return []
-        meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
-        return [TensorInfo.of(n, v) for n, v in self._reverted(name, meta).items()]
-
-    def convert(self, name: str, value: Any) -> list[tuple[str, Tensor]]:
-        """The stored tensors of the model's tensor ``name`` of whole value ``value``."""
-        if name in self._ignored or not isinstance(value, Tensor):
-            return []
-        with torch.no_grad():
-            return list(self._reverted(name, value.detach()).items())

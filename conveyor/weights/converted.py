@@ -104,18 +104,25 @@ class Converted:
         return name
 
 
-def converted(source: Source, model: nn.Module) -> Source:
-    """``source`` as the model sees it: a transformers checkpoint of a transformers model
-    whose conversion mapping changes names or tensors (MoE experts) is :class:`Converted`;
-    anything else is ``source`` itself."""
-    if not isinstance(source, Safetensors) or "transformers" not in sys.modules:
-        return source
+def conversion_mapping(model: nn.Module) -> list[Any]:
+    """The weight conversions ``from_pretrained`` applies to ``model``: a transformers
+    model's conversion mapping, [] for another model (or a transformers without them)."""
+    if "transformers" not in sys.modules:
+        return []
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:  # a transformers without conversion mappings (< 5): names as stored
-        return source
+        return []
     if not isinstance(model, PreTrainedModel):
-        return source
-    mapping = get_model_conversion_mapping(model)
+        return []
+    mapping: list[Any] = get_model_conversion_mapping(model)
+    return mapping
+
+
+def converted(source: Source, model: nn.Module) -> Source:
+    """``source`` as the model sees it: a transformers checkpoint of a transformers model
+    whose conversion mapping changes names or tensors (MoE experts) is :class:`Converted`;
+    anything else is ``source`` itself."""
+    mapping = conversion_mapping(model) if isinstance(source, Safetensors) else []
     return Converted(source, model, mapping) if mapping else source

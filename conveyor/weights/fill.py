@@ -11,7 +11,6 @@ stay one object.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.weights.init import rule_of, seed_of
 from conveyor.weights.plan import Holders, Slot, Wanted, holders_of, owner
+from conveyor.weights.safetensors_file import runs
 from conveyor.weights.sources import Source
 
 READ_BYTES = 256 * 2**20
@@ -84,7 +84,8 @@ def fill(
     holders = holders_of([model, *plan.modules])
     if source is not None:
         loaded = [c for c in plan.slots if c in found]
-        for batch in _batches(loaded, lambda c: _bytes(plan.slots[c][0].get())):
+        sizes = ((c, _bytes(plan.slots[c][0].get())) for c in loaded)
+        for batch in runs(sizes, READ_BYTES):
             values = source.read(found[c] for c in batch)
             for c in batch:
                 _place(rest.pop(c), values[found[c]], device, holders)
@@ -231,18 +232,3 @@ def _join(path: str, key: str) -> str:
 
 def _bytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _batches(names: list[str], size: object) -> Iterator[list[str]]:
-    """``names`` in runs of at most :data:`READ_BYTES` (one larger tensor alone)."""
-    run: list[str] = []
-    total = 0
-    for n in names:
-        b = size(n)  # type: ignore[operator]
-        if run and total + b > READ_BYTES:
-            yield run
-            run, total = [], 0
-        run.append(n)
-        total += b
-    if run:
-        yield run

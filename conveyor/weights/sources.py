@@ -13,9 +13,7 @@ import torch
 from torch import Tensor
 
 from conveyor.errors import CheckpointError
-
-SAFETENSORS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from conveyor.weights.safetensors_file import INDEX, SINGLE, FileReader
 
 
 class Source(Protocol):
@@ -38,8 +36,9 @@ class Source(Protocol):
 
 class Safetensors:
     """A transformers checkpoint: ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``; each tensor is read on its own (safetensors maps
-    the file and copies only that tensor)."""
+    ``model.safetensors.index.json``, or one ``.safetensors`` file; each tensor is read on
+    its own, into memory of its own (:class:`~conveyor.weights.safetensors_file.FileReader`:
+    never left backed by a file that may be rewritten while training)."""
 
     # Not torch's HuggingFaceStorageReader: that is a DCP reader, which loads a whole
     # state dict planned up front, while a rank here asks for tensors one group at a time
@@ -48,33 +47,35 @@ class Safetensors:
     def __init__(self, path: Path) -> None:
         self.where = str(path)
         if path.is_file():
-            files = {path.name: path}
-            path = path.parent
-        elif (path / INDEX).is_file():
+            files = [path]
+        elif (path / INDEX).is_file() and not (path / SINGLE).is_file():
             weight_map: dict[str, str] = json.loads((path / INDEX).read_text())["weight_map"]
-            files = {f: path / f for f in dict.fromkeys(weight_map.values())}
+            files = [path / f for f in sorted(set(weight_map.values()))]  # shard order
         else:
-            files = {SAFETENSORS: path / SAFETENSORS}
-        from safetensors import safe_open
-
-        self._files: dict[str, Any] = {
-            f: safe_open(str(p), framework="pt", device="cpu") for f, p in files.items()
-        }
-        self._file_of = {n: f for f, handle in self._files.items() for n in handle.keys()}  # noqa: SIM118
+            files = [path / SINGLE]
+        self._readers = [FileReader(f) for f in files]
+        self._reader_of = {n: r for r in self._readers for n in r.entries}
 
     def names(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._reader_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._files[self._file_of[name]].get_slice(name).get_shape())
+        return self._reader_of[name].entries[name][2]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """A stored tensor's dtype."""
+        return self._reader_of[name].entries[name][1]
 
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
-        # get_tensor maps the file: a copy, so a parameter never stays backed by a file
-        # that may be rewritten (or truncated: SIGBUS) while training.
-        return {n: self._files[self._file_of[n]].get_tensor(n).clone() for n in names}
+        return {n: self._reader_of[n].read(n) for n in names}
 
     def alias(self, name: str) -> str:
         return name
+
+    def close(self) -> None:
+        """Close the files read so far."""
+        for r in self._readers:
+            r.close()
 
 
 class ConveyorCheckpoint:
@@ -133,12 +134,12 @@ def open_source(path: str | os.PathLike[str]) -> Source:
     root = Path(path)
     if root.is_file() and root.suffix == ".safetensors":
         return Safetensors(root)
-    if root.is_dir() and ((root / SAFETENSORS).is_file() or (root / INDEX).is_file()):
+    if root.is_dir() and ((root / SINGLE).is_file() or (root / INDEX).is_file()):
         return Safetensors(root)
     if exists(root):
         return ConveyorCheckpoint(root)
     raise CheckpointError(
         f"weights={str(path)!r} is neither a conveyor checkpoint (conveyor.save) nor a "
-        f"transformers checkpoint directory ({SAFETENSORS} or {INDEX}); pass one of them, or "
+        f"transformers checkpoint directory ({SINGLE} or {INDEX}); pass one of them, or "
         f"weights=None to initialize the model"
     )

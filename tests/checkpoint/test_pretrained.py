@@ -146,7 +146,7 @@ def test_the_save_posts_what_nccl_runs(saved: tuple[Path, list[dict[str, Any]]],
 
 def _killed(rank: int, root: str) -> None:
     """Save twice; the second time rank 1 dies at its third tensor."""
-    from conveyor.checkpoint import safetensors_file
+    from conveyor.weights import safetensors_file
 
     conveyor.init(pp=2, timeout=20)
     model = model_of("llama")

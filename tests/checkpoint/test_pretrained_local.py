@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.checkpoint import safetensors_file
-from conveyor.checkpoint.safetensors_file import pack, parse_size
 from conveyor.context import forget
 from conveyor.errors import CheckpointError, ConfigError
+from conveyor.weights import safetensors_file
+from conveyor.weights.safetensors_file import pack, parse_size
 from tests.support.models import batch, mlp
 
 
@@ -137,7 +137,7 @@ def test_shard_sizes_as_transformers_reads_them() -> None:
 
 def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
     transformers = pytest.importorskip("transformers")
-    from conveyor.checkpoint.pretrained import Published
+    from conveyor.checkpoint.published import Published
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=1, num_attention_heads=2,

@@ -22,13 +22,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 import conveyor
-from conveyor.checkpoint.convert import CONFIGS, convert
+from conveyor.checkpoint.convert import convert
+from conveyor.checkpoint.published import CONFIGS
 from conveyor.cli.command import main
 from conveyor.errors import CheckpointError, ConfigError
 from tests.support import distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = "model.safetensors.index.json"
+SHARD_1 = "model-00001-of-00001.safetensors"  # one file: a shard and the index
 
 
 def _module() -> nn.Module:
@@ -122,7 +124,7 @@ def test_the_command_line_writes_and_says_no_config_was_written(
     captured = capsys.readouterr()
     assert captured.out.startswith("wrote 7 tensors") and str(out) in captured.out
     assert captured.err.count("\n") == 1 and "no config.json was written" in captured.err
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [SHARD_1, INDEX]
     assert main(["convert", str(out), str(tmp_path / "back"), "--to", "conveyor"]) == 0
     assert "as a conveyor checkpoint" in capsys.readouterr().out
 
@@ -176,13 +178,17 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
     _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
     (hf / "tokenizer.json").write_text("{}")  # not the checkpoint's: kept
     first = _hf_tensors(hf)
-    # One file now: model.safetensors, and the shards and index are gone.
+    # One file now; the other shards are gone (the index lists its shard).
     _quiet_convert(tmp_path / "ckpt", hf, to="transformers")
-    assert sorted(p.name for p in hf.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in hf.iterdir()) == [SHARD_1, INDEX, "tokenizer.json"]
     assert _hf_tensors(hf).keys() == first.keys()
-    # Shards again, while model.safetensors is there; then shards over shards of the
-    # same names: new names, so that the old files stay whole until the index moves.
+    # A model.safetensors of transformers' own there is replaced too; then shards over
+    # shards of the same names: new names, so that the old files stay whole until the
+    # index moves.
+    os.replace(hf / SHARD_1, hf / "model.safetensors")
+    (hf / INDEX).unlink()
     _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
+    assert not (hf / "model.safetensors").exists()
     _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
     names = sorted(p.name for p in hf.iterdir())
     weight_map = json.loads((hf / INDEX).read_text())["weight_map"]
@@ -190,7 +196,7 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
     assert all(torch.equal(v, first[k]) for k, v in _hf_tensors(hf).items())
 
     # A conversion that fails halfway leaves the previous checkpoint as it was.
-    from conveyor.checkpoint import safetensors_file
+    from conveyor.weights import safetensors_file
 
     before = {p.name: p.read_bytes() for p in hf.iterdir()}
     calls = []
@@ -201,25 +207,21 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors_file.FileWriter, "write", failing)
-    with pytest.raises(CheckpointError, match=r"writing model\.safetensors into .* No space left"):
+    with pytest.raises(CheckpointError, match=r"writing .*model-.*safetensors failed: .*No space"):
         _quiet_convert(tmp_path / "ckpt", hf, to="transformers")
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
     assert not list(tmp_path.glob(".*.tmp"))
     monkeypatch.undo()
-    # ... and so does one that fails while it moves the new files in: the index last.
-    import conveyor.checkpoint.convert as module
+    # ... and so does one that fails at its commit, replacing the index.
+    replace = os.replace
 
-    replace, moves = os.replace, []
-
-    def failing_move(src: Any, dst: Any) -> None:
-        if Path(dst).parent == hf:
-            moves.append(dst)
-            if len(moves) == 2:
-                raise OSError(28, "No space left on device")
+    def failing_index(src: Any, dst: Any) -> None:
+        if Path(dst) == hf / INDEX:
+            raise OSError(28, "No space left on device")
         replace(src, dst)
 
-    monkeypatch.setattr(module.os, "replace", failing_move)
-    with pytest.raises(CheckpointError, match=r"moving the new files into .* is kept"):
+    monkeypatch.setattr(os, "replace", failing_index)
+    with pytest.raises(CheckpointError, match=r"writing .*index\.json failed: .* is kept"):
         _quiet_convert(tmp_path / "ckpt", hf, to="transformers", max_shard_size=300)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
@@ -241,8 +243,10 @@ def test_an_existing_checkpoint_is_replaced_and_kept_whole_until_then(
             raise OSError(5, "Input/output error")
         return read(self, names)
 
-    read = module.SafetensorsFiles.read
-    monkeypatch.setattr(module.SafetensorsFiles, "read", failing_read)
+    from conveyor.weights.sources import Safetensors
+
+    read = Safetensors.read
+    monkeypatch.setattr(Safetensors, "read", failing_read)
     for out in (tmp_path / "back", tmp_path / "new"):
         reads.clear()
         with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[0\]: OSError"):

@@ -1,25 +1,33 @@
-"""Safetensors files written one tensor at a time, and the index of a sharded directory.
+"""Safetensors files read and written one tensor at a time, and the index of a sharded
+directory.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
 dtype, shape and byte range, and ``__metadata__``), then the tensors' bytes. The header is
 known before any tensor is: :class:`FileWriter` writes it first and then each tensor at
-its offset, so a writer never holds more than the tensor it is writing. (The safetensors
-library's own writers take every tensor of a file at once.)
+its offset, so a writer never holds more than the tensor it is writing (the safetensors
+library's own writers take every tensor of a file at once). :class:`FileReader` reads a
+tensor with plain file reads into memory of its own: not through a memory map (the
+safetensors library's way), whose pages count as the process's memory while the file
+stays mapped, so that reading a whole checkpoint that way grows a process by its size.
 """
 
 from __future__ import annotations
 
+import ctypes
+import io
 import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from conveyor.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,6 +46,9 @@ _CODES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+
+
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -139,6 +150,83 @@ class FileWriter:
         self.partial.unlink(missing_ok=True)
 
 
+class FileReader:
+    """One safetensors file: its header read at once, each tensor on demand.
+
+    Args:
+        path: The file.
+
+    Raises:
+        CheckpointError: an unreadable header, or a dtype torch has no name for.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header: dict[str, Any] = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error) as exc:
+            raise CheckpointError(
+                f"cannot read the safetensors header of {self.path}: {exc}; is it damaged?"
+            ) from None
+        entries = sorted(
+            ((n, e) for n, e in header.items() if n != "__metadata__"),
+            key=lambda item: int(item[1]["data_offsets"][0]),
+        )
+        # name -> (absolute offset, dtype, shape), in stored order
+        self.entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        for name, entry in entries:
+            if entry["dtype"] not in _DTYPES:
+                raise CheckpointError(
+                    f"{self.path} stores {name} as {entry['dtype']}, which conveyor cannot "
+                    f"read; convert it to a torch dtype first"
+                )
+            start = 8 + length + int(entry["data_offsets"][0])
+            self.entries[name] = (start, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        self._file: io.BufferedReader | None = None
+
+    def read(self, name: str) -> Tensor:
+        """The stored tensor ``name``, in memory of its own (on the CPU)."""
+        start, dtype, shape = self.entries[name]
+        value = torch.empty(shape, dtype=dtype)
+        # The tensor's memory as a writable buffer through ctypes, not numpy: numpy would
+        # pin the storage's size, which a reader may free by resizing it.
+        raw = (ctypes.c_char * value.nbytes).from_address(value.data_ptr())
+        view = memoryview(raw).cast("B")
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
+        self._file.seek(start)
+        got = 0
+        while got < len(view):
+            n = self._file.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{self.path} ends inside {name}; it is damaged")
+            got += n
+        return value
+
+    def close(self) -> None:
+        """Close the file (it is opened again by the next read)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def runs(items: Iterable[tuple[Any, int]], limit: int) -> Iterator[list[Any]]:
+    """Consecutive items (each with its size in bytes) in runs of at most ``limit`` bytes
+    (an item larger than ``limit`` alone): files of a sharded checkpoint, batches of reads."""
+    run: list[Any] = []
+    used = 0
+    for item, size in items:
+        if run and used + size > limit:
+            yield run
+            run, used = [], 0
+        run.append(item)
+        used += size
+    if run:
+        yield run
+
+
 def shard_names(count: int, tag: str = "") -> list[str]:
     """The files of a checkpoint in ``count`` shards, named as transformers names them
     (``model-00001-of-00004.safetensors``); a ``tag`` goes after ``model-``."""
@@ -149,15 +237,7 @@ def shard_names(count: int, tag: str = "") -> list[str]:
 def pack(sizes: Iterable[tuple[str, int]], limit: int) -> list[list[str]]:
     """Consecutive tensors grouped into files of at most ``limit`` bytes each (a larger
     tensor alone in its file), as transformers shards them."""
-    files: list[list[str]] = []
-    used = limit + 1
-    for name, size in sizes:
-        if not files or used + size > limit:
-            files.append([])
-            used = 0
-        files[-1].append(name)
-        used += size
-    return files
+    return list(runs(sizes, limit))
 
 
 def write_index(
@@ -166,14 +246,23 @@ def write_index(
     """Write ``model.safetensors.index.json`` into directory ``path`` atomically (a
     temporary file, fsynced, then renamed over the old one)."""
     target = Path(path) / INDEX
-    partial = target.with_name(target.name + ".tmp")
     body = {"metadata": dict(metadata), "weight_map": dict(sorted(weight_map.items()))}
-    with open(partial, "w") as f:
-        json.dump(body, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, target)
+    replace_file(target, json.dumps(body, indent=2) + "\n")
+
+
+def replace_file(target: Path, text: str) -> None:
+    """Write ``text`` as file ``target`` atomically: into a temporary file, on disk
+    (fsync), then renamed over ``target``; nothing is left behind if that fails."""
+    partial = target.with_name(target.name + ".tmp")
+    try:
+        with open(partial, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def read_weight_map(path: str | os.PathLike[str]) -> dict[str, str]:
