@@ -7,6 +7,12 @@ suite must give the same answer whether or not OMP_NUM_THREADS=1 is set.
 Each test also starts (and leaves) like a fresh script: no conveyor context left by the
 test before it (``conveyor.init`` / ``current`` make a new one), and torch and ``random``
 seeded with 0.
+
+No tqdm monitor thread: tests fork their workers from this process (tests/support/
+distributed.py), and a fork while another thread is inside malloc leaves the child a heap
+it cannot use ("malloc(): unaligned tcache chunk detected"); tqdm starts that thread with
+the first progress bar (transformers' ``from_pretrained`` shows one) and it wakes every ten
+seconds.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import tqdm.std
 
 from tests.support.helpers import reset_context
 
 torch.set_num_threads(1)
+tqdm.std.tqdm.monitor_interval = 0  # every tqdm class inherits it: no monitor thread
 
 
 @pytest.fixture(autouse=True)
