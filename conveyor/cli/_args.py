@@ -80,3 +80,13 @@ def plain(text: str) -> str:
     """
     text = _ROLE.sub(r"\1", text).replace("``", "")
     return re.sub(r"::$", ":", text, flags=re.M)
+
+
+def subcommand(prog: str, doc: str | None) -> Parser:
+    """The parser of subcommand ``prog``: its help is its module's docstring without the
+    usage line (the first paragraph), in :class:`HelpFormatter`'s layout."""
+    return Parser(
+        prog=prog,
+        description=plain((doc or "").split("\n\n", 1)[-1]),
+        formatter_class=HelpFormatter,
+    )

@@ -35,14 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             one line).
     """
     from conveyor.checkpoint.convert import TARGETS, check, convert
-    from conveyor.cli._args import HelpFormatter, Parser, plain
+    from conveyor.cli._args import subcommand
     from conveyor.errors import CheckpointError, ConfigError
 
-    parser = Parser(
-        prog="conveyor convert",
-        description=plain((__doc__ or "").split("\n\n", 1)[-1]),  # without the usage line
-        formatter_class=HelpFormatter,
-    )
+    parser = subcommand("conveyor convert", __doc__)
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="the checkpoint to convert")
     parser.add_argument("out", metavar="OUT", help="the directory to write")
     parser.add_argument(

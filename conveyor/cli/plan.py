@@ -69,14 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: For ``--help`` (code 0) and for a usage error (code 2, printed in
             one line).
     """
-    from conveyor.cli._args import HelpFormatter, Parser, plain
+    from conveyor.cli._args import subcommand
     from conveyor.planning.planner import plan
 
-    parser = Parser(
-        prog="conveyor plan",
-        description=plain((__doc__ or "").split("\n\n", 1)[-1]),  # without the usage line
-        formatter_class=HelpFormatter,
-    )
+    parser = subcommand("conveyor plan", __doc__)
     parser.add_argument(
         "file", help="a Python file whose build() returns (model, inputs, targets, loss_fn)"
     )
