@@ -147,6 +147,8 @@ def steady_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner, "profile", steady)
 
 
+# in the slow lane: it profiles a transformers model, about 3.5 s
+@pytest.mark.slow
 def test_the_plan_weighs_vocabulary_parallelism_for_the_models_own_loss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

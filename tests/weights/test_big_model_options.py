@@ -20,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 
 # ------------------------------------------------------------------ composes with
+# in the slow lane: two captures of a transformers model, about 3.5 s
+@pytest.mark.slow
 def test_options_run_on_a_meta_pipeline_as_on_a_real_one() -> None:
     """recompute and autocast together (one capture of each model, not one per option)."""
     options: dict[str, Any] = {"recompute": True, "autocast": torch.bfloat16}
