@@ -271,64 +271,67 @@ class Launch:
         return sorted(found, key=lambda r: r["rank"])
 
 
+def _mib(ranks: list[dict[str, Any]], value: Any) -> str:
+    """``value(rank)`` of every rank, in MiB, ``/``-joined."""
+    return " / ".join(f"{value(r) / MIB:.0f}" for r in ranks)
+
+
+def _markdown(runs: list[dict[str, Any]], saves: bool, header: str, row: Any) -> str:
+    """A markdown table of the save runs (``saves``) or the others: ``header``'s columns,
+    ``row(run, ranks)`` for each run that ran, a "skipped" row for each that did not."""
+    columns = header.count("|") - 1
+    lines = [header, "|---|---:|" + "---|" * (columns - 2)]
+    for run in runs:
+        if (run["path"] in SAVES) != saves:
+            continue
+        ranks = run["ranks"]
+        if not ranks:
+            blank = "| " * (columns - 3)
+            lines.append(f"| {run['path']} | {run['pp']} | skipped: {run['skipped']} {blank}|")
+            continue
+        lines.append(row(run, ranks))
+    return "\n".join(lines)
+
+
 def table(runs: list[dict[str, Any]], whole: int) -> str:
     """The markdown table of every run (the saves': :func:`save_table`)."""
 
-    def each(ranks: list[dict[str, Any]], key: str) -> str:
-        return " / ".join(f"{r[key] / MIB:.0f}" for r in ranks)
-
-    lines = [
-        "| path | pp | peak per rank MiB | of it, built | share per rank MiB | max peak MiB "
-        "| max / model | time to first step s (built) | loss |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|",
-    ]
-    for run in runs:
-        ranks = run["ranks"]
-        if run["path"] in SAVES:
-            continue
-        if not ranks:
-            lines.append(f"| {run['path']} | {run['pp']} | skipped: {run['skipped']} "
-                         f"| | | | | | |")  # fmt: skip
-            continue
+    def row(run: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         top = max(r["peak"] for r in ranks)
-        lines.append(
-            f"| {run['path']} | {run['pp']} | {each(ranks, 'peak')} | {each(ranks, 'built')} "
-            f"| {each(ranks, 'share')} | {top / MIB:.0f} | {top / whole:.2f} "
+        return (
+            f"| {run['path']} | {run['pp']} | {_mib(ranks, lambda r: r['peak'])} "
+            f"| {_mib(ranks, lambda r: r['built'])} | {_mib(ranks, lambda r: r['share'])} "
+            f"| {top / MIB:.0f} | {top / whole:.2f} "
             f"| {max(r['seconds'] for r in ranks):.1f} "
             f"({max(r['built_seconds'] for r in ranks):.1f}) | {ranks[0]['loss']:.4f} |"
         )
-    return "\n".join(lines)
+
+    header = (
+        "| path | pp | peak per rank MiB | of it, built | share per rank MiB | max peak MiB "
+        "| max / model | time to first step s (built) | loss |"
+    )
+    return _markdown(runs, False, header, row)
 
 
 def save_table(runs: list[dict[str, Any]], whole: int) -> str:
     """The markdown table of the save runs: per rank, what it held before the save, its
     peak before and after, how far the peak rose above what it held, and its share."""
 
-    def each(ranks: list[dict[str, Any]], value: Any) -> str:
-        return " / ".join(f"{value(r) / MIB:.0f}" for r in ranks)
-
-    lines = [
-        "| path | pp | held before (RSS) MiB | peak before MiB | peak after MiB "
-        "| peak after - held before MiB | share MiB | max rise / model | save s |",
-        "|---|---:|---|---|---|---|---|---:|---:|",
-    ]
-    for run in runs:
-        ranks = run["ranks"]
-        if run["path"] not in SAVES:
-            continue
-        if not ranks:
-            lines.append(f"| {run['path']} | {run['pp']} | skipped: {run['skipped']} "
-                         f"| | | | | | |")  # fmt: skip
-            continue
+    def row(run: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
         rise = max(r["peak"] - r["rss_before"] for r in ranks)
-        lines.append(
-            f"| {run['path']} | {run['pp']} | {each(ranks, lambda r: r['rss_before'])} "
-            f"| {each(ranks, lambda r: r['peak_before'])} | {each(ranks, lambda r: r['peak'])} "
-            f"| {each(ranks, lambda r: r['peak'] - r['rss_before'])} "
-            f"| {each(ranks, lambda r: r['share'])} | {rise / whole:.2f} "
+        return (
+            f"| {run['path']} | {run['pp']} | {_mib(ranks, lambda r: r['rss_before'])} "
+            f"| {_mib(ranks, lambda r: r['peak_before'])} | {_mib(ranks, lambda r: r['peak'])} "
+            f"| {_mib(ranks, lambda r: r['peak'] - r['rss_before'])} "
+            f"| {_mib(ranks, lambda r: r['share'])} | {rise / whole:.2f} "
             f"| {max(r['save_seconds'] for r in ranks):.1f} |"
         )
-    return "\n".join(lines)
+
+    header = (
+        "| path | pp | held before (RSS) MiB | peak before MiB | peak after MiB "
+        "| peak after - held before MiB | share MiB | max rise / model | save s |"
+    )
+    return _markdown(runs, True, header, row)
 
 
 def main(argv: list[str] | None = None) -> int:
