@@ -106,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"schedule={chosen.schedule} chunks={chosen.chunks} microbatches={chosen.microbatches} "
         f"balance={chosen.balance}{extra} predicted step {chosen.predicted_step * 1e3:.2f} ms, "
-        f"peak memory per rank (MB) {peaks}\n{chosen.basis}\n"
+        f"peak memory per rank (MB) {peaks}\n{chosen.basis}"
     )
+    zero_bubble = chosen.zero_bubble_line()
+    print(f"{zero_bubble}\n" if zero_bubble else "")
     print(chosen.table())
     return 0

@@ -32,7 +32,7 @@ from conveyor.partition.cuts import balance_within
 from conveyor.planning.profile_data import Profile
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W
-from conveyor.simulate import simulate
+from conveyor.simulate import SimResult, simulate
 
 # Engine bookkeeping per F/B action (tensor wrapping, pytree walks, the send/receive
 # calls themselves), measured on CPU/gloo as (measured step - simulated step) / actions
@@ -55,6 +55,8 @@ class Candidate:
         recompute: Whether every stage recomputes its forward at B.
         vocab: Whether the vocabulary layers are split over every rank
             (``vocab_parallel``; :mod:`~conveyor.planning.vocab`).
+        bubble: The simulated bubble of that step: the idle share of every rank over the
+            makespan (:attr:`~conveyor.simulate.SimResult.bubble`).
     """
 
     schedule: str
@@ -66,6 +68,7 @@ class Candidate:
     fits: bool
     recompute: bool = False
     vocab: bool = False
+    bubble: float = 0.0
 
 
 def stage_inputs(prof: Profile, balance: Sequence[int]) -> list[int]:
@@ -154,13 +157,20 @@ def predict_step(
     Raises:
         ConfigError: ``balance`` does not cover the profiled units.
     """
+    return simulated_step(schedule, prof, balance, recompute).makespan
+
+
+def simulated_step(
+    schedule: Schedule, prof: Profile, balance: Sequence[int], recompute: bool = False
+) -> SimResult:
+    """The simulation :func:`predict_step` reads its makespan from (same arguments)."""
     shares = recomputed_shares(schedule) if recompute else [0.0] * schedule.stages
     plain = prof.costs(balance, schedule.split_backward)
     costs = [
         (f + ACTION_OVERHEAD, b + ACTION_OVERHEAD + f * share, w)
         for (f, b, w), share in zip(plain, shares, strict=True)
     ]
-    return simulate(schedule, costs, prof.comm(balance)).makespan
+    return simulate(schedule, costs, prof.comm(balance))
 
 
 def balanced(
@@ -272,15 +282,17 @@ def evaluate(
     """
     bal = balanced(schedule, prof, limit, recompute)
     peaks = peak_memory(schedule, prof, bal, recompute)
+    step = simulated_step(schedule, prof, bal, recompute)
     return Candidate(
         schedule=schedule.name,
         chunks=schedule.chunks,
         microbatches=schedule.microbatches,
         balance=tuple(bal),
-        predicted_step=predict_step(schedule, prof, bal, recompute) + overhead,
+        predicted_step=step.makespan + overhead,
         peak_memory=tuple(peaks),
         fits=_fits(peaks, limit),
         recompute=recompute,
+        bubble=step.bubble,
     )
 
 

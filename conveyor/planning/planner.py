@@ -108,9 +108,9 @@ class Plan:
             :data:`TIE` of the fastest) is marked.
         """
         lines = [
-            "| # | schedule | chunks | micro-batches | balance | step ms | peak MB/rank | fits "
-            "| chosen |",
-            "|---:|---|---:|---:|---|---:|---|---|---|",
+            "| # | schedule | chunks | micro-batches | balance | step ms | bubble "
+            "| peak MB/rank | fits | chosen |",
+            "|---:|---|---:|---:|---|---:|---:|---|---|---|",
         ]
         mine = (self.schedule, self.chunks, self.microbatches, tuple(self.balance),
                 self.recompute, self.vocab_parallel)  # fmt: skip
@@ -125,10 +125,30 @@ class Plan:
             )
             lines.append(
                 f"| {i} | {name} | {c.chunks} | {c.microbatches} | "
-                f"{list(c.balance)} | {c.predicted_step * 1e3:.2f} | {peak} | "
+                f"{list(c.balance)} | {c.predicted_step * 1e3:.2f} | {c.bubble:.3f} | {peak} | "
                 f"{'yes' if c.fits else 'no'} | {'yes' if chosen else ''} |"
             )
         return "\n".join(lines)
+
+    def zero_bubble_line(self) -> str:
+        """zb-auto's predicted bubble beside ZB-H1's and ZB-H2's at the chosen micro-batch
+        count (the hand-made schedules it is measured against), or "" when the plan did
+        not simulate zb-auto there.
+
+        Returns:
+            One line, e.g. ``zb-auto predicted bubble 0.041 (zb-h1 0.112, zb-h2 0.083)``.
+        """
+        bubbles = {
+            c.schedule: c.bubble
+            for c in self.alternatives
+            if c.microbatches == self.microbatches and not (c.recompute or c.vocab)
+        }
+        if "zb-auto" not in bubbles:
+            return ""
+        others = ", ".join(f"{n} {bubbles[n]:.3f}" for n in ("zb-h1", "zb-h2") if n in bubbles)
+        return f"zb-auto predicted bubble {bubbles['zb-auto']:.3f}" + (
+            f" ({others})" if others else ""
+        )
 
 
 def plan(

@@ -133,7 +133,8 @@ def evaluate_vocab(
         (a + ACTION_OVERHEAD, c + ACTION_OVERHEAD, w) for a, c, w in stripped.costs(bal, split)
     ]
     placed = with_vocab(schedule, _per_rank(costs, schedule))
-    step = simulate(placed, costs, stripped.comm(bal), vocab=passes).makespan + overhead
+    result = simulate(placed, costs, stripped.comm(bal), vocab=passes)
+    step = result.makespan + overhead
     # The rows and their gradients, and one micro-batch's logits (held from S to T), on
     # the first ranks, which hold the most rows.
     held = rows_per_rank(found.rows, ranks)
@@ -149,6 +150,7 @@ def evaluate_vocab(
         peak_memory=tuple(peaks),
         fits=limit is None or max(peaks) <= limit,
         vocab=True,
+        bubble=result.bubble,
     )
 
 

@@ -15,24 +15,38 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from conveyor.errors import ConfigError, ScheduleError
-from conveyor.schedules.core import Action, B, F, W, requires
+from conveyor.schedules.core import Action, B, F, Kind, W, requires
 
 StageCost = tuple[float, float, float]
 """Durations of one stage's F, B and W for one micro-batch."""
 FILLS = ("always", "fit")
+_INDEX: dict[Kind, int] = {F: 0, B: 1, W: 2}  # a kind's place in a StageCost
 """The values :func:`greedy_programs` accepts for ``fill``."""
+
+
+class GreedyRun(NamedTuple):
+    """What one run of the list scheduler found: the per-rank programs, and the run's own
+    makespan and span (as :func:`~conveyor.schedules.simulation.simulate` defines them;
+    the simulator, starting each action as early as its program order allows, never
+    finds them longer)."""
+
+    programs: list[list[Action]]
+    makespan: float
+    span: float
 
 
 def greedy_programs(
     placement: Sequence[int],
     microbatches: int,
     durations: Sequence[StageCost],
-    caps: Sequence[int],
+    caps: Sequence[float],
     inflight: Sequence[int] | None = None,
     comm: float = 0.0,
     fill: str = "always",
+    w_memory: float = 1.0,
 ) -> list[list[Action]]:
     """Per-rank programs of the greedy B > F > W list scheduler, with split backward.
 
@@ -42,37 +56,63 @@ def greedy_programs(
         placement: ``placement[s]`` is the rank of stage s.
         microbatches: Micro-batches per step.
         durations: ``durations[s]`` is (F, B, W) of stage s, in any time unit.
-        caps: ``caps[r]`` is the most stage activations rank r may hold (from F until W).
+        caps: ``caps[r]`` is the most stage activations rank r may hold (from F until W),
+            a whole one from F until B and ``w_memory`` of one from B until W.
         inflight: ``inflight[r]`` is the most forwards rank r may run ahead of its
             backwards (from F until B); None: no limit beyond ``caps``.
         comm: Latency of a transfer between ranks, in the unit of ``durations``.
         fill: ``"always"`` runs a pending W whenever nothing else is ready; ``"fit"``
-            only when the W ends before the next known arrival.
+            only when the W ends before the next known arrival, or when the cap keeps a
+            ready F from running (W frees memory).
+        w_memory: The share of a stage activation still held between its B and its W
+            (the Zero Bubble paper's M_W / M_B), in [0, 1].
 
     Returns:
         One program per rank (lists of F, B and W actions).
 
     Raises:
-        ConfigError: For an unknown ``fill`` or a cap (or ``inflight`` entry) below 1.
+        ConfigError: For an unknown ``fill``, a cap (or ``inflight`` entry) below 1, or a
+            ``w_memory`` outside [0, 1].
         ScheduleError: If some rank cannot finish its program (the scheduler stalled).
     """
-    max_ahead = list(inflight) if inflight is not None else list(caps)
+    return greedy_run(
+        placement, microbatches, durations, caps, inflight, comm, fill, w_memory
+    ).programs
+
+
+def greedy_run(
+    placement: Sequence[int],
+    microbatches: int,
+    durations: Sequence[StageCost],
+    caps: Sequence[float],
+    inflight: Sequence[int] | None = None,
+    comm: float = 0.0,
+    fill: str = "always",
+    w_memory: float = 1.0,
+) -> GreedyRun:
+    """:func:`greedy_programs` (same arguments and errors), with the run's makespan and
+    span, so a search can rank its runs without simulating each one again."""
+    max_ahead = list(inflight) if inflight is not None else [math.floor(c) for c in caps]
     if fill not in FILLS:
         raise ConfigError(f"fill must be one of {FILLS}, got {fill!r}")
     if min(caps) < 1 or min(max_ahead) < 1:
         raise ConfigError("every rank must be allowed to hold at least 1 activation")
-    limits = _Limits(list(caps), max_ahead, fill == "always")
+    if not 0.0 <= w_memory <= 1.0:
+        raise ConfigError(f"w_memory must be a share in [0, 1], got {w_memory!r}")
+    limits = _Limits([float(c) for c in caps], max_ahead, fill == "always", w_memory)
     return _ListScheduler(placement, microbatches, durations, limits, comm).run()
 
 
 @dataclass(frozen=True)
 class _Limits:
-    """Per rank, the most activations held from F until W (``caps``) and from F until B
-    (``ahead``); ``fill_always``: run a pending W whenever nothing else is ready."""
+    """Per rank, the most activations held from F until W (``caps``, a B-to-W one counting
+    ``w_memory``) and from F until B (``ahead``); ``fill_always``: run a pending W whenever
+    nothing else is ready."""
 
-    caps: list[int]
+    caps: list[float]
     ahead: list[int]
     fill_always: bool
+    w_memory: float
 
 
 class _ListScheduler:
@@ -97,21 +137,24 @@ class _ListScheduler:
         self.placement, self.m, self.durations = placement, microbatches, durations
         self.limits, self.comm, self.stages = limits, comm, stages
         self.own_stages = [[s for s in range(stages) if placement[s] == r] for r in range(ranks)]
-        self.end: dict[Action, float] = {}
+        # Keyed by (kind, stage, micro-batch): an Action, or a plain tuple equal to one.
+        self.end: dict[tuple[Kind, int, int], float] = {}
         self.next_f = [0] * stages
         self.next_b = [0] * stages
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(ranks)]
-        self.held = [0] * ranks  # activations from F until W
+        self.held = [0.0] * ranks  # activations from F until W (B to W: w_memory of one)
         self.ahead = [0] * ranks  # activations from F until B
         self.left = [3 * microbatches * len(own) for own in self.own_stages]
         self.programs: list[list[Action]] = [[] for _ in range(ranks)]
         # Ranks waiting for an action that is not scheduled yet, keyed by that action.
         self.waiters: dict[Action, list[int]] = {}
+        self.shapes: dict[tuple[Kind, int], list[tuple[Kind, int]]] = {}  # see _shape
         self.free = [0.0] * ranks
+        self.first = [math.inf] * ranks  # when each rank's first action starts
         self.wake = [0.0] * ranks
         self.heap = [(0.0, r) for r in range(ranks)]
 
-    def run(self) -> list[list[Action]]:
+    def run(self) -> GreedyRun:
         """Let every rank decide whenever it wakes, until none has work left."""
         while self.heap:
             now, rank = heapq.heappop(self.heap)
@@ -120,21 +163,48 @@ class _ListScheduler:
         if any(self.left):
             stuck = [r for r, left in enumerate(self.left) if left]
             raise ScheduleError(f"the greedy scheduler stalled on ranks {stuck}")
-        return self.programs
+        busy = [r for r, program in enumerate(self.programs) if program]
+        first = min(self.first[r] for r in busy)
+        last = max(self.free[r] for r in busy)
+        span = max(self.free[r] - self.first[r] for r in busy)
+        return GreedyRun(self.programs, last - first, span)
 
-    def _ready(self, action: Action, rank: int, now: float) -> float:
-        """0 when every dependency of ``action`` has reached ``rank`` (plus ``comm`` from
-        another rank) by ``now``, else when the last one does; infinity, and ``rank``
-        registered as a waiter, while one is unscheduled."""
+    def _ready(self, kind: Kind, s: int, mb: int, rank: int, now: float) -> float:
+        """0 when every dependency of ``kind`` of stage ``s`` on micro-batch ``mb`` has
+        reached ``rank`` (plus ``comm`` from another rank) by ``now``, else when the last
+        one does; infinity, and ``rank`` registered as a waiter, while one is
+        unscheduled."""
         ready_at = 0.0
-        for dependency in requires(action, self.stages):
-            end = self.end.get(dependency)
+        for dep_kind, dep_stage in self._shape(kind, s):
+            end = self.end.get((dep_kind, dep_stage, mb))
             if end is None:
-                self.waiters.setdefault(dependency, []).append(rank)
+                self.waiters.setdefault(Action(dep_kind, dep_stage, mb), []).append(rank)
                 return math.inf
-            far = self.placement[dependency.stage] != rank
-            ready_at = max(ready_at, end + (self.comm if far else 0.0))
+            if self.placement[dep_stage] != rank:
+                end += self.comm
+            if end > ready_at:
+                ready_at = end
         return ready_at if ready_at > now else 0.0
+
+    def _shape(self, kind: Kind, s: int) -> list[tuple[Kind, int]]:
+        """The (kind, stage) of each dependency of ``kind`` of stage ``s``:
+        :func:`~conveyor.schedules.core.requires` asked once per kind and stage (the rule
+        does not depend on the micro-batch), since this is the scheduler's hot loop."""
+        shape = self.shapes.get((kind, s))
+        if shape is None:
+            shape = [(d.kind, d.stage) for d in requires(Action(kind, s, 0), self.stages)]
+            self.shapes[(kind, s)] = shape
+        return shape
+
+    def _arrived(self, s: int, mb: int, rank: int, now: float) -> bool:
+        """Whether every dependency of F of stage ``s`` on micro-batch ``mb`` has reached
+        ``rank`` by ``now`` (no waiter is registered)."""
+        for dep_kind, dep_stage in self._shape(F, s):
+            end = self.end.get((dep_kind, dep_stage, mb))
+            far = self.placement[dep_stage] != rank
+            if end is None or end + (self.comm if far else 0.0) > now:
+                return False
+        return True
 
     def _decide(self, rank: int, now: float) -> None:
         """Run the best ready action of ``rank``, or put it to sleep until one can be."""
@@ -142,24 +212,27 @@ class _ListScheduler:
         best_f: tuple[int, int] | None = None
         soonest = math.inf
         limits = self.limits
-        may_forward = (
-            self.held[rank] < limits.caps[rank] and self.ahead[rank] < limits.ahead[rank]
-        )
+        # The cap in whole activations; the tolerance absorbs sums of fractional shares.
+        fits = self.held[rank] + 1.0 <= limits.caps[rank] + 1e-9
+        may_forward = fits and self.ahead[rank] < limits.ahead[rank]
+        blocked_f = False  # a ready F that only the cap holds back
         for s in self.own_stages[rank]:
             mb = self.next_b[s]
             if mb < self.next_f[s]:
-                at = self._ready(Action(B, s, mb), rank, now)
+                at = self._ready(B, s, mb, rank, now)
                 if at:
                     soonest = min(soonest, at)
                 elif best_b is None or (mb, -s) < (best_b[0], -best_b[1]):
                     best_b = (mb, s)
             mb = self.next_f[s]
             if mb < self.m and may_forward:
-                at = self._ready(Action(F, s, mb), rank, now)
+                at = self._ready(F, s, mb, rank, now)
                 if at:
                     soonest = min(soonest, at)
                 elif best_f is None or (mb, -s) < (best_f[0], -best_f[1]):
                     best_f = (mb, s)
+            elif mb < self.m and not fits and self._arrived(s, mb, rank, now):
+                blocked_f = True
         pending = self.pending_w[rank]
         if best_b is not None:
             self._run(rank, now, Action(B, best_b[1], best_b[0]))
@@ -167,6 +240,7 @@ class _ListScheduler:
             self._run(rank, now, Action(F, best_f[1], best_f[0]))
         elif pending and (
             limits.fill_always
+            or blocked_f
             or soonest == math.inf
             or now + self.durations[pending[0][0]][2] <= soonest
         ):
@@ -181,7 +255,7 @@ class _ListScheduler:
     def _run(self, rank: int, now: float, action: Action) -> None:
         """Record ``action`` as run on ``rank`` from ``now`` and wake its waiters."""
         kind, s, mb = action
-        finish = now + self.durations[s]["FBW".index(kind)]
+        finish = now + self.durations[s][_INDEX[kind]]
         self.end[action] = finish
         if kind == F:
             self.next_f[s] += 1
@@ -190,11 +264,13 @@ class _ListScheduler:
         elif kind == B:
             self.next_b[s] += 1
             self.ahead[rank] -= 1
+            self.held[rank] -= 1.0 - self.limits.w_memory
             self.pending_w[rank].append((s, mb))
         else:
-            self.held[rank] -= 1
+            self.held[rank] -= self.limits.w_memory
         self.left[rank] -= 1
         self.programs[rank].append(action)
+        self.first[rank] = min(self.first[rank], now)
         self.free[rank] = self.wake[rank] = finish
         heapq.heappush(self.heap, (finish, rank))
         for other in self.waiters.pop(action, ()):

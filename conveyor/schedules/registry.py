@@ -32,8 +32,8 @@ class ScheduleSpec:
 
     Attributes:
         build: ``build(ranks, microbatches, chunks)`` returns the schedule.
-        chunks: The only chunk count the schedule supports, or None when any count >= 1
-            works.
+        chunks: The chunk counts the schedule supports (one count, or a tuple of them),
+            or None when any count >= 1 works.
         hint: Appended to the error for a wrong chunk count; ``{schedule}``, ``{end}``
             and ``{chunks}`` in it become Python or command-line wording.
         default: The chunk count used when none is given.
@@ -42,7 +42,7 @@ class ScheduleSpec:
     """
 
     build: Callable[[int, int, int], Schedule]
-    chunks: int | None = None
+    chunks: int | tuple[int, ...] | None = None
     hint: str = ""
     default: int = 1
     one: str | None = None
@@ -67,9 +67,13 @@ _REGISTRY: dict[str, ScheduleSpec] = {
     # The controllable-memory V schedules: about 1/2 and 1/3 of 1F1B's activations.
     "v-half": ScheduleSpec(lambda p, m, v: v_half(p, m), chunks=2, hint=_V_HINT, default=2),
     "v-min": ScheduleSpec(lambda p, m, v: v_min(p, m), chunks=2, hint=_V_HINT, default=2),
-    # Unit costs and a cap of p micro-batches; the planner calls zero_bubble_auto with
-    # measured costs.
-    "zb-auto": ScheduleSpec(lambda p, m, v: zero_bubble_auto(p, m), chunks=1, hint=_ONE_CHUNK_HINT),
+    # Unit costs and a cap of p micro-batches, one stage per rank or a V; the planner
+    # calls zero_bubble_auto with measured costs.
+    "zb-auto": ScheduleSpec(
+        lambda p, m, v: zero_bubble_auto(p, m, chunks=v),
+        chunks=(1, 2),
+        hint="use {schedule}interleaved-1f1b{end} for more chunks per rank",
+    ),
 }
 
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -134,10 +138,12 @@ def check_chunks(name: str, chunks: int | None = None, *, flags: bool = False) -
             f"{spec.default} (or more), or use {words['schedule']}{spec.one}{words['end']} "
             f"for one"
         )
-    if spec.chunks is not None and chunks != spec.chunks:
+    counts = (spec.chunks,) if isinstance(spec.chunks, int) else spec.chunks
+    if counts is not None and chunks not in counts:
         hint = f"; {spec.hint.format(**words)}" if spec.hint else ""
+        runs = " or ".join(str(c) for c in counts)
         raise ConfigError(
-            f"{named} runs {spec.chunks} chunk(s) per rank, got {words['chunks']}{chunks}{hint}"
+            f"{named} runs {runs} chunk(s) per rank, got {words['chunks']}{chunks}{hint}"
         )
     return chunks
 

@@ -185,7 +185,7 @@ def _tidy(value: float) -> float:
     return round(value, 9)
 
 
-def peak_activations(schedule: Schedule) -> tuple[float, ...]:
+def peak_activations(schedule: Schedule, *, w_memory: float = 1.0) -> tuple[float, ...]:
     """Per rank, the most micro-batch activations held at once.
 
     A (stage, micro-batch) is held from its F until the last of its B / W; one chunk
@@ -195,20 +195,25 @@ def peak_activations(schedule: Schedule) -> tuple[float, ...]:
 
     Args:
         schedule: The schedule.
+        w_memory: Under a split backward, the share of an activation still held from its
+            B until its W: 1.0 (conveyor's runtime keeps it all), or the Zero Bubble
+            paper's M_W / M_B.
 
     Returns:
         One peak per rank, in micro-batches of the rank's whole share.
     """
-    release = W if schedule.split_backward else B
+    at_b = 1.0 - w_memory if schedule.split_backward else 1.0
     peaks = []
     for program in schedule.actions:
-        held = peak = 0
+        held = peak = 0.0
         for action in program:
             if action.kind == F:
-                held += 1
+                held += 1.0
                 peak = max(peak, held)
-            elif action.kind == release:
-                held -= 1
+            elif action.kind == B:
+                held -= at_b
+            else:
+                held -= w_memory
         peaks.append(peak / schedule.chunks)
     return tuple(peaks)
 

@@ -139,7 +139,19 @@ def test_v_schedules_are_registered_with_two_chunks_and_ask_for_them(name: str) 
         get_schedule(name, 4, 8, 1)
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto"])
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
 def test_one_chunk_zero_bubble_schedules_point_to_the_v_ones(name: str) -> None:
     with pytest.raises(ConfigError, match=r"got chunks=2; use 'zbv' or 'dualpipev'"):
         get_schedule(name, 4, 8, chunks=2)
+
+
+def test_zb_auto_builds_one_chunk_or_a_v_and_refuses_more() -> None:
+    assert default_chunks("zb-auto") == 1
+    assert get_schedule("zb-auto", 4, 8).placement == (0, 1, 2, 3)
+    assert get_schedule("zb-auto", 4, 8, chunks=2).placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    with pytest.raises(
+        ConfigError,
+        match=r"'zb-auto' runs 1 or 2 chunk\(s\) per rank, got chunks=3; use "
+        r"'interleaved-1f1b' for more chunks per rank",
+    ):
+        get_schedule("zb-auto", 4, 8, chunks=3)
