@@ -23,6 +23,7 @@ keeps all of it (1.0), the paper's accounting (its Table 1) keeps M_W / M_B.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -112,14 +113,25 @@ def _warmups(
     if chunks == 1:
         limits.append([ranks - r for r in range(ranks)])  # 1F1B's
         limits += [[2 * (ranks - r) - 1 + extra for r in range(ranks)] for extra in (0, 1, 2)]
-    return limits
+    unique: list[list[int] | None] = []
+    for limit in limits:  # equal costs often make two of them the same
+        if limit not in unique:
+            unique.append(limit)
+    return unique
 
 
-def _references(chunks: int, ranks: int, microbatches: int) -> list[Schedule]:
-    """The hand-made schedules of the same shape, candidates where they fit the cap."""
+def _fits(schedule: Schedule, cap: float, w_memory: float) -> bool:
+    """Whether no rank of ``schedule`` holds more than ``cap`` micro-batches."""
+    return max(peak_activations(schedule, w_memory=w_memory)) <= cap + 1e-9
+
+
+@functools.lru_cache(maxsize=16)
+def _references(chunks: int, ranks: int, microbatches: int) -> tuple[Schedule, ...]:
+    """The hand-made schedules of the same shape, candidates where they fit the cap
+    (kept for the next call: a search over costs or caps asks for the same ones)."""
     if chunks == 1:
-        return [zb_h1(ranks, microbatches), zb_h2(ranks, microbatches)]
-    return [zbv(ranks, microbatches), v_half(ranks, microbatches), v_min(ranks, microbatches)]
+        return (zb_h1(ranks, microbatches), zb_h2(ranks, microbatches))
+    return (zbv(ranks, microbatches), v_half(ranks, microbatches), v_min(ranks, microbatches))
 
 
 def zero_bubble_auto(
@@ -183,25 +195,31 @@ def zero_bubble_auto(
         result = simulate(reference, list(durations), comm)
         timed.append((reference, result.makespan, result.span))
     stage_cap = [cap * chunks] * ranks  # the list scheduler counts one stage's activations
+    # A run that cannot end by the fastest makespan so far stops early (None).
+    bound = min((m for s, m, _ in timed if _fits(s, cap, share)), default=math.inf)
     for fill in FILLS:
         for warmup in _warmups(chunks, ranks, placement, durations, comm):
             try:
                 run = greedy_run(
-                    placement, microbatches, durations, stage_cap, warmup, comm, fill, share
-                )
+                    placement, microbatches, durations, stage_cap, warmup, comm, fill, share,
+                    bound,
+                )  # fmt: skip
             except ScheduleError:
                 # A V's ranks can fill their cap with first-chunk forwards and then wait
                 # on each other for good: that setting is no candidate.
                 continue
+            if run is None:
+                continue
+            bound = min(bound, run.makespan)
             actions = tuple(tuple(program) for program in run.programs)
             schedule = Schedule("zb-auto", ranks, microbatches, placement, actions, True)
             timed.append((schedule, run.makespan, run.span))
     best: tuple[float, float, float, int] | None = None
     chosen = references[0]
     for index, (candidate, makespan, span) in enumerate(timed):
-        peak = max(peak_activations(candidate, w_memory=share))
-        if peak > cap + 1e-9:
+        if not _fits(candidate, cap, share):
             continue
+        peak = max(peak_activations(candidate, w_memory=share))
         # Rounded: sums of the same costs in another order differ in the last bits.
         score = (round(makespan, 9), round(span, 9), peak, index)
         if best is None or score < best:

@@ -75,9 +75,9 @@ def greedy_programs(
             ``w_memory`` outside [0, 1].
         ScheduleError: If some rank cannot finish its program (the scheduler stalled).
     """
-    return greedy_run(
-        placement, microbatches, durations, caps, inflight, comm, fill, w_memory
-    ).programs
+    run = greedy_run(placement, microbatches, durations, caps, inflight, comm, fill, w_memory)
+    assert run is not None  # no bound, so never cut short
+    return run.programs
 
 
 def greedy_run(
@@ -89,9 +89,12 @@ def greedy_run(
     comm: float = 0.0,
     fill: str = "always",
     w_memory: float = 1.0,
-) -> GreedyRun:
+    bound: float = math.inf,
+) -> GreedyRun | None:
     """:func:`greedy_programs` (same arguments and errors), with the run's makespan and
-    span, so a search can rank its runs without simulating each one again."""
+    span, so a search can rank its runs without simulating each one again; None as soon
+    as the run cannot end within ``bound`` (a makespan the search already has): some
+    rank's work left would run past it."""
     max_ahead = list(inflight) if inflight is not None else [math.floor(c) for c in caps]
     if fill not in FILLS:
         raise ConfigError(f"fill must be one of {FILLS}, got {fill!r}")
@@ -100,7 +103,14 @@ def greedy_run(
     if not 0.0 <= w_memory <= 1.0:
         raise ConfigError(f"w_memory must be a share in [0, 1], got {w_memory!r}")
     limits = _Limits([float(c) for c in caps], max_ahead, fill == "always", w_memory)
-    return _ListScheduler(placement, microbatches, durations, limits, comm).run()
+    try:
+        return _ListScheduler(placement, microbatches, durations, limits, comm, bound).run()
+    except _Beaten:
+        return None
+
+
+class _Beaten(Exception):
+    """A run's makespan cannot stay within its ``bound``."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,7 @@ class _ListScheduler:
         durations: Sequence[StageCost],
         limits: _Limits,
         comm: float,
+        bound: float = math.inf,
     ) -> None:
         ranks = max(placement) + 1
         stages = len(placement)
@@ -145,10 +156,20 @@ class _ListScheduler:
         self.held = [0.0] * ranks  # activations from F until W (B to W: w_memory of one)
         self.ahead = [0] * ranks  # activations from F until B
         self.left = [3 * microbatches * len(own) for own in self.own_stages]
+        # Per rank, the time its actions not yet run take: with ``bound``, a run whose
+        # rank would end past it stops (every action's end is at least its start, 0).
+        self.work = [microbatches * sum(sum(durations[s]) for s in own) for own in self.own_stages]
+        self.bound = bound * (1 + 1e-9)
         self.programs: list[list[Action]] = [[] for _ in range(ranks)]
         # Ranks waiting for an action that is not scheduled yet, keyed by that action.
         self.waiters: dict[Action, list[int]] = {}
-        self.shapes: dict[tuple[Kind, int], list[tuple[Kind, int]]] = {}  # see _shape
+        # Per kind and stage, the (kind, stage) of each dependency: the rule asked once
+        # (it does not depend on the micro-batch), since _ready is the hot loop.
+        self.shapes: dict[Kind, list[list[tuple[Kind, int]]]] = {
+            kind: [[(d.kind, d.stage) for d in requires(Action(kind, s, 0), stages)]
+                   for s in range(stages)]
+            for kind in (F, B, W)
+        }  # fmt: skip
         self.free = [0.0] * ranks
         self.first = [math.inf] * ranks  # when each rank's first action starts
         self.wake = [0.0] * ranks
@@ -175,7 +196,7 @@ class _ListScheduler:
         one does; infinity, and ``rank`` registered as a waiter, while one is
         unscheduled."""
         ready_at = 0.0
-        for dep_kind, dep_stage in self._shape(kind, s):
+        for dep_kind, dep_stage in self.shapes[kind][s]:
             end = self.end.get((dep_kind, dep_stage, mb))
             if end is None:
                 self.waiters.setdefault(Action(dep_kind, dep_stage, mb), []).append(rank)
@@ -186,20 +207,10 @@ class _ListScheduler:
                 ready_at = end
         return ready_at if ready_at > now else 0.0
 
-    def _shape(self, kind: Kind, s: int) -> list[tuple[Kind, int]]:
-        """The (kind, stage) of each dependency of ``kind`` of stage ``s``:
-        :func:`~conveyor.schedules.core.requires` asked once per kind and stage (the rule
-        does not depend on the micro-batch), since this is the scheduler's hot loop."""
-        shape = self.shapes.get((kind, s))
-        if shape is None:
-            shape = [(d.kind, d.stage) for d in requires(Action(kind, s, 0), self.stages)]
-            self.shapes[(kind, s)] = shape
-        return shape
-
     def _arrived(self, s: int, mb: int, rank: int, now: float) -> bool:
         """Whether every dependency of F of stage ``s`` on micro-batch ``mb`` has reached
         ``rank`` by ``now`` (no waiter is registered)."""
-        for dep_kind, dep_stage in self._shape(F, s):
+        for dep_kind, dep_stage in self.shapes[F][s]:
             end = self.end.get((dep_kind, dep_stage, mb))
             far = self.placement[dep_stage] != rank
             if end is None or end + (self.comm if far else 0.0) > now:
@@ -269,6 +280,9 @@ class _ListScheduler:
         else:
             self.held[rank] -= self.limits.w_memory
         self.left[rank] -= 1
+        self.work[rank] -= self.durations[s][_INDEX[kind]]
+        if finish + self.work[rank] > self.bound:
+            raise _Beaten
         self.programs[rank].append(action)
         self.first[rank] = min(self.first[rank], now)
         self.free[rank] = self.wake[rank] = finish

@@ -119,6 +119,30 @@ def test_table_lists_ranked_alternatives() -> None:
     assert got.predicted_step <= times[0] * (1 + TIE)  # a near-tie of the fastest at worst
 
 
+def test_the_plan_shows_zb_autos_bubble_beside_zb_h1_and_zb_h2() -> None:
+    # Cheap W (half of B), a slow link, 4 units on 2 ranks and room for 4 micro-batches a
+    # rank: zb-auto, fitted to these times, warms up until its first B can be back.
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    x, y = torch.randn(16, 2), torch.randn(16, 2)
+    prof = _uniform_profile(8)
+    got = plan(
+        model, x, y, nn.functional.mse_loss, 2, 4 * 2 * 2**20 + 2**16,
+        microbatch_counts=[8], profiles={8: prof}, schedules=["zb-h1", "zb-h2", "zb-auto"],
+    )  # fmt: skip
+    bubble = {c.schedule: c.bubble for c in got.alternatives}
+    assert set(bubble) == {"zb-h1", "zb-h2", "zb-auto"}
+    assert bubble["zb-auto"] < bubble["zb-h2"] < bubble["zb-h1"]
+    assert round(bubble["zb-auto"], 4) == 0.1481  # zb-h2 0.3608, zb-h1 0.3801
+    line = got.zero_bubble_line()
+    assert line == (
+        f"zb-auto predicted bubble {bubble['zb-auto']:.3f} "
+        f"(zb-h1 {bubble['zb-h1']:.3f}, zb-h2 {bubble['zb-h2']:.3f})"
+    )
+    # The table's bubble column is the simulated bubble of each row's step.
+    for row, cand in zip(got.table().splitlines()[2:], got.alternatives, strict=True):
+        assert f"| {cand.bubble:.3f} |" in row
+
+
 def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "model.py"
     script.write_text(
@@ -132,6 +156,7 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "schedule" in out and "| 1 |" in out
     # It says what the times rest on: one process profiles, nothing calibrates.
     assert "each unit profiled alone with eager stages, not calibrated" in out
+    assert "\nzb-auto predicted bubble 0." in out and ", zb-h2 0." in out
     assert plan_main([str(script), "--ranks", "2", "--memory-limit", "10"]) == 2
 
 

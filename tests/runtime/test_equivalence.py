@@ -29,6 +29,7 @@ CONFIGS = [
     ("zbv", 2, 3, [10, 7, 11]),
     ("dualpipev", 2, 7, [14, 9, 15]),
     ("zb-auto", 1, 5, [10, 7, 11]),
+    ("zb-auto", 2, 4, [16, 16, 16]),  # its V: Pipeline(schedule="zb-auto", chunks=2)
 ]
 
 

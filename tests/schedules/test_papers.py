@@ -1,0 +1,65 @@
+"""The Zero Bubble paper's twelve settings (Qi et al., ICLR 2024, Tables 5 and 9): the
+simulator reproduces the paper's hand-made schedules, zb-auto reaches its automatic ones
+(ZB-1p at p micro-batches, ZB-2p + 0.002 at 2p), and docs/papers.md shows exactly what
+benchmarks/papers.py prints."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def papers() -> Iterator[Any]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import papers as module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    yield module
+
+
+@pytest.fixture(scope="module")
+def results(papers: Any) -> list[Any]:
+    return [papers.run(setting) for setting in papers.SETTINGS]
+
+
+def test_the_twelve_settings_are_the_papers(papers: Any) -> None:
+    rows = [(s.model, s.p, s.m) for s in papers.SETTINGS]
+    assert rows == [(model, p, m) for model, p, ms in (
+        ("1.5B", 8, (24, 32, 64)), ("6.2B", 8, (24, 32, 64)),
+        ("14.6B", 16, (48, 64, 128)), ("28.3B", 32, (96, 128, 256))) for m in ms]  # fmt: skip
+    # M_W / M_B of the paper's Table 1 with its Table 3 shapes.
+    shares = {name: round(shape.w_memory, 3) for name, shape in papers.SHAPES.items()}
+    assert shares == {"1.5B": 0.366, "6.2B": 0.281, "14.6B": 0.432, "28.3B": 0.432}
+
+
+def test_the_simulator_gives_the_papers_bubble_for_its_hand_made_schedules(
+    results: list[Any],
+) -> None:
+    for r in results:
+        ours = [round(x, 4) for x in r.ours[:3]]
+        assert ours == list(r.setting.paper[:3]), (r.setting.model, r.setting.m)
+
+
+def test_zb_auto_reaches_zb_1p_at_p_and_zb_2p_at_2p(papers: Any, results: list[Any]) -> None:
+    assert papers.misses(results) == []
+    for r in results:
+        assert round(r.ours[3], 4) <= r.setting.paper[3]
+        assert round(r.ours[4], 4) <= r.setting.paper[4] + 0.002
+        # Counting a micro-batch whole until its W (conveyor's runtime) costs bubble.
+        assert r.whole_w >= r.ours[4]
+
+
+def test_the_docs_page_is_the_scripts_output(papers: Any, results: list[Any]) -> None:
+    page = (ROOT / "docs" / "papers.md").read_text()
+    table = page.split("<!-- papers-table -->\n")[1].split("\n<!-- /papers-table -->")[0]
+    assert table == papers.table(results)
+    summary = page.split("<!-- papers-summary -->\n")[1].split("\n<!-- /papers-summary -->")[0]
+    assert summary == papers.summary(results)
