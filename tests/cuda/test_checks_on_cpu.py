@@ -5,12 +5,19 @@ take tens of seconds on two cores; tests/runtime/test_compile.py runs inductor i
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.cuda import checks
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_exact_and_autocast_on_cpu() -> None:
@@ -30,3 +37,23 @@ def test_step_memory_on_cpu() -> None:
 @pytest.mark.slow
 def test_compiled_on_cpu() -> None:
     assert checks.compiled(CPU, "zb-h1", 1, {"backend": "aot_eager"}) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip where CUDA is absent")
+def test_cuda_tests_skip_cleanly_without_cuda() -> None:
+    """``pytest -m cuda tests/cuda`` on a machine without CUDA: every test skipped, none
+    run, none failing, exit status 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda",
+         "tests/cuda"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    skipped = re.search(r"(\d+) skipped", out)
+    assert skipped and int(skipped.group(1)) >= 20, out
+    assert not re.search(r"\d+ (passed|failed|error)", out), out
+    assert "needs CUDA" in out

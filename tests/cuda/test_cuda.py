@@ -32,9 +32,9 @@ def test_every_family_is_exact_on_cuda(name: str, chunks: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("zbv", 2)])
 def test_inductor_stages_match_the_eager_model(name: str, chunks: int) -> None:
-    """inductor (``compile=True``), on a fused and on the split backward, one and two
-    chunks: two batch sizes, so a recompile is exercised too."""
-    assert checks.compiled(cuda(), name, chunks, {}) > 0
+    """inductor (``compile={"backend": "inductor"}``, the default), on a fused and on the
+    split backward, one and two chunks: two batch sizes, so a recompile is exercised too."""
+    assert checks.compiled(cuda(), name, chunks, {"backend": "inductor"}) > 0
 
 
 @pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("zbv", 2)])
