@@ -11,11 +11,11 @@ every other round.
     python benchmarks/gpu.py --device cpu --quick     # tiny sizes, on the CPU
 
 Prints a markdown table: each schedule's median step time and its ratio to the unsplit
-model's, and the step's peak memory above what was allocated when it started (activations
-and temporaries; CUDA: ``torch.cuda.max_memory_allocated`` after a reset; CPU: conveyor's
-``TensorMemory``, which counts the tensors created in the step) and its ratio to the
-unsplit model's. The absolute CUDA peak (parameters, gradients and workspace too) is in
-the JSON.
+model's, and the step's peak memory above what was allocated when it started (activations,
+temporaries and the gradients, which ``zero_grad`` frees between steps; CUDA:
+``torch.cuda.max_memory_allocated`` after a reset; CPU: conveyor's ``TensorMemory``, which
+counts the tensors created in the step) and its ratio to the unsplit model's. The absolute
+CUDA peak (parameters, gradients and workspace too) is in the JSON.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def pipeline_step(args: Any, device: torch.device, name: str, x: Tensor, y: Tens
         microbatches=args.microbatches,
         schedule=name,
         chunks=chunks,
-        balance=[2 * args.layers // stages] * stages,
+        # Equal stages where the modules divide evenly, else conveyor's own balance.
+        balance=None if 2 * args.layers % stages else [2 * args.layers // stages] * stages,
         context=ctx,
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
