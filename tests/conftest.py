@@ -13,6 +13,8 @@ distributed.py), and a fork while another thread is inside malloc leaves the chi
 it cannot use ("malloc(): unaligned tcache chunk detected"); tqdm starts that thread with
 the first progress bar (transformers' ``from_pretrained`` shows one) and it wakes every ten
 seconds.
+
+Tests marked ``cuda`` are skipped where ``torch.cuda.is_available()`` is false.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from tests.support.helpers import reset_context
 
 torch.set_num_threads(1)
 tqdm.std.tqdm.monitor_interval = 0  # every tqdm class inherits it: no monitor thread
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``cuda`` tests without a CUDA device (the mark is in pyproject.toml)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
