@@ -94,8 +94,9 @@ class Mailbox:
         """``producer``'s result, for ``consumer``."""
         return self._box.pop(producer)
 
-    def post(self, tick: Tick) -> None:
-        """Post ``tick``'s transfers (none: nothing leaves this process)."""
+    def post(self, tick: Tick, recvs: bool = True, sends: bool = True) -> None:
+        """Post ``tick``'s transfers, its receives unless not ``recvs`` and its sends
+        unless not ``sends``, as one group (none: nothing leaves this process)."""
 
     def end(self) -> None:
         """Finish the step's transfers."""
@@ -249,12 +250,12 @@ class Remote(Mailbox):
         ]
         return rebuild(meta, tensors)
 
-    def post(self, tick: Tick) -> None:
+    def post(self, tick: Tick, recvs: bool = True, sends: bool = True) -> None:
         descriptions: list[Op] = []
-        sends: list[Op] = []
-        for message in tick.sends:
-            sends += self._outgoing_ops(message, descriptions)
-        self._post_group(tick.recvs, descriptions, sends)
+        ops: list[Op] = []
+        for message in tick.sends if sends else ():
+            ops += self._outgoing_ops(message, descriptions)
+        self._post_group(tick.recvs if recvs else (), descriptions, ops)
         self.transport.prune()
 
     def _post_group(
