@@ -191,23 +191,35 @@ def efficiency_worker(args: argparse.Namespace) -> None:
             chunks=chunks,
             balance=[2 * LAYERS // stages] * stages,
         )
-    out: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    import conveyor.runtime.program as program
+
+    # --without-ahead: each step has a twin without program rule 7 (a tick's receives go
+    # ahead of its compute only when it sends nothing), in the same processes, alternated.
+    rule7 = getattr(program, "ahead_ranks", None)
+    variants = [""] + (["without rule 7"] if args.without_ahead and rule7 else [])
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {v: {n: [] for n in names} for v in variants}
     order = names if args.round % 2 == 0 else names[::-1]
     for name in order:
         pipe = pipes[name]
+        engine = pipe._parts.stepper.engine  # each variant keeps its own programs
+        programs: dict[str, Any] = {v: {} for v in variants}
         opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         for i in range(args.warmup + args.steps):
-            dist.barrier()
-            posting[0] = 0.0
-            start = time.perf_counter()
-            pipe.train_step(x, y)
-            seconds = time.perf_counter() - start
-            opt.step()
-            opt.zero_grad()
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, step_record(pipe, seconds, posting[0]))
-            if i >= args.warmup:
-                out[name].append(efficiency(pipe, ranks))
+            for variant in variants if i % 2 == 0 else variants[::-1]:
+                engine._programs = programs[variant]
+                if rule7 is not None:
+                    program.ahead_ranks = (lambda *_: {}) if variant else rule7  # type: ignore[assignment]
+                dist.barrier()
+                posting[0] = 0.0
+                start = time.perf_counter()
+                pipe.train_step(x, y)
+                seconds = time.perf_counter() - start
+                opt.step()
+                opt.zero_grad()
+                ranks: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(ranks, step_record(pipe, seconds, posting[0]))
+                if i >= args.warmup:
+                    out[variant][name].append(efficiency(pipe, ranks))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -220,7 +232,7 @@ def efficiency_rounds(args: argparse.Namespace) -> int:
     roots = {"this checkout": str(Path(__file__).resolve().parents[1])}
     if args.against:
         roots = {"--against": str(Path(args.against).resolve()), **roots}
-    steps: dict[str, dict[str, list[dict[str, Any]]]] = {label: {} for label in roots}
+    steps: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for r in range(args.rounds):
         for label in list(roots) if r % 2 == 0 else list(roots)[::-1]:
             with tempfile.TemporaryDirectory() as tmp:
@@ -233,29 +245,34 @@ def efficiency_rounds(args: argparse.Namespace) -> int:
                     "--out", out, "--schedules", args.schedules, "--steps", str(args.steps),
                     "--warmup", str(args.warmup), "--round", str(r),
                 ]  # fmt: skip
+                if args.without_ahead:
+                    command.append("--without-ahead")
                 subprocess.run(command, env=env, check=True, stderr=subprocess.DEVNULL)
-                for name, rows in json.loads(Path(out).read_text()).items():
-                    steps[label].setdefault(name, []).extend(rows)
+                for variant, runs in json.loads(Path(out).read_text()).items():
+                    key = f"{label}, {variant}" if variant else label
+                    for name, rows in runs.items():
+                        steps.setdefault(key, {}).setdefault(name, []).extend(rows)
+    runs = list(steps)  # every run, in the order first seen
     print(
         f"\nRuntime efficiency: {LAYERS} x Linear({WIDTH}) + ReLU, batch {BATCH} in "
         f"{MICROBATCHES} micro-batches, 2 processes x 1 thread, gloo; medians over "
         f"{args.rounds} rounds x {args.steps} steps (fresh processes each round)\n"
     )
     names = args.schedules.split(",")
-    head = " | ".join(f"efficiency ({label})" for label in roots)
+    head = " | ".join(f"efficiency ({label})" for label in runs)
     print(f"| schedule | {head} | step ms | simulated ms |")
-    print("|---|" + "---:|" * (len(roots) + 2))
+    print("|---|" + "---:|" * (len(runs) + 2))
     median = statistics.median
     for name in names:
         effs = " | ".join(
-            f"{median(s['efficiency'] for s in steps[label][name]):.3f}" for label in roots
+            f"{median(s['efficiency'] for s in steps[label][name]):.3f}" for label in runs
         )
         rows = steps["this checkout"][name]
         print(
             f"| {name} | {effs} | {median(s['seconds'] for s in rows) * 1e3:.1f} | "
             f"{median(s['makespan'] for s in rows) * 1e3:.1f} |"
         )
-    for label in roots:
+    for label in runs:
         print(
             f"\nThe gap ({label}), ms per step on the rank that ends it (medians): step "
             f"minus simulated, then its parts\n"
@@ -283,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--efficiency", action="store_true", help="runtime efficiency, 2 processes")
     p.add_argument("--schedules", default=EFFICIENCY_SCHEDULES, help="with --efficiency")
     p.add_argument("--against", help="with --efficiency: a checkout to compare with")
+    p.add_argument(
+        "--without-ahead",
+        action="store_true",
+        help="with --efficiency: also each step without program rule 7, alternated",
+    )
     p.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)

@@ -278,11 +278,11 @@ class Remote(Mailbox):
                 what = f"waiting for the output description of {action_name(message.producer)}"
                 self.transport.wait(work, message.src, what)
                 self._seen[self._key, message.producer] = decode_header(self._host(buf))
-        # One group: the receives, then the sends. The order inside a group decides
-        # neither deadlock nor speed: NCCL progresses a group's operations together, gloo
-        # posts each asynchronously, and benchmarks/recv_order.py measures no difference
-        # on gloo (within run-to-run noise, 4 KB to 64 MB). Receives first only keeps
-        # their works at the front of the group's list.
+        # One group: the sends, then the receives. The order inside a group decides no
+        # deadlock (NCCL progresses a group's operations together), but on gloo each op
+        # is posted in turn, and a peer that already waits for a send (its receive went
+        # ahead: program rules 3 and 7) waits through every receive posted before it.
+        # (benchmarks/recv_order.py finds no difference where both ends post at once.)
         receives: list[_Incoming] = []
         ops: list[Op] = []
         for message in recvs:
@@ -298,8 +298,8 @@ class Remote(Mailbox):
                 incoming.tensors.append(t)
                 ops.append(Op(False, t, message.src))
             receives.append(incoming)
-        works = self.transport.post(ops + sends)
-        position = 0
+        works = self.transport.post(sends + ops)
+        position = len(sends)
         for incoming in receives:
             n = len(incoming.tensors)
             incoming.works = works[position : position + n]
