@@ -22,12 +22,15 @@ on the rank that ends the step, into: compute above the medians, waits beyond th
 simulated idle time, posting transfers (``batch_isend_irecv``), the step's start and end
 (before its first action and after its last: the batch's header, the loss's broadcast,
 the last sends), and the rest (Python bookkeeping between actions). Each round runs in
-fresh processes; ``--against DIR`` (a checkout of another revision, e.g. ``git worktree
-add DIR REV``) runs that revision's conveyor in alternate rounds, for a before/after
-table measured side by side.
+fresh processes; ``--against DIR`` (another revision's tree, e.g. ``git archive REV
+conveyor | tar -x -C DIR``) runs that revision's conveyor in alternate rounds. Fresh
+processes at different minutes differ by 0.1-0.2 in efficiency on a shared machine, so
+``--before`` compares within the same processes instead: each step has a twin that posts
+as main 6b64e79 did (no program rule 7, every group's receives before its sends),
+alternated step by step.
 
     python benchmarks/overhead.py --efficiency [--schedules 1f1b,zb-h1,zb-auto,zbv]
-        [--rounds 6] [--steps 12] [--against DIR] [--json FILE]
+        [--rounds 6] [--steps 12] [--before] [--against DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ from typing import Any
 import torch
 from torch import nn
 
-# Run from a checkout; an --efficiency round of --against imports that checkout's conveyor.
+# Run from a checkout; an --efficiency round of --against imports that checkout's conveyor,
+# before vs_torch (which puts this checkout first on the path) can import this one's.
 sys.path.insert(0, os.environ.get("OVERHEAD_ROOT") or str(Path(__file__).resolve().parents[1]))
+import conveyor  # noqa: I001
 from vs_torch import BATCH, LAYERS, MICROBATCHES, WIDTH, build_model, single_process
 
-import conveyor
 from conveyor.cli.launch import MALLOC_TUNABLES
 from conveyor.schedules.registry import SCHEDULE_NAMES, get_schedule
 
@@ -193,11 +197,21 @@ def efficiency_worker(args: argparse.Namespace) -> None:
         )
     import conveyor.runtime.program as program
 
-    # --without-ahead: each step has a twin without program rule 7 (a tick's receives go
-    # ahead of its compute only when it sends nothing), in the same processes, alternated.
+    # --before: each step has a twin that posts as main 6b64e79 did (no program rule 7, a
+    # group's receives before its sends), in the same processes, alternated step by step.
     rule7 = getattr(program, "ahead_ranks", None)
-    variants = [""] + (["without rule 7"] if args.without_ahead and rule7 else [])
+    variants = [""] + (["before"] if args.before and rule7 else [])
     out: dict[str, dict[str, list[dict[str, Any]]]] = {v: {n: [] for n in names} for v in variants}
+    post = Transport.post
+
+    def receives_first(self: Transport, ops: list[Any]) -> list[Any]:
+        order = sorted(range(len(ops)), key=lambda i: ops[i].send)  # stable: receives first
+        works = post(self, [ops[i] for i in order])
+        back: list[Any] = [None] * len(ops)
+        for k, i in enumerate(order):
+            back[i] = works[k]
+        return back
+
     order = names if args.round % 2 == 0 else names[::-1]
     for name in order:
         pipe = pipes[name]
@@ -209,6 +223,7 @@ def efficiency_worker(args: argparse.Namespace) -> None:
                 engine._programs = programs[variant]
                 if rule7 is not None:
                     program.ahead_ranks = (lambda *_: {}) if variant else rule7  # type: ignore[assignment]
+                    Transport.post = receives_first if variant else post  # type: ignore[method-assign]
                 dist.barrier()
                 posting[0] = 0.0
                 start = time.perf_counter()
@@ -245,8 +260,8 @@ def efficiency_rounds(args: argparse.Namespace) -> int:
                     "--out", out, "--schedules", args.schedules, "--steps", str(args.steps),
                     "--warmup", str(args.warmup), "--round", str(r),
                 ]  # fmt: skip
-                if args.without_ahead:
-                    command.append("--without-ahead")
+                if args.before:
+                    command.append("--before")
                 subprocess.run(command, env=env, check=True, stderr=subprocess.DEVNULL)
                 for variant, runs in json.loads(Path(out).read_text()).items():
                     key = f"{label}, {variant}" if variant else label
@@ -301,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default=EFFICIENCY_SCHEDULES, help="with --efficiency")
     p.add_argument("--against", help="with --efficiency: a checkout to compare with")
     p.add_argument(
-        "--without-ahead",
+        "--before",
         action="store_true",
-        help="with --efficiency: also each step without program rule 7, alternated",
+        help="with --efficiency: also each step posted as main 6b64e79 did, alternated",
     )
     p.add_argument("--efficiency-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
