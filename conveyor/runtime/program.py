@@ -269,9 +269,10 @@ def ahead_ranks(
     schedule: Schedule, train: bool = True, pairs: bool = False
 ) -> dict[int, frozenset[int]]:
     """Per tick, the ranks that send and receive at that tick and post their receives
-    ahead of the compute (rule 7): those whose action is expected to end after every
-    action producing what they receive, latest first, leaving out a rank that sends to or
-    receives from one already chosen."""
+    ahead of the compute (rule 7): those whose action is expected to end no earlier than
+    every action producing what they receive (latest first, then the longer action, then
+    the lower rank), leaving out a rank that sends to or receives from one already
+    chosen."""
     units, passes = _ticks(schedule, train, pairs)
     placement, stages, split = schedule.placement, schedule.stages, schedule.split_backward
     at = {a: tick for tick, unit in units for a in unit.actions}
