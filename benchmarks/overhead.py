@@ -19,7 +19,8 @@ each), per schedule. Runtime efficiency is the simulated makespan of a step, rep
 over both ranks' ``pipe.last_step_timings()``, no transfer time), over the step's measured
 time (``train_step`` between barriers, the later rank). The gap between the two is split,
 on the rank that ends the step, into: compute above the medians, waits beyond the
-simulated idle time, posting transfers (``batch_isend_irecv``), the step's start and end
+simulated idle time, posting transfers (``batch_isend_irecv``; "posting CPU" is the part
+of it this thread computed, the rest it was blocked in gloo), the step's start and end
 (before its first action and after its last: the batch's header, the loss's broadcast,
 the last sends), and the rest (Python bookkeeping between actions). Each round runs in
 fresh processes; ``--against DIR`` (another revision's tree, e.g. ``git archive REV
@@ -105,7 +106,7 @@ def schedule_times() -> dict[str, float]:
 
 
 EFFICIENCY_SCHEDULES = "1f1b,zb-h1,zb-auto,zbv"
-PARTS = ("compute", "waits", "posting", "start/end", "bookkeeping")
+PARTS = ("compute", "waits", "posting", "posting CPU", "start/end", "bookkeeping")
 
 
 def stage_medians(timings: list[Any], stages: int) -> list[tuple[float, float, float]]:
@@ -119,14 +120,16 @@ def stage_medians(timings: list[Any], stages: int) -> list[tuple[float, float, f
     ]
 
 
-def step_record(pipe: conveyor.Pipeline, seconds: float, posting: float) -> dict[str, Any]:
-    """This rank's view of the step just run: its time, action timings and waits."""
+def step_record(pipe: conveyor.Pipeline, seconds: float, posting: list[float]) -> dict[str, Any]:
+    """This rank's view of the step just run: its time, action timings and waits, and
+    ``posting``: seconds in ``batch_isend_irecv``, wall-clock and of this thread's CPU."""
     timings = [tuple(t) for t in pipe.last_step_timings()]
     waits = [tuple(t) for t in pipe.last_step_waits()]
     spans = [(t[4], t[5]) for t in timings + waits]
     return {
         "seconds": seconds,
-        "posting": posting,
+        "posting": posting[0],
+        "posting CPU": posting[1],
         "timings": timings,
         "busy": sum(end - start for *_, start, end in timings),
         "waits": sum(end - start for *_, start, end in waits),
@@ -155,6 +158,7 @@ def efficiency(pipe: conveyor.Pipeline, ranks: list[dict[str, Any]]) -> dict[str
         "compute": mine["busy"] - busy,
         "waits": mine["waits"] - (makespan - busy),
         "posting": mine["posting"],
+        "posting CPU": mine["posting CPU"],  # part of posting; the rest blocked in gloo
         "start/end": ends,
         "bookkeeping": rest,
     }
@@ -167,15 +171,16 @@ def efficiency_worker(args: argparse.Namespace) -> None:
 
     from conveyor.runtime.transport import Transport
 
-    posting = [0.0]
+    posting = [0.0, 0.0]  # wall-clock, this thread's CPU
     post_now = Transport._post_now
 
     def timed_post(self: Transport, ops: list[Any]) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return post_now(self, ops)
         finally:
             posting[0] += time.perf_counter() - start
+            posting[1] += time.thread_time() - cpu
 
     Transport._post_now = timed_post  # type: ignore[method-assign]
     torch.set_num_threads(1)
@@ -225,14 +230,14 @@ def efficiency_worker(args: argparse.Namespace) -> None:
                     program.ahead_ranks = (lambda *_: {}) if variant else rule7  # type: ignore[assignment]
                     Transport.post = receives_first if variant else post  # type: ignore[method-assign]
                 dist.barrier()
-                posting[0] = 0.0
+                posting[:] = [0.0, 0.0]
                 start = time.perf_counter()
                 pipe.train_step(x, y)
                 seconds = time.perf_counter() - start
                 opt.step()
                 opt.zero_grad()
                 ranks: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(ranks, step_record(pipe, seconds, posting[0]))
+                dist.all_gather_object(ranks, step_record(pipe, seconds, posting))
                 if i >= args.warmup:
                     out[variant][name].append(efficiency(pipe, ranks))
     if dist.get_rank() == 0:
