@@ -1,7 +1,8 @@
 """Does the order of operations inside one ``batch_isend_irecv`` group matter on gloo?
 
-The runtime posts each tick's receives before its sends (``conveyor/runtime/channel.py``).
-This measures what that order costs or saves: 2 processes on gloo, one thread each, swap a
+The runtime posts each group's sends before its receives (``conveyor/runtime/channel.py``:
+a peer that already waits for the send should not wait through the receives' posting).
+This measures the order where neither end waits: 2 processes on gloo, one thread each, swap a
 tensor every round, as two neighbouring pipeline ranks do when one sends an activation
 and the other an input gradient in the same tick, with the receive posted first or the
 send posted first, alternating the two orders round by round so drift hits both alike.
@@ -19,8 +20,8 @@ receive first and with the send first, and their ratio. Two runs on 2 shared CPU
 | 16,777,216 |  1.00 |  0.99 |
 | 67,108,864 |  1.06 |  1.05 |
 
-No order wins beyond the noise between runs, so the runtime's receives-first order is
-not a speed claim (see the comment in ``Channel``).
+No order wins beyond the noise between runs when both ends post at once; the runtime's
+sends-first order is for the end that is already waiting (see the comment in ``Remote``).
 """
 
 from __future__ import annotations

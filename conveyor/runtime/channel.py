@@ -94,8 +94,9 @@ class Mailbox:
         """``producer``'s result, for ``consumer``."""
         return self._box.pop(producer)
 
-    def post(self, tick: Tick) -> None:
-        """Post ``tick``'s transfers (none: nothing leaves this process)."""
+    def post(self, tick: Tick, recvs: bool = True, sends: bool = True) -> None:
+        """Post ``tick``'s transfers, its receives unless not ``recvs`` and its sends
+        unless not ``sends``, as one group (none: nothing leaves this process)."""
 
     def end(self) -> None:
         """Finish the step's transfers."""
@@ -249,12 +250,12 @@ class Remote(Mailbox):
         ]
         return rebuild(meta, tensors)
 
-    def post(self, tick: Tick) -> None:
+    def post(self, tick: Tick, recvs: bool = True, sends: bool = True) -> None:
         descriptions: list[Op] = []
-        sends: list[Op] = []
-        for message in tick.sends:
-            sends += self._outgoing_ops(message, descriptions)
-        self._post_group(tick.recvs, descriptions, sends)
+        ops: list[Op] = []
+        for message in tick.sends if sends else ():
+            ops += self._outgoing_ops(message, descriptions)
+        self._post_group(tick.recvs if recvs else (), descriptions, ops)
         self.transport.prune()
 
     def _post_group(
@@ -277,11 +278,11 @@ class Remote(Mailbox):
                 what = f"waiting for the output description of {action_name(message.producer)}"
                 self.transport.wait(work, message.src, what)
                 self._seen[self._key, message.producer] = decode_header(self._host(buf))
-        # One group: the receives, then the sends. The order inside a group decides
-        # neither deadlock nor speed: NCCL progresses a group's operations together, gloo
-        # posts each asynchronously, and benchmarks/recv_order.py measures no difference
-        # on gloo (within run-to-run noise, 4 KB to 64 MB). Receives first only keeps
-        # their works at the front of the group's list.
+        # One group: the sends, then the receives. The order inside a group decides no
+        # deadlock (NCCL progresses a group's operations together), but on gloo each op
+        # is posted in turn, and a peer that already waits for a send (its receive went
+        # ahead: program rules 3 and 7) waits through every receive posted before it.
+        # (benchmarks/recv_order.py finds no difference where both ends post at once.)
         receives: list[_Incoming] = []
         ops: list[Op] = []
         for message in recvs:
@@ -297,8 +298,8 @@ class Remote(Mailbox):
                 incoming.tensors.append(t)
                 ops.append(Op(False, t, message.src))
             receives.append(incoming)
-        works = self.transport.post(ops + sends)
-        position = 0
+        works = self.transport.post(sends + ops)
+        position = len(sends)
         for incoming in receives:
             n = len(incoming.tensors)
             incoming.works = works[position : position + n]

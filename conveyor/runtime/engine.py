@@ -246,17 +246,16 @@ class Engine:
     def _tick(self, tick: Tick, inputs: list[Any] | None) -> None:
         """One tick: compute its action (if any) and post its group of transfers.
 
-        A group without sends holds only receives: it is posted before the compute, so
-        they are up before their data arrives (gloo then receives it in the background).
-        The order of groups, which is what NCCL's rules constrain, is the same either way.
+        A tick ``ahead`` posts its receives before the compute, as a group of their own
+        (program rules 3 and 7), so they are up before their data arrives: gloo moves a
+        message only once its receive is posted, and then receives it in the background.
         """
         if tick.boundary is not None:
             self._pass(tick)
             return
         channel, actions = self.channel, tick.computed
-        early = not tick.sends
-        if early:
-            channel.post(tick)
+        if tick.ahead:
+            channel.post(tick, sends=False)
         values = [self._input(a, inputs) for a in actions]
         for action in actions:
             for sync in self._syncs:
@@ -268,8 +267,8 @@ class Engine:
         for action, out in zip(actions, outs, strict=True):
             if out is not None:
                 channel.deliver(action, out)
-        if not early:
-            channel.post(tick)
+        if tick.sends or not tick.ahead:
+            channel.post(tick, recvs=not tick.ahead)
         for action in actions:
             for sync in self._syncs:
                 sync.after_action(action)

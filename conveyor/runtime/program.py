@@ -14,7 +14,10 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    description (shapes, dtypes) is new, a group of descriptions goes first, and the
    receivers wait for it before posting the tensors.
 3. A rank waits for a receive right before the action that consumes it, whose tick is
-   larger than the tick the receive was posted at.
+   larger than the tick the receive was posted at. A group of receives alone is posted
+   **ahead** of the tick's compute (phase -1 of the tick): the data arrives while the rank
+   computes, and gloo, which moves a message only once its receive is posted, does not
+   add a round trip to the wait.
 4. Once a rank knows every value's description (a step with the same input shapes ran
    before: ``join=True``), a group of receives alone joins the group the rank posts just
    before it (nothing is posted between the two) when that group receives nothing
@@ -36,9 +39,26 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    (its slot). It computes no action and posts no point-to-point
    group; its collectives go, in a fixed order, to a group of their own over the
    pipeline ranks. A training step runs every pass, an eval or predict step E and S.
+7. Once every value's description is known (``join=True``), a rank that sends and
+   receives at tick ``t`` posts its tick-``t`` receives ahead too, as a group of its own,
+   and its sends after the compute, when its action is expected to end no earlier than
+   those of the ranks it receives from (an estimate from the schedule: F 1, B 1, or 2
+   when B is the whole backward, W 1; latest first, then the longer action, then the
+   lower rank); those ranks never post ahead at ``t`` themselves (:func:`ahead_ranks`).
+   A rank whose data arrives before it is ready gains nothing from posting early, and
+   two ranks that receive ahead from each other would deadlock under NCCL: each one's
+   receive holds its stream until the other's send, which comes after it.
 
 Why this cannot deadlock, under either stream model (one stream per rank pair, or one
 per rank) and whether sends block or are buffered: order all groups by (tick, phase).
+Groups posted ahead (rules 3 and 7) are phase -1 of their tick: they hold receives only,
+whose senders post the sends in their phase-0 group of the same tick, after computing. A
+sender with a phase -1 group of its own at that tick (rule 7; rule 3's receive and send
+nothing at it) receives in it only from ranks without one. So once every group before
+tick ``t`` completes, the ranks without a phase -1 group compute and post their tick-``t``
+groups, needing nothing of tick ``t``; those reach the heads of their streams and
+complete the rule-7 groups, whose ranks then post their sends, which complete rule 3's.
+What follows is the argument for phase 0.
 Each operation's counterpart sits in the peer's group of the same (tick, phase), and each
 rank posts its groups in increasing order. Suppose every group before (t, k) completes.
 Then each rank computes its tick-``t`` action (its inputs came at earlier ticks), so it
@@ -89,8 +109,9 @@ class Tick:
     program holds every rank's actions). ``paired``: a B computed interleaved with
     ``action`` (an F) at their all-to-alls (an overlapped pair of the schedule); both
     outputs are sent in the tick's group. ``boundary``: a pass of the stage ends every
-    rank runs at this tick (then nothing else is). (A "step" is a whole training step; a program is
-    the step's ticks.)"""
+    rank runs at this tick (then nothing else is). ``ahead``: ``recvs`` are posted before
+    the compute, as a group of their own, and ``sends`` after it (rules 3 and 7). (A
+    "step" is a whole training step; a program is the step's ticks.)"""
 
     tick: int
     rank: int
@@ -99,6 +120,7 @@ class Tick:
     recvs: tuple[Message, ...] = ()
     paired: Action | None = None
     boundary: VocabAction | None = None
+    ahead: bool = False
 
     @property
     def computed(self) -> tuple[Action, ...]:
@@ -238,12 +260,73 @@ def _ticks(
     return units, passes
 
 
+def _cost(action: Action, split_backward: bool) -> int:
+    """An action's expected duration in units of F (rule 7's estimate)."""
+    return 2 if action.kind == B and not split_backward else 1
+
+
+def ahead_ranks(
+    schedule: Schedule, train: bool = True, pairs: bool = False
+) -> dict[int, frozenset[int]]:
+    """Per tick, the ranks that send and receive at that tick and post their receives
+    ahead of the compute (rule 7): those whose action is expected to end no earlier than
+    every action producing what they receive (latest first, then the longer action, then
+    the lower rank), leaving out a rank that sends to or receives from one already
+    chosen."""
+    units, passes = _ticks(schedule, train, pairs)
+    placement, stages, split = schedule.placement, schedule.stages, schedule.split_backward
+    at = {a: tick for tick, unit in units for a in unit.actions}
+    end: dict[Action, float] = {}
+    free = [0.0] * schedule.ranks
+    pending = sorted(passes)
+    finish: dict[int, dict[int, float]] = {}  # tick -> rank -> expected end of its action
+    spent: dict[int, dict[int, int]] = {}  # tick -> rank -> that action's expected duration
+    links: dict[int, set[tuple[int, int]]] = {}  # tick -> (src, dst) of messages sent then
+    for tick, unit in sorted(units, key=lambda u: u[0]):
+        while pending and pending[0] < tick:  # a pass: every rank waits for every other
+            free = [max(free)] * schedule.ranks
+            pending.pop(0)
+        start = free[unit.rank]
+        for action in unit.actions:
+            producer = producer_of(action, stages)
+            if producer is None:
+                continue
+            start = max(start, end[producer])
+            src = placement[producer.stage]
+            if src != unit.rank:
+                links.setdefault(at[producer], set()).add((src, unit.rank))
+        cost = sum(_cost(a, split) for a in unit.actions)
+        done = start + cost
+        for action in unit.actions:
+            end[action] = done
+        free[unit.rank] = done
+        finish.setdefault(tick, {})[unit.rank] = done
+        spent.setdefault(tick, {})[unit.rank] = cost
+    out: dict[int, frozenset[int]] = {}
+    for tick, sent in links.items():
+        ends, costs = finish[tick], spent[tick]
+        chosen: set[int] = set()
+        receivers = {dst for _, dst in sent}
+        for rank in sorted(receivers, key=lambda r: (-ends.get(r, 0.0), -costs.get(r, 0), r)):
+            srcs = {src for src, dst in sent if dst == rank}
+            dsts = {dst for src, dst in sent if src == rank}
+            # Receives alone are posted ahead by rule 3 already.
+            if not dsts or srcs & chosen or dsts & chosen:
+                continue
+            if all(ends[rank] >= ends[src] for src in srcs):
+                chosen.add(rank)
+        if chosen:
+            out[tick] = frozenset(chosen)
+    return out
+
+
 def rank_program(
     schedule: Schedule, rank: int, train: bool = True, join: bool = False, pairs: bool = False
 ) -> RankProgram:
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
-    receives alone join the group before them (rule 4; only once every description is
-    known); ``pairs``: the schedule's overlapped pairs run as one tick (rule 5)."""
+    receives alone join the group before them (rule 4) and ranks chosen by rule 7 receive
+    ahead (only once every description is known); ``pairs``: the schedule's overlapped
+    pairs run as one tick (rule 5)."""
     units, passes = _ticks(schedule, train, pairs)
     placement, stages = schedule.placement, schedule.stages
     at = {a: tick for tick, unit in units for a in unit.actions}
@@ -267,6 +350,7 @@ def rank_program(
                 outgoing.setdefault(sent, []).append(message)
             else:
                 incoming.setdefault(sent, []).append(message)
+    ahead = ahead_ranks(schedule, train, pairs) if join else {}
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:
@@ -281,11 +365,13 @@ def rank_program(
             joined = timeline[-1]  # rule 4: the receives join the group posted before them
             timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
             recvs = ()
+        # Rules 3 and 7: receives alone, or those of a rank chosen to receive ahead.
+        early = bool(recvs) and (not sends or rank in ahead.get(tick, ()))
         own = mine.get(tick)
         if own is None:
-            timeline.append(Tick(tick, rank, None, sends, recvs))
+            timeline.append(Tick(tick, rank, None, sends, recvs, ahead=early))
         else:
-            timeline.append(Tick(tick, rank, own.action, sends, recvs, own.paired))
+            timeline.append(Tick(tick, rank, own.action, sends, recvs, own.paired, ahead=early))
     return _finish(timeline, train)
 
 

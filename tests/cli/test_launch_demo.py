@@ -207,6 +207,8 @@ def test_demo_trains_two_stages_end_to_end() -> None:
     bubble = re.search(r"bubble: measured ([\d.]+), simulated ([\d.]+)", proc.stdout)
     assert bubble is not None
     assert 0 < float(bubble.group(1)) < 1 and 0 < float(bubble.group(2)) < 1
+    gap = re.search(r"gap: a step simulated from those costs takes ([\d.]+) ms", proc.stdout)
+    assert gap is not None and 0 < float(gap.group(1)) < float(step.group(1))
     # Only rank 0 reports; in a log a line per epoch (and the first step), no progress bar.
     assert proc.stdout.count("held-out accuracy") == 1
     assert [int(n) for n in re.findall(r"^step +(\d+)", proc.stdout, re.M)] == [1, 21, 42, 63]
@@ -273,7 +275,7 @@ def test_demo_in_one_process(
     assert accuracy is not None and float(accuracy.group(1)) < 90.0
     assert "2 stage(s) in one process (2 pipeline ranks simulated)" in out
     assert "bubble: not measured (one process runs the stages one after another), simulated" in out
-    assert "bubble 0." not in out
+    assert "bubble 0." not in out and "gap:" not in out
     assert err.startswith("conveyor demo: held-out accuracy") and err.count("\n") == 1
     # A worker of a launched demo reports the accuracy and leaves the check to the launcher.
     result = tmp_path / "result.json"

@@ -212,3 +212,50 @@ def test_compiled_stages_post_what_eager_ones_do() -> None:
         for res in results:
             assert _posted(res[key]) == _posted(res[eager]), key
         check(traces)
+
+
+def _record_repeated(rank: int) -> dict[str, Any]:
+    """1F1B on 2 ranks, two training steps of the same shapes: the second walks the
+    program with every description known (rules 4 and 7); its record."""
+    ctx = conveyor.init(pp=2, timeout=60)
+    pipe = conveyor.Pipeline(
+        _model("plain", 2), loss_fn=_loss("plain"), microbatches=8, context=ctx
+    )
+    x, y = _data("plain", 0, 16)
+    pipe.train_step(x, y)
+    with recording(functional=False) as trace:
+        pipe.train_step(x, y)
+    return {"trace": [r.to_dict() for r in trace]}
+
+
+def test_the_engine_posts_receives_ahead_where_the_program_says() -> None:
+    """What the engine really posts in a step whose descriptions are known is its
+    program's groups, in order, between the step's header and its loss sums: a tick
+    ``ahead`` posts its receives alone and then, after the compute, its sends (rule 7
+    sends 1F1B's last rank ahead at each exchange), every group lists its sends before
+    its receives, and the whole replays under NCCL's rules."""
+    from conveyor.runtime.program import ahead_ranks, rank_program
+    from conveyor.schedules import get_schedule
+
+    results = distributed.run(_record_repeated, 2, timeout=300)
+    traces = {r: [Record.from_dict(x) for x in res["trace"]] for r, res in enumerate(results)}
+    check(traces)
+    schedule = get_schedule("1f1b", 2, 8)
+    assert sum(len(ranks) for ranks in ahead_ranks(schedule).values()) == 6
+    for rank, records in traces.items():
+        groups: dict[int, list[str]] = {}  # per batch its kinds in posting order
+        for r in records:
+            if r.batch is not None:
+                groups.setdefault(r.batch, []).append(r.kind)
+        want: list[list[str]] = []
+        for tick in rank_program(schedule, rank, join=True).ticks:
+            recvs = ["recv"] * len(tick.recvs)
+            if tick.ahead and recvs:
+                want.append(recvs)
+            after = ["send"] * len(tick.sends) + ([] if tick.ahead else recvs)
+            if after:
+                want.append(after)
+        got = list(groups.values())[1:-1]  # without the header and the loss sums
+        assert got == want, (rank, got, want)
+    ahead = sum(t.ahead and bool(t.sends) for t in rank_program(schedule, 1, join=True).ticks)
+    assert ahead == 6

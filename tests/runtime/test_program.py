@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.errors import ConfigError
+from conveyor.runtime import program as program_module
 from conveyor.runtime.program import (
     Message,
+    ahead_ranks,
     producer_of,
     rank_program,
     single_process_program,
@@ -139,55 +141,88 @@ def test_one_process_program_runs_every_action_in_a_valid_order() -> None:
         assert set(program.first) == set(range(schedule.stages)) == set(program.final)
 
 
-def _traces(schedule: Schedule, pairs: bool = False) -> dict[int, list[Record]]:
-    """What each rank would post running its program: before an action (a pair: both), a
-    wait for each receive it consumes; after it, one batch of the tick's sends and
-    receives."""
-    return {rank: _trace(schedule, rank, pairs) for rank in range(schedule.ranks)}
+def _traces(
+    schedule: Schedule, pairs: bool = False, join: bool = False
+) -> dict[int, list[Record]]:
+    """What each rank would post running its program, as the engine walks it: a tick
+    ``ahead`` first posts its receives as one batch; then, before an action (a pair:
+    both), a wait for each receive it consumes; after it, one batch of the tick's sends
+    and (unless posted ahead) receives."""
+    return {rank: _trace(schedule, rank, pairs, join) for rank in range(schedule.ranks)}
 
 
-def _trace(schedule: Schedule, rank: int, pairs: bool) -> list[Record]:
+def _trace(schedule: Schedule, rank: int, pairs: bool, join: bool = False) -> list[Record]:
     out: list[Record] = []
     posted: dict[Action, int] = {}  # producer -> seq of its receive
-    for batch, step in enumerate(rank_program(schedule, rank, pairs=pairs).ticks):
+    batches = 0
+
+    def batch(ops: list[tuple[str, int, Message]]) -> None:
+        nonlocal batches
+        for kind, peer, message in ops:
+            if kind == "recv":
+                posted[message.producer] = len(out)
+            out.append(
+                Record(
+                    rank, len(out), kind, "batch_isend_irecv", peer, "world", (), 1, "f",
+                    batch=batches,
+                )
+            )
+        batches += bool(ops)
+
+    for step in rank_program(schedule, rank, pairs=pairs, join=join).ticks:
         if step.boundary is not None:  # a pass: collectives of every pipeline rank
             members = tuple(range(schedule.ranks))
             out.append(Record(rank, len(out), "collective", "all_reduce", None, "pp", members))
+        recvs = [("recv", m.src, m) for m in step.recvs]
+        if step.ahead:
+            batch(recvs)
         for action in step.computed:
             producer = producer_of(action, schedule.stages)
             if producer is not None and producer in posted:
                 seq = posted.pop(producer)
                 out.append(Record(rank, len(out), "wait", "wait", waits_on=(seq,)))
-        for kind, peer, message in [
-            *(("send", m.dst, m) for m in step.sends),
-            *(("recv", m.src, m) for m in step.recvs),
-        ]:
-            if kind == "recv":
-                posted[message.producer] = len(out)
-            out.append(
-                Record(
-                    rank,
-                    len(out),
-                    kind,
-                    "batch_isend_irecv",
-                    peer,
-                    "world",
-                    (),
-                    1,
-                    "f",
-                    batch=batch,
-                )
-            )
+        batch([*(("send", m.dst, m) for m in step.sends), *([] if step.ahead else recvs)])
     return out
 
 
-@given(schedules(), st.booleans())
+@given(schedules(), st.booleans(), st.booleans())
 @settings(max_examples=120, deadline=None)
 def test_programs_replay_without_deadlock_under_nccl_rules(
-    schedule: Schedule, pairs: bool
+    schedule: Schedule, pairs: bool, join: bool
 ) -> None:
-    # Every (streams, sends) combination of the NCCL model (tests/support/nccl_model.py).
-    check(_traces(schedule, pairs))
+    # Every (streams, sends) combination of the NCCL model (tests/support/nccl_model.py),
+    # with the receives posted ahead of the compute where the program says (rules 3, 7).
+    check(_traces(schedule, pairs, join))
+
+
+def test_receives_go_ahead_of_the_later_action_only() -> None:
+    """Rule 7 on 1F1B over 2 ranks, whose steady state exchanges an F output for a B's
+    input gradient at every tick: the rank computing the B (longer, ending with the F)
+    posts its receive ahead; the other one posts its group after its F, as before; and
+    without known descriptions nothing but receives alone goes ahead."""
+    schedule = get_schedule("1f1b", 2, 8)
+    ahead = ahead_ranks(schedule)
+    first, last = rank_program(schedule, 0, join=True), rank_program(schedule, 1, join=True)
+    exchanges = [t.tick for t in last.ticks if t.sends and t.recvs]
+    assert len(exchanges) == 6 and all(ahead[t] == {1} for t in exchanges)
+    assert all(t.ahead == (t.tick in exchanges) for t in last.ticks if t.sends)
+    computed = [t.action for t in last.ticks if t.tick in exchanges]
+    assert all(a is not None and a.kind == "B" for a in computed)
+    assert not any(t.ahead for t in first.ticks if t.sends)
+    for program in (rank_program(schedule, 0), rank_program(schedule, 1)):
+        assert all(t.ahead == bool(t.recvs and not t.sends) for t in program.ticks)
+
+
+def test_the_replay_catches_both_ends_of_an_exchange_receiving_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What rule 7 leaves out: both ranks of a 1F1B exchange post their receives ahead.
+    schedule = get_schedule("1f1b", 2, 8)
+    check(_traces(schedule, join=True))
+    both = {tick: frozenset({0, 1}) for tick in ahead_ranks(schedule)}
+    monkeypatch.setattr(program_module, "ahead_ranks", lambda *args: both)
+    with pytest.raises(AssertionError, match="DEADLOCK"):
+        check(_traces(schedule, join=True))
 
 
 def test_the_replay_catches_a_receive_posted_ahead_of_a_send() -> None:
