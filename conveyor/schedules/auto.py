@@ -195,8 +195,9 @@ def zero_bubble_auto(
         result = simulate(reference, list(durations), comm)
         timed.append((reference, result.makespan, result.span))
     stage_cap = [cap * chunks] * ranks  # the list scheduler counts one stage's activations
-    # A run that cannot end by the fastest makespan so far stops early (None).
-    bound = min((m for s, m, _ in timed if _fits(s, cap, share)), default=math.inf)
+    # A run that cannot beat the best (makespan, span) so far stops early (None).
+    fitting = [(makespan, span) for s, makespan, span in timed if _fits(s, cap, share)]
+    bound = min(fitting, default=(math.inf, math.inf))
     for fill in FILLS:
         for warmup in _warmups(chunks, ranks, placement, durations, comm):
             try:
@@ -210,7 +211,7 @@ def zero_bubble_auto(
                 continue
             if run is None:
                 continue
-            bound = min(bound, run.makespan)
+            bound = min(bound, (run.makespan, run.span))
             actions = tuple(tuple(program) for program in run.programs)
             schedule = Schedule("zb-auto", ranks, microbatches, placement, actions, True)
             timed.append((schedule, run.makespan, run.span))

@@ -89,12 +89,14 @@ def greedy_run(
     comm: float = 0.0,
     fill: str = "always",
     w_memory: float = 1.0,
-    bound: float = math.inf,
+    bound: tuple[float, float] = (math.inf, math.inf),
 ) -> GreedyRun | None:
     """:func:`greedy_programs` (same arguments and errors), with the run's makespan and
-    span, so a search can rank its runs without simulating each one again; None as soon
-    as the run cannot end within ``bound`` (a makespan the search already has): some
-    rank's work left would run past it."""
+    span, so a search can rank its runs without simulating each one again.
+
+    ``bound`` is the (makespan, span) of the best run a search has: None as soon as this
+    run cannot beat it, its makespan (or, at no less a makespan, its span) already past
+    it, counting each rank's work left."""
     max_ahead = list(inflight) if inflight is not None else [math.floor(c) for c in caps]
     if fill not in FILLS:
         raise ConfigError(f"fill must be one of {FILLS}, got {fill!r}")
@@ -110,7 +112,7 @@ def greedy_run(
 
 
 class _Beaten(Exception):
-    """A run's makespan cannot stay within its ``bound``."""
+    """A run cannot beat its ``bound``."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class _ListScheduler:
         durations: Sequence[StageCost],
         limits: _Limits,
         comm: float,
-        bound: float = math.inf,
+        bound: tuple[float, float] = (math.inf, math.inf),
     ) -> None:
         ranks = max(placement) + 1
         stages = len(placement)
@@ -156,10 +158,13 @@ class _ListScheduler:
         self.held = [0.0] * ranks  # activations from F until W (B to W: w_memory of one)
         self.ahead = [0] * ranks  # activations from F until B
         self.left = [3 * microbatches * len(own) for own in self.own_stages]
-        # Per rank, the time its actions not yet run take: with ``bound``, a run whose
-        # rank would end past it stops (every action's end is at least its start, 0).
+        # Per rank, the time its actions not yet run take. A rank ends no sooner than it
+        # is free plus that: the run's makespan and span are at least ``latest`` and
+        # ``longest`` (the first start is 0), and with ``bound`` a run past it stops.
         self.work = [microbatches * sum(sum(durations[s]) for s in own) for own in self.own_stages]
-        self.bound = bound * (1 + 1e-9)
+        self.latest = self.longest = 0.0
+        self.bound = (bound[0] * (1 + 1e-9), bound[1] * (1 + 1e-9))
+        self.tie = bound[0] * (1 - 1e-9)
         self.programs: list[list[Action]] = [[] for _ in range(ranks)]
         # Ranks waiting for an action that is not scheduled yet, keyed by that action.
         self.waiters: dict[Action, list[int]] = {}
@@ -281,7 +286,12 @@ class _ListScheduler:
             self.held[rank] -= self.limits.w_memory
         self.left[rank] -= 1
         self.work[rank] -= self.durations[s][_INDEX[kind]]
-        if finish + self.work[rank] > self.bound:
+        end = finish + self.work[rank]
+        self.latest = max(self.latest, end)
+        self.longest = max(self.longest, end - min(self.first[rank], now))
+        if self.latest > self.bound[0] or (
+            self.latest >= self.tie and self.longest > self.bound[1]
+        ):
             raise _Beaten
         self.programs[rank].append(action)
         self.first[rank] = min(self.first[rank], now)

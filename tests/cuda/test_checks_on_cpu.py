@@ -20,12 +20,14 @@ CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 def test_exact_and_autocast_on_cpu() -> None:
     for name, chunks in checks.FAMILIES:
         checks.exact(CPU, name, chunks)
     checks.autocast(CPU, "zbv", 2)
 
 
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 def test_step_memory_on_cpu() -> None:
     peaks = {}
     for name, chunks in checks.FAMILIES:

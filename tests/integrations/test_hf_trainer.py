@@ -207,6 +207,7 @@ def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) ->
         assert torch.equal(saved[name], value), name
 
 
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 def test_evaluate_turns_dropout_off(tmp_path: Path) -> None:
     """Dropout 0.3 everywhere: ``evaluate()`` is deterministic and equals the plain
     trainer's (a model captured as a graph reads its modes from the original model)."""

@@ -34,6 +34,7 @@ def _block_stages(pipe: conveyor.Pipeline, prefix: str) -> dict[str, set[int]]:
 
 
 # ---------------------------------------------------------------------------- annotations
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 @pytest.mark.parametrize("style", ["attribute", "set_stage"])
 def test_annotations_on_library_blocks_give_those_stages(style: str) -> None:
     model, batches, _ = shared("llama")

@@ -61,6 +61,7 @@ def test_auto_plan_errors() -> None:
         resolve("auto", model)
 
 
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 def test_tp_modules_are_calls_with_one_ranks_output() -> None:
     """q/k/v and gate/up give half their features (heads), o/down the whole hidden
     size; the expert collections are calls too."""

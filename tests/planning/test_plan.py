@@ -268,6 +268,7 @@ def _calibrated_with_compile(rank: int) -> tuple[bool, list[Any]]:
     return cal.compile_skipped, built
 
 
+@pytest.mark.slow  # over 2 s: the fast lane stays under 90 s
 @pytest.mark.multiprocess
 def test_calibration_runs_eager_stages_and_says_so() -> None:
     """The reference never compiles, and a calibration for compile= options records it."""

@@ -190,9 +190,10 @@ def two_processes() -> list[tuple[Results, dict[str, torch.Tensor]]]:
     return run_forked(_run, 2, 2)
 
 
-# pp=2 in the slow lane: one process runs it as it runs pp=4, and the two-process run
-# (slow) is pp=2.
-@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow), 4])
+# In the slow lane (over 2 s each): one process runs pp=2 as it runs pp=4, and the
+# two-process run (slow) is pp=2.
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2, 4])
 def test_one_process_world(pp: int) -> None:
     configs, accumulated = _run(0, pp)
     _check([configs], pp)
