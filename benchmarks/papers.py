@@ -146,13 +146,17 @@ def run(setting: Setting, whole: bool = True) -> Result:
         validate(schedule)
         assert max(peak_activations(schedule, w_memory=share)) <= cap + 1e-9
         auto.append(paper_bubble(setting, simulate(schedule, cost, comm)))
-    whole_w = math.nan
-    if whole:
-        counted_whole = zero_bubble_auto(p, m, cost, 2 * p, comm)
-        whole_w = paper_bubble(setting, simulate(counted_whole, cost, comm))
+    whole_w = whole_count(setting) if whole else math.nan
     return Result(
         setting, (fixed[0], fixed[1], fixed[2], auto[0], auto[1]), whole_w, (seconds[0], seconds[1])
     )
+
+
+def whole_count(setting: Setting) -> float:
+    """zb-auto's bubble at 2p counting a micro-batch whole until its W (w_memory=1.0)."""
+    cost = (setting.f, setting.b, setting.w)
+    schedule = zero_bubble_auto(setting.p, setting.m, cost, 2 * setting.p, setting.comm)
+    return paper_bubble(setting, simulate(schedule, cost, setting.comm))
 
 
 def _pair(paper: float, ours: float) -> str:
