@@ -65,9 +65,8 @@ def _memory_cap(ranks: int, microbatches: int, cap: float | None) -> float:
 
 def _check_w_memory(w_memory: float) -> float:
     """``w_memory`` as a float in [0, 1]; ConfigError otherwise."""
-    if isinstance(w_memory, bool) or not isinstance(w_memory, int | float):
-        raise ConfigError(f"w_memory must be a share in [0, 1], got {w_memory!r}")
-    if not 0.0 <= w_memory <= 1.0:
+    number = isinstance(w_memory, int | float) and not isinstance(w_memory, bool)
+    if not (number and 0.0 <= w_memory <= 1.0):  # NaN too
         raise ConfigError(f"w_memory must be a share in [0, 1], got {w_memory!r}")
     return float(w_memory)
 
