@@ -273,7 +273,13 @@ def ahead_ranks(
     every action producing what they receive (latest first, then the longer action, then
     the lower rank), leaving out a rank that sends to or receives from one already
     chosen."""
-    units, passes = _ticks(schedule, train, pairs)
+    return _ahead(schedule, *_ticks(schedule, train, pairs))
+
+
+def _ahead(
+    schedule: Schedule, units: list[tuple[int, Compute]], passes: dict[int, VocabAction]
+) -> dict[int, frozenset[int]]:
+    """:func:`ahead_ranks` from the ticks ``_ticks`` laid out (a rank's program has them)."""
     placement, stages, split = schedule.placement, schedule.stages, schedule.split_backward
     at = {a: tick for tick, unit in units for a in unit.actions}
     end: dict[Action, float] = {}
@@ -350,7 +356,7 @@ def rank_program(
                 outgoing.setdefault(sent, []).append(message)
             else:
                 incoming.setdefault(sent, []).append(message)
-    ahead = ahead_ranks(schedule, train, pairs) if join else {}
+    ahead = _ahead(schedule, units, passes) if join else {}
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:

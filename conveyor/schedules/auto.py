@@ -3,7 +3,7 @@
 :func:`zero_bubble_auto` follows the automatic scheduler of Qi et al. ("Zero Bubble
 Pipeline Parallelism", ICLR 2024, section 3.1): a list scheduler runs the pipeline in
 simulated time with the real costs (B first, then F while memory allows, W to fill the
-gaps and to free memory: :func:`~conveyor.schedules.greedy.greedy_programs`), once per
+gaps and to free memory: :func:`~conveyor.schedules.greedy.greedy_run`), once per
 setting of the few choices the paper searches over: how many forwards each rank runs
 before its first B (as many as fill the time until that B arrives, one more, 1F1B's or
 ZB-H2's count, or no limit) and whether a W may run in a gap it does not fit. The
@@ -72,14 +72,14 @@ def _check_w_memory(w_memory: float) -> float:
 
 
 def _first_b_warmup(
-    placement: Sequence[int], durations: Sequence[StageCost], comm: float, extra: int
+    placement: Sequence[int], durations: Sequence[StageCost], comm: float
 ) -> list[int]:
-    """Per rank, how many forwards end before its first B can arrive, plus ``extra``.
+    """Per rank, how many forwards end before its first B can arrive (at least 1).
 
     One micro-batch alone crosses the pipeline (F up, B back down, ``comm`` between
     ranks); a rank that keeps running forwards from its first F until then never waits
-    for that B. This is the paper's warm-up: as many F as fill the gap (``extra`` = 0),
-    or one more, which may delay the B a little (``extra`` = 1).
+    for that B. This is the paper's warm-up: as many F as fill the gap, or (a choice the
+    search makes) one more, which may delay the B a little.
     """
     ranks = max(placement) + 1
     stages = len(placement)
@@ -99,7 +99,7 @@ def _first_b_warmup(
         first_f = min(end[Action(F, s, 0)] - durations[s][0] for s in own)
         first_b = min(end[Action(B, s, 0)] - durations[s][1] for s in own)
         f_time = max(min(durations[s][0] for s in own), 1e-12)
-        warmup.append(max(1, math.floor((first_b - first_f) / f_time + 1e-9)) + extra)
+        warmup.append(max(1, math.floor((first_b - first_f) / f_time + 1e-9)))
     return warmup
 
 
@@ -108,7 +108,8 @@ def _warmups(
 ) -> list[list[int] | None]:
     """The warm-up limits searched: forwards a rank may run ahead of its backwards."""
     limits: list[list[int] | None] = [None]  # memory alone limits the forwards
-    limits += [_first_b_warmup(placement, durations, comm, extra) for extra in (0, 1)]
+    until_b = _first_b_warmup(placement, durations, comm)
+    limits += [[count + extra for count in until_b] for extra in (0, 1)]
     if chunks == 1:
         limits.append([ranks - r for r in range(ranks)])  # 1F1B's
         limits += [[2 * (ranks - r) - 1 + extra for r in range(ranks)] for extra in (0, 1, 2)]
@@ -117,11 +118,6 @@ def _warmups(
         if limit not in unique:
             unique.append(limit)
     return unique
-
-
-def _fits(schedule: Schedule, cap: float, w_memory: float) -> bool:
-    """Whether no rank of ``schedule`` holds more than ``cap`` micro-batches."""
-    return max(peak_activations(schedule, w_memory=w_memory)) <= cap + 1e-9
 
 
 @functools.lru_cache(maxsize=16)
@@ -187,16 +183,18 @@ def zero_bubble_auto(
     per_kind = action_durations(references[0], normalize_cost(references[0], cost))
     durations: list[StageCost] = [(d[F], d[B], d["W"]) for d in per_kind]
     placement = loop_placement(ranks, 1) if chunks == 1 else v_placement(ranks)
-    # (schedule, makespan, span): the hand-made ones simulated, the list scheduler's
-    # timed by its own run (which the simulator never finds slower).
-    timed: list[tuple[Schedule, float, float]] = []
+    # (schedule, makespan, span, peak) of each candidate within the cap: the hand-made
+    # ones simulated, the list scheduler's timed by its own run (which the simulator
+    # never finds slower).
+    timed: list[tuple[Schedule, float, float, float]] = []
     for reference in references:
-        result = simulate(reference, list(durations), comm)
-        timed.append((reference, result.makespan, result.span))
+        peak = max(peak_activations(reference, w_memory=share))
+        if peak <= cap + 1e-9:
+            result = simulate(reference, list(durations), comm)
+            timed.append((reference, result.makespan, result.span, peak))
     stage_cap = [cap * chunks] * ranks  # the list scheduler counts one stage's activations
     # A run that cannot beat the best (makespan, span) so far stops early (None).
-    fitting = [(makespan, span) for s, makespan, span in timed if _fits(s, cap, share)]
-    bound = min(fitting, default=(math.inf, math.inf))
+    bound = min(((m, s) for _, m, s, _ in timed), default=(math.inf, math.inf))
     for fill in FILLS:
         for warmup in _warmups(chunks, ranks, placement, durations, comm):
             try:
@@ -213,21 +211,17 @@ def zero_bubble_auto(
             bound = min(bound, (run.makespan, run.span))
             actions = tuple(tuple(program) for program in run.programs)
             schedule = Schedule("zb-auto", ranks, microbatches, placement, actions, True)
-            timed.append((schedule, run.makespan, run.span))
-    best: tuple[float, float, float, int] | None = None
-    chosen = references[0]
-    for index, (candidate, makespan, span) in enumerate(timed):
-        if not _fits(candidate, cap, share):
-            continue
-        peak = max(peak_activations(candidate, w_memory=share))
-        # Rounded: sums of the same costs in another order differ in the last bits.
-        score = (round(makespan, 9), round(span, 9), peak, index)
-        if best is None or score < best:
-            best, chosen = score, candidate
-    if best is None:
+            peak = max(peak_activations(schedule, w_memory=share))  # within the cap
+            timed.append((schedule, run.makespan, run.span, peak))
+    if not timed:
         least = min(max(peak_activations(r, w_memory=share)) for r in references)
         raise ConfigError(
             f"no V schedule of {ranks} ranks fits microbatch_cap={microbatch_cap}; "
             f"v-min holds {least:g} micro-batches: raise the cap to that, or use chunks=1"
         )
-    return dataclasses.replace(chosen, name="zb-auto")
+    # Rounded: sums of the same costs in another order differ in the last bits.
+    best = min(
+        range(len(timed)),
+        key=lambda i: (round(timed[i][1], 9), round(timed[i][2], 9), timed[i][3], i),
+    )
+    return dataclasses.replace(timed[best][0], name="zb-auto")

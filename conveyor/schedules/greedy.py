@@ -23,8 +23,8 @@ from conveyor.schedules.core import Action, B, F, Kind, W, requires
 StageCost = tuple[float, float, float]
 """Durations of one stage's F, B and W for one micro-batch."""
 FILLS = ("always", "fit")
+"""The values :func:`greedy_run` accepts for ``fill``."""
 _INDEX: dict[Kind, int] = {F: 0, B: 1, W: 2}  # a kind's place in a StageCost
-"""The values :func:`greedy_programs` accepts for ``fill``."""
 
 
 class GreedyRun(NamedTuple):
@@ -38,7 +38,7 @@ class GreedyRun(NamedTuple):
     span: float
 
 
-def greedy_programs(
+def greedy_run(
     placement: Sequence[int],
     microbatches: int,
     durations: Sequence[StageCost],
@@ -47,8 +47,11 @@ def greedy_programs(
     comm: float = 0.0,
     fill: str = "always",
     w_memory: float = 1.0,
-) -> list[list[Action]]:
-    """Per-rank programs of the greedy B > F > W list scheduler, with split backward.
+    bound: tuple[float, float] = (math.inf, math.inf),
+) -> GreedyRun | None:
+    """The greedy B > F > W list scheduler, with split backward: per-rank programs and
+    the run's own makespan and span, so a search can rank its runs without simulating
+    each one again.
 
     F and B of each stage run in micro-batch order, W in the order of the B's.
 
@@ -66,37 +69,18 @@ def greedy_programs(
             ready F from running (W frees memory).
         w_memory: The share of a stage activation still held between its B and its W
             (the Zero Bubble paper's M_W / M_B), in [0, 1].
+        bound: The (makespan, span) of the best run a search has: the run stops as soon
+            as it cannot beat it, its makespan (or, at no less a makespan, its span)
+            already past it, counting each rank's work left.
 
     Returns:
-        One program per rank (lists of F, B and W actions).
+        The run; None only when it stopped at ``bound``.
 
     Raises:
         ConfigError: For an unknown ``fill``, a cap (or ``inflight`` entry) below 1, or a
             ``w_memory`` outside [0, 1].
         ScheduleError: If some rank cannot finish its program (the scheduler stalled).
     """
-    run = greedy_run(placement, microbatches, durations, caps, inflight, comm, fill, w_memory)
-    assert run is not None  # no bound, so never cut short
-    return run.programs
-
-
-def greedy_run(
-    placement: Sequence[int],
-    microbatches: int,
-    durations: Sequence[StageCost],
-    caps: Sequence[float],
-    inflight: Sequence[int] | None = None,
-    comm: float = 0.0,
-    fill: str = "always",
-    w_memory: float = 1.0,
-    bound: tuple[float, float] = (math.inf, math.inf),
-) -> GreedyRun | None:
-    """:func:`greedy_programs` (same arguments and errors), with the run's makespan and
-    span, so a search can rank its runs without simulating each one again.
-
-    ``bound`` is the (makespan, span) of the best run a search has: None as soon as this
-    run cannot beat it, its makespan (or, at no less a makespan, its span) already past
-    it, counting each rank's work left."""
     max_ahead = list(inflight) if inflight is not None else [math.floor(c) for c in caps]
     if fill not in FILLS:
         raise ConfigError(f"fill must be one of {FILLS}, got {fill!r}")
@@ -128,7 +112,7 @@ class _Limits:
 
 
 class _ListScheduler:
-    """The state of one greedy run in simulated time (see :func:`greedy_programs`).
+    """The state of one greedy run in simulated time (see :func:`greedy_run`).
 
     When each scheduled action ends; per stage, the next micro-batch of its F and of its
     B. Per rank: its pending W's, the activations it holds, the actions it has left, its

@@ -8,7 +8,7 @@ W (gradient of the weights, which nothing waits for), one stage per rank. ZB-H1 
 from __future__ import annotations
 
 from conveyor.schedules.core import Action, B, F, Schedule, W, check_sizes, loop_placement
-from conveyor.schedules.greedy import greedy_programs
+from conveyor.schedules.greedy import greedy_run
 from conveyor.schedules.one_f_one_b import one_f_one_b
 
 
@@ -111,7 +111,7 @@ def zb_h2(ranks: int, microbatches: int) -> Schedule:
     """ZB-H2: more warm-up forwards and W's moved to the tail; any m >= 1.
 
     The order is found by running the greedy B > F > W scheduler
-    (:func:`~conveyor.schedules.greedy.greedy_programs`) with unit costs and a cap of
+    (:func:`~conveyor.schedules.greedy.greedy_run`) with unit costs and a cap of
     2p-1 micro-batches per rank: rank r warms up with 2(p-r)-1 forwards, exactly enough
     to reach its first B, and the W's left over fill the tail. With F = B = W and
     m >= 2p-1 no rank idles between its first and last action: the span is m(F+B+W).
@@ -129,7 +129,9 @@ def zb_h2(ranks: int, microbatches: int) -> Schedule:
     check_sizes(ranks, microbatches)
     placement = loop_placement(ranks, 1)
     cap = 2 * ranks - 1
-    programs = greedy_programs(placement, microbatches, [(1.0, 1.0, 1.0)] * ranks, [cap] * ranks)
+    run = greedy_run(placement, microbatches, [(1.0, 1.0, 1.0)] * ranks, [cap] * ranks)
+    assert run is not None  # no bound: never stopped early
+    programs = run.programs
     return Schedule(
         name="zb-h2",
         ranks=ranks,

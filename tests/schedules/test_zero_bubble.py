@@ -29,7 +29,7 @@ from conveyor.schedules import (
     zbv,
     zero_bubble_auto,
 )
-from conveyor.schedules.greedy import greedy_programs
+from conveyor.schedules.greedy import greedy_run
 from conveyor.simulate import CostSpec, simulate
 
 NEW = ("looped-bfs", "zb-h1", "zb-h2", "zb-late", "zbv", "dualpipev", "zb-auto")
@@ -302,11 +302,12 @@ def test_auto_rejects_costs_for_the_wrong_number_of_stages() -> None:
 
 def test_greedy_engine_with_uneven_costs_and_comm_is_a_valid_execution() -> None:
     placement = loop_placement(3, 1)
-    programs = greedy_programs(placement, 5, [(1.0, 2.0, 0.5)] * 3, [2] * 3, comm=0.7)
-    schedule = Schedule("g", 3, 5, placement, tuple(map(tuple, programs)), split_backward=True)
+    run = greedy_run(placement, 5, [(1.0, 2.0, 0.5)] * 3, [2] * 3, comm=0.7)
+    assert run is not None
+    schedule = Schedule("g", 3, 5, placement, tuple(map(tuple, run.programs)), split_backward=True)
     assert max(simulate(validate(schedule)).peak_activations) <= 2
     with pytest.raises(ConfigError, match="fill must be one of"):
-        greedy_programs(placement, 5, [(1.0, 1.0, 1.0)] * 3, [2] * 3, fill="sometimes")
+        greedy_run(placement, 5, [(1.0, 1.0, 1.0)] * 3, [2] * 3, fill="sometimes")
 
 
 # --- command line ---------------------------------------------------------------------------
