@@ -8,4 +8,18 @@
 - :mod:`~conveyor.planning.cost_model`: a candidate's balance, step time and memory;
 - :mod:`~conveyor.planning.calibration`: a profile scaled to a few real steps;
 - :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches.
+
+Planning for a cluster nobody has to own (``conveyor.planning.estimate``):
+
+- :mod:`~conveyor.planning.counting`: a model's FLOPs, bytes and saved activations on meta;
+- :mod:`~conveyor.planning.hardware`: the GPUs, and the rates their kernels reach;
+- :mod:`~conveyor.planning.collectives`: transfers and collectives by NCCL's cost model;
+- :mod:`~conveyor.planning.layout`: pp, tp, dp, ep, schedule and batch of a run;
+- :mod:`~conveyor.planning.estimate`: a layout's step time and memory per GPU.
 """
+
+from conveyor.planning.estimate import Estimate, estimate
+from conveyor.planning.hardware import PRESETS, Hardware, hardware
+from conveyor.planning.layout import Layout
+
+__all__ = ["PRESETS", "Estimate", "Hardware", "Layout", "estimate", "hardware"]

@@ -1,0 +1,92 @@
+"""Time of one transfer or collective among GPUs, by NCCL's own cost model.
+
+NCCL picks an algorithm by its time = latency + bytes / bandwidth (``src/graph/tuning.cc``,
+``ncclTopoGetAlgoTime``); the latencies here are its Simple-protocol ones (the protocol of
+large messages): a base of 8.4 us, plus per step 3.4 us over NVLink (4.0 for a tree) and
+14 us over the network. A ring all-reduce takes 2(n-1) steps and moves 2(n-1)/n of the
+bytes through every link; all-gather and reduce-scatter take n-1 steps and move (n-1)/n.
+A tree all-reduce crosses log2(nodes) network steps each way, at 0.92 of the bandwidth
+(its protocol derate in the same file); NCCL takes the faster of the two, and so does
+:func:`all_reduce`. Links run at 0.8 of their rate, the bus bandwidth ``nccl-tests``
+measures on 8 A100s (234.9 of 300 GB/s) and 8 H200s (366 of 450 GB/s).
+
+A group lies inside one node when its ranks do (``span`` ranks apart at most
+``gpus_per_node``); otherwise its data crosses the network, one adapter per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+from conveyor.planning.hardware import Hardware
+
+LINK_EFFICIENCY = 0.8
+BASE_LATENCY = 8.4e-6
+NVLINK_STEP = 3.4e-6
+NVLINK_TREE_STEP = 4.0e-6
+NETWORK_STEP = 14e-6
+TREE_DERATE = 0.92
+
+
+def _nodes(hw: Hardware, size: int, stride: int) -> int:
+    """Nodes a group of ``size`` ranks ``stride`` apart spans (ranks packed in order)."""
+    return max(1, math.ceil(size * stride / hw.gpus_per_node))
+
+
+def _bandwidth(hw: Hardware, nodes: int) -> float:
+    rate = hw.intra_node_gbps if nodes == 1 else hw.inter_node_gbps
+    return LINK_EFFICIENCY * rate * 1e9
+
+
+def p2p(hw: Hardware, nbytes: float, same_node: bool) -> float:
+    """One send between two GPUs: a step's latency plus the bytes over the link."""
+    step = NVLINK_STEP if same_node else NETWORK_STEP
+    return BASE_LATENCY + step + nbytes / _bandwidth(hw, 1 if same_node else 2)
+
+
+def all_reduce(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float:
+    """A ring or tree all-reduce of ``nbytes`` among ``size`` ranks, the faster."""
+    if size <= 1:
+        return 0.0
+    nodes = _nodes(hw, size, stride)
+    bw = _bandwidth(hw, nodes)
+    inter = 2 * (nodes - 1)
+    ring = (
+        BASE_LATENCY
+        + (2 * (size - 1) - inter) * NVLINK_STEP
+        + inter * NETWORK_STEP
+        + nbytes * 2 * (size - 1) / size / bw
+    )
+    per_node = max(1, size // nodes)
+    tree = (
+        BASE_LATENCY
+        + 2 * ((per_node - 1) * NVLINK_TREE_STEP + math.log2(nodes) * NETWORK_STEP)
+        + nbytes * 2 * (size - 1) / size / (TREE_DERATE * bw)
+    )
+    return min(ring, tree)
+
+
+def all_gather(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float:
+    """A ring all-gather (or reduce-scatter) whose whole result is ``nbytes``."""
+    if size <= 1:
+        return 0.0
+    nodes = _nodes(hw, size, stride)
+    inter = nodes - 1
+    return (
+        BASE_LATENCY
+        + (size - 1 - inter) * NVLINK_STEP
+        + inter * NETWORK_STEP
+        + nbytes * (size - 1) / size / _bandwidth(hw, nodes)
+    )
+
+
+reduce_scatter = all_gather
+
+
+def all_to_all(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float:
+    """An all-to-all where each rank sends ``nbytes`` in all, (size-1)/size of it away."""
+    if size <= 1:
+        return 0.0
+    nodes = _nodes(hw, size, stride)
+    step = NVLINK_STEP if nodes == 1 else NETWORK_STEP
+    return BASE_LATENCY + step + nbytes * (size - 1) / size / _bandwidth(hw, nodes)
