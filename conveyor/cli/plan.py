@@ -1,4 +1,6 @@
-"""``conveyor plan FILE.py [--ranks P] [--memory-limit BYTES]``.
+"""``conveyor plan FILE.py [--ranks P] [--memory-limit BYTES]``, or for a cluster
+``conveyor plan --model CONFIG --hardware NAME --gpus N --seq S --global-batch B
+[--memory-limit GB]`` (:mod:`conveyor.cli.cluster`).
 
 FILE.py defines ``build()`` returning ``(model, inputs, targets, loss_fn)``: the model as
 ``Pipeline`` takes it, one sample batch and the loss. The command profiles the model in
@@ -69,12 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         SystemExit: For ``--help`` (code 0) and for a usage error (code 2, printed in
             one line).
     """
+    from conveyor.cli import cluster
     from conveyor.cli._args import subcommand
     from conveyor.planning.planner import plan
 
     parser = subcommand("conveyor plan", __doc__)
     parser.add_argument(
-        "file", help="a Python file whose build() returns (model, inputs, targets, loss_fn)"
+        "file",
+        nargs="?",
+        help="a Python file whose build() returns (model, inputs, targets, loss_fn)",
     )
     parser.add_argument("--ranks", type=int, default=2, metavar="P", help="pipeline ranks")
     parser.add_argument(
@@ -82,10 +87,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="BYTES",
-        help="most bytes per rank for parameters, their gradients and the activations "
-        "the schedule holds (not optimizer state; default: no limit)",
+        help="FILE.py: most bytes per rank for parameters, their gradients and the "
+        "activations the schedule holds (not optimizer state; default: no limit); --model: "
+        "most GB per GPU, everything counted (default: the GPU's memory)",
     )
+    cluster.add_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if (args.file is None) == (args.model is None):
+        parser.error("give FILE.py (plan on this machine) or --model CONFIG (plan a cluster)")
+    if args.model is not None:
+        if args.memory_limit is not None and not args.memory_limit > 0:
+            parser.error(f"--memory-limit must be a number of GB > 0, got {args.memory_limit:g}")
+        try:
+            return cluster.run(args, parser)
+        except ConveyorError as e:
+            print(f"conveyor plan: error: {e}", file=sys.stderr)
+            return 2
     if args.ranks < 1:
         parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
     if args.memory_limit is not None and not args.memory_limit > 0:

@@ -115,6 +115,7 @@ class ModelCount:
         parts: ``pre``, one :class:`Part` per decoder layer, ``post``.
         hidden_bytes: Bytes of one token's hidden state (what a layer passes on).
         vocab: Rows of the output embedding (0 if none was found).
+        heads: Attention heads of its config (0 if it has none to read).
     """
 
     name: str
@@ -123,6 +124,7 @@ class ModelCount:
     parts: tuple[Part, ...]
     hidden_bytes: float
     vocab: int
+    heads: int = 0
 
     @property
     def layers(self) -> tuple[Part, ...]:
@@ -142,14 +144,13 @@ class ModelCount:
     tied_params: int = 0
     """Parameters read by both ends (a tied embedding), counted in both parts."""
 
-    def flops(self, phase: str = "all") -> float:
-        """FLOPs of one sequence through the whole model: ``"forward"``, ``"backward"``
-        (B and W) or ``"all"``."""
+    def flops(self, phase: str = "all", part: Part | None = None) -> float:
+        """FLOPs of one sequence through the whole model, or through ``part``:
+        ``"forward"``, ``"backward"`` (B and W) or ``"all"``."""
         phases = {"forward": ("forward",), "backward": ("backward", "weight")}
         chosen = phases.get(phase, ("forward", "backward", "weight"))
-        return sum(
-            float(op.flops * op.count) for p in self.parts for ph in chosen for op in getattr(p, ph)
-        )
+        parts = self.parts if part is None else (part,)
+        return sum(float(o.flops * o.count) for p in parts for ph in chosen for o in getattr(p, ph))
 
 
 def count_model(model: Any, seq: int, dtype: str = "bf16") -> ModelCount:
@@ -367,10 +368,12 @@ def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
     finally:
         layers._modules = kept
     n = len(everything)
+    # Layers alike share one Part object (and the estimate's per-part times with it).
+    made = {
+        i: _part(run, j + 1, "layer", layer_params[i], expert_owner) for j, i in enumerate(traced)
+    }
     parts = [_part(run, 0, "pre", outside, expert_owner)]
-    for i in range(n):
-        j = traced.index(stands_for[i]) + 1
-        parts.append(_part(run, j, "layer", layer_params[i], expert_owner))
+    parts += [made[stands_for[i]] for i in range(n)]
     parts.append(_part(run, len(traced) + 1, "post", outside, expert_owner))
     both = run.reads.get(0, set()) & run.reads.get(len(traced) + 1, set())
     return ModelCount(
@@ -380,6 +383,7 @@ def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
         parts=tuple(parts),
         hidden_bytes=run.hidden / seq,
         vocab=_vocab(model),
+        heads=_heads(model),
         tied_params=sum(p.numel() for k, p in outside.items() if k in both),
     )
 
@@ -559,3 +563,12 @@ def _vocab(model: nn.Module) -> int:
     get = getattr(model, "get_output_embeddings", None)
     weight = getattr(get() if callable(get) else None, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, Tensor) else 0
+
+
+def _heads(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("num_attention_heads", "n_head"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0

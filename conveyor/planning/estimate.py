@@ -22,7 +22,6 @@ activations, tensor parallelism's gathered sequence, FSDP's gathered weights).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,7 +131,9 @@ def predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate:
     step = sim.makespan + sync
     tokens = layout.global_batch * layout.seq
     forward = counted.flops("forward") * layout.global_batch
-    executed = forward * (4 if layout.recompute else 3)
+    # Recompute runs the decoder layers' forward again (not the embeddings' or the head's).
+    again = sum(counted.flops("forward", p) for p in counted.layers) if layout.recompute else 0.0
+    executed = 3 * forward + again * layout.global_batch
     gpus = layout.gpus
     return Estimate(
         step_s=step,
@@ -203,6 +204,7 @@ class _Times:
         self.counted = counted
         self.hw = hw
         self.layout = layout
+        self.cache: dict[int, tuple[float, float, float]] = {}
 
     def op(self, op: Op) -> float:
         k, t, hw = self.layout.microbatch_size, self.layout.tp, self.hw
@@ -250,9 +252,11 @@ class _Times:
             b += sum(self._part(p)[0] for p in parts if p.name == "layer")
         return f, b, w
 
-    @functools.cache  # noqa: B019 - one _Times per estimate
     def _part(self, part: Part) -> tuple[float, float, float]:
-        return self.part(part)
+        key = id(part)  # layers alike are one object (counting); hashing it would cost more
+        if key not in self.cache:
+            self.cache[key] = self.part(part)
+        return self.cache[key]
 
     def p2p(self) -> float:
         """One pipeline send of a micro-batch's hidden states (split by tp)."""
@@ -260,7 +264,9 @@ class _Times:
         if layout.pp == 1:
             return 0.0
         nbytes = self.counted.hidden_bytes * layout.seq * layout.microbatch_size / layout.tp
-        same = layout.tp * layout.dp * 2 <= self.hw.gpus_per_node
+        # Neighbours are tp * dp ranks apart: once the pipeline leaves a node, some
+        # boundary crosses the network, and every micro-batch passes every boundary.
+        same = layout.gpus <= self.hw.gpus_per_node
         return collectives.p2p(self.hw, nbytes, same)
 
     def sync(self, parts: Sequence[Part], cost: tuple[float, float, float]) -> float:
@@ -269,10 +275,13 @@ class _Times:
         layout, hw = self.layout, self.hw
         dense, experts = _params(parts, layout)
         stride = layout.tp
-        if layout.fsdp:
+        if layout.fsdp:  # one gather and one reduce-scatter per part (FSDP wraps each layer)
             weight_bytes = 2 if layout.dtype != "fp32" else 4
-            gather = collectives.all_gather(hw, (dense + experts) * weight_bytes, layout.dp, stride)
-            scatter = collectives.reduce_scatter(hw, (dense + experts) * 4, layout.dp, stride)
+            sizes = [sum(_params([p], layout)) for p in parts]
+            gather = sum(
+                collectives.all_gather(hw, n * weight_bytes, layout.dp, stride) for n in sizes
+            )
+            scatter = sum(collectives.reduce_scatter(hw, n * 4, layout.dp, stride) for n in sizes)
             m = layout.microbatches if layout.pp == 1 else 1
             exposed = m * max(0.0, gather - cost[0]) + max(0.0, scatter - cost[1] - cost[2])
             if layout.pp == 1:  # resharded after forward: gathered again for backward
