@@ -155,36 +155,37 @@ def _schedule_name(run: Run) -> str:
     return run.schedule + (f" x{run.chunks}" if run.chunks > 1 else "")
 
 
+def kinds_of(source: str) -> list[str]:
+    """The measured quantities of a source's table, in column order."""
+    runs = [run for run in RUNS if run.source == source]
+    return [k for k in UNITS if any(k in run.measured for run in runs)]
+
+
+def line(row: Row) -> str:
+    """One run's line of its source's table."""
+    run = row.run
+    kinds = kinds_of(run.source)
+    shape = f"{run.gpus} ({run.pp} x {run.tp} x {run.dp}" + (
+        f" x cp {run.cp})" if run.cp > 1 else ")"
+    )
+    if row.why_not:
+        cells = [f"not predicted: {row.why_not}"] + ["-"] * (len(kinds) - 1)
+    else:
+        cells = [_cell(row, k) for k in kinds]
+    name = f"{run.model.name}, {run.label}"
+    return f"| {name} | {shape} | {_schedule_name(run)} | " + " | ".join(cells) + " |"
+
+
 def table(rows: list[Row]) -> str:
     """The page's tables: one per source, then the schedule ratios."""
     out = []
     for key, source in SOURCES.items():
-        mine = [r for r in rows if r.run.source == key]
-        kinds = [k for k in UNITS if any(k in r.run.measured for r in mine)]
+        kinds = kinds_of(key)
+        columns = " | ".join(f"{UNITS[k]}: ours / theirs" for k in kinds)
         out += [f"**{source.citation}**", ""]
-        out.append(
-            "| run | GPUs (pp x tp x dp) | schedule | "
-            + " | ".join(f"{UNITS[k]}: ours / theirs" for k in kinds)
-            + " |"
-        )
-        out.append("|---|---|---|" + "---|" * len(kinds))
-        for r in mine:
-            run = r.run
-            shape = (
-                f"{run.gpus} ({run.pp} x {run.tp} x {run.dp}"
-                + (f" x cp {run.cp}" if run.cp > 1 else "")
-                + ")"
-            )
-            cells = (
-                [r.why_not or _cell(r, k) for k in kinds]
-                if not r.why_not
-                else [f"not predicted: {r.why_not}"] + ["-"] * (len(kinds) - 1)
-            )
-            out.append(
-                f"| {run.model.name}, {run.label} | {shape} | {_schedule_name(run)} | "
-                + " | ".join(cells)
-                + " |"
-            )
+        out += [f"| run | GPUs (pp x tp x dp) | schedule | {columns} |"]
+        out += ["|---|---|---|" + "---|" * len(kinds)]
+        out += [line(r) for r in rows if r.run.source == key]
         out.append("")
     out += ["**Schedule ratios** (throughput of a schedule over the first one of its setting)", ""]
     out += ["| setting | schedules | ours | theirs | error |", "|---|---|---|---|---|"]

@@ -282,10 +282,9 @@ class _Times:
                 collectives.all_gather(hw, n * weight_bytes, layout.dp, stride) for n in sizes
             )
             scatter = sum(collectives.reduce_scatter(hw, n * 4, layout.dp, stride) for n in sizes)
-            m = layout.microbatches if layout.pp == 1 else 1
-            exposed = m * max(0.0, gather - cost[0]) + max(0.0, scatter - cost[1] - cost[2])
-            if layout.pp == 1:  # resharded after forward: gathered again for backward
-                exposed += m * max(0.0, gather - cost[1] - cost[2])
+            # Gathered once a step, before the rank's first forward, and reduced after its
+            # last backward (conveyor's runtime and torchtitan's with a pipeline).
+            exposed = max(0.0, gather - cost[0]) + max(0.0, scatter - cost[1] - cost[2])
         else:
             exposed = collectives.all_reduce(hw, dense * 4, layout.dp, stride)
             exposed += collectives.all_reduce(
@@ -336,12 +335,9 @@ def _memory(
     if layout.recompute:
         buffers += max((p.saved_bytes for p in parts if p.name == "layer"), default=0.0) * k / t
     if layout.fsdp:
-        gathered = (
-            params
-            if layout.pp > 1
-            else 2 * max((p.params / t for p in parts if p.name == "layer"), default=0.0)
-        )
-        buffers += (2 if mixed else 4) * gathered
+        # The rank's weights stay gathered for the step, and their gradients unsharded
+        # until its last backward, both in the compute dtype.
+        buffers += 2 * (2 if mixed else 4) * params
     return {
         "parameters": weights / GB,
         "gradients": grads / GB,

@@ -41,6 +41,7 @@ SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom transformers": "",
     "import torch, lightning as L": "",
     "from conveyor.schedules import": "",
+    "from transformers import LlamaConfig": "",
     "import torch, conveyor\nfrom conveyor.losses import TokenCrossEntropy": "",
     # The README's meta-device model, after its Use snippet (one process here).
     "from transformers import AutoModelForCausalLM": "import torch, conveyor\nconveyor.init()\n",
