@@ -28,8 +28,10 @@ multiplies), so one sequence is traced.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +205,7 @@ def _count_config(key: _ConfigKey, seq: int, dtype: str) -> ModelCount:
 
     config = copy.deepcopy(key.config)
     config._attn_implementation = "sdpa"
+    _training(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     return _count(model.to(DTYPES[dtype]), seq, dtype)
@@ -214,7 +217,32 @@ def _on_meta(model: nn.Module, dtype: str) -> nn.Module:
             "count a model on the meta device: build it under conveyor.empty_weights(), "
             "or pass its transformers config"
         )
-    return copy.deepcopy(model).to(device="meta", dtype=DTYPES[dtype])
+    copied = copy.deepcopy(model)
+    _training(getattr(copied, "config", None))
+    return copied.to(device="meta", dtype=DTYPES[dtype])
+
+
+def _training(config: Any) -> None:
+    """Count the model as it trains: without a key/value cache (the cache's update copies
+    keys and values, which then take more saved memory than views of a fused projection)."""
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
+
+
+@contextlib.contextmanager
+def _one_sequence() -> Iterator[None]:
+    """Without a cache, transformers' masks look for sequences packed into one row of
+    position ids, a branch on tensor values that the meta device cannot take; the traced
+    row is one sequence, which is that function's answer for no packing (None)."""
+    masking = sys.modules.get("transformers.masking_utils")  # imported by such a model
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if found is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if found is not None:
+            masking.find_packed_sequence_indices = found  # type: ignore[union-attr]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -437,6 +465,7 @@ def _run(model: nn.Module, layers: list[nn.Module], seq: int) -> _Run:
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
         with (
+            _one_sequence(),
             _FlashAttention(),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
