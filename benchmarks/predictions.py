@@ -8,6 +8,8 @@ generated part of docs/predictions.md is this script's output; tests/planning/
 test_predictions.py checks it, so the page cannot go stale.
 
     python benchmarks/predictions.py            # the page's generated part (markdown)
+    python benchmarks/predictions.py --stages   # a middle stage's F, B, W against Zero
+                                                # Bubble's own profile (its Table 9)
 
 Targets (issue 48): memory within 15% of the published figure, the ratio between two
 schedules of one setting within 5%, throughput (tokens, samples or TFLOP/s per GPU) within
@@ -52,6 +54,8 @@ def config_of(model: Model) -> object:
             n_positions=model.seq,
             vocab_size=model.vocab,
             tie_word_embeddings=model.tied_embeddings,
+            bos_token_id=0,
+            eos_token_id=0,
         )
     return LlamaConfig(
         hidden_size=model.hidden,
@@ -232,9 +236,35 @@ def summary(rows: list[Row]) -> str:
     return "; ".join(parts) + "."
 
 
+def stages() -> str:
+    """A middle stage's predicted F, B and W beside the times the Zero Bubble paper profiled
+    on its A100s (Table 9, first setting of each model), in ms."""
+    from papers import TABLE_9
+
+    out = ["| model | F: ours / paper | B: ours / paper | W: ours / paper |", "|---|---|---|---|"]
+    seen = set()
+    for name, p, m, f, b, w, _ in TABLE_9:
+        if name in seen:
+            continue
+        seen.add(name)
+        run = next(r for r in RUNS if r.source == "zb-table4" and r.label == f"{name} m={m}")
+        est = estimate(config_of(run.model), hardware=hardware_of(run), layout=layout_of(run))
+        ours = est.stage_times[p // 2]
+        cells = [
+            f"{o * 1e3:.1f} / {t:.1f} ({o * 1e3 / t - 1:+.0%})"
+            for o, t in zip(ours, (f, b, w), strict=True)
+        ]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
-    """Print the page's generated part, and the time it took on stderr."""
+    """Print the page's generated part (or, with --stages, the stage times), and the time
+    it took on stderr."""
     start = time.perf_counter()
+    if "--stages" in sys.argv[1:]:
+        print(stages())
+        return
     rows = [predict(run) for run in RUNS]
     print(table(rows))
     print()

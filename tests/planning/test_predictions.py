@@ -77,3 +77,4 @@ def test_the_page_is_the_scripts_output(predictions: Any) -> None:
     rows = [predictions.predict(run) for run in predictions.RUNS]
     assert _block("predictions-table") == predictions.table(rows)
     assert _block("predictions-summary") == predictions.summary(rows)
+    assert _block("predictions-stages") == predictions.stages()
