@@ -91,6 +91,7 @@ def test_backward_splits_into_input_and_weight_gradients() -> None:
         assert kind_flops(layer.backward, MATMUL) == pytest.approx(f)
         assert kind_flops(layer.weight, MATMUL) == pytest.approx(f)
         assert kind_flops(layer.weight, ATTENTION) == 0
+        assert kind_flops(layer.forward, ATTENTION) == pytest.approx(4 * 512 * 512 * 256)
         assert kind_flops(layer.backward, ATTENTION) == pytest.approx(
             2.5 * kind_flops(layer.forward, ATTENTION)
         )
@@ -180,6 +181,8 @@ def test_model_state_bytes_per_parameter(
         assert got["optimizer"] * 1e9 == pytest.approx(
             states * params / shard + 4 * tensors, rel=1e-12
         )
+        if fsdp:  # the rank's bf16 weights gathered and their gradients unsharded, for the step
+            assert got["buffers"] * 1e9 >= 4 * params
     sgd = estimate(
         config,
         hardware="h100-sxm",
@@ -291,3 +294,62 @@ def test_no_layout_fits_puts_none_first_that_fits() -> None:
     assert not any(r.fits for r in ranked)
     with pytest.raises(ConfigError, match="no layout of 64 GPUs can run a global batch of 1"):
         rank_layouts(llama(layers=2), hardware="a100-80g", gpus=64, seq=512, global_batch=1)
+
+
+def test_the_roofline_and_attention_rates() -> None:
+    a100 = PRESETS["a100-80g"]
+    assert a100.matmul_seconds(1e15, 1e6) == pytest.approx(1e15 / 271.2e12)
+    assert a100.matmul_seconds(1e9, 1e12) == pytest.approx(1e12 / (0.84 * 2039e9))
+    # FlashAttention-2 on A100, causal, 8k tokens: 182 TFLOP/s counting half the scores
+    assert a100.attention_seconds(1e15, 0, 8192, causal=True) == pytest.approx(0.5e15 / 182e12)
+    assert a100.attention_seconds(1e15, 0, 8192, causal=False) == pytest.approx(1e15 / 201e12)
+    between = a100.attention_seconds(1e15, 0, 3000, causal=False)
+    assert 1e15 / 196e12 < between < 1e15 / 187e12
+
+
+def test_stages_hold_the_embeddings_and_head_as_a_layer_each() -> None:
+    est = estimate(llama(layers=6), hardware="h200", layout=Layout(4, global_batch=8, seq=64))
+    assert est.balance == (1, 2, 2, 1)
+    est = estimate(
+        llama(layers=8),
+        hardware="h200",
+        layout=Layout(2, chunks=2, schedule="interleaved-1f1b", global_batch=8, seq=64),
+    )
+    assert sum(est.balance) == 8 and len(est.balance) == 4
+
+
+def test_tensor_and_expert_parallelism_and_the_network_cost_what_they_should() -> None:
+    config = llama()
+    one = estimate(config, hardware="h100-sxm", layout=Layout(2, global_batch=8, seq=512))
+    two = estimate(config, hardware="h100-sxm", layout=Layout(2, tp=2, global_batch=8, seq=512))
+    assert parts_gb(two)["activations"] == pytest.approx(parts_gb(one)["activations"] / 2)
+    assert parts_gb(two)["parameters"] < parts_gb(one)["parameters"]
+    far = Hardware(989, 80, 3350, 1, 450, 50, 794.5, "h100")  # one GPU a node: all on the network
+    assert (
+        estimate(config, hardware=far, layout=Layout(2, global_batch=8, seq=512)).step_s
+        > one.step_s
+    )
+    moe = MixtralConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        num_local_experts=8,
+    )
+    alone = estimate(moe, hardware="h100-sxm", layout=Layout(2, dp=2, global_batch=8, seq=512))
+    spread = estimate(
+        moe, hardware="h100-sxm", layout=Layout(2, dp=2, ep=2, global_batch=8, seq=512)
+    )
+    assert spread.step_s > alone.step_s  # the all-to-alls
+    assert parts_gb(spread)["parameters"] < parts_gb(alone)["parameters"]  # half the experts
+
+
+def test_layers_alike_are_traced_twice_and_counted_from_the_second() -> None:
+    """The first layer also saves what all layers share (the rotary tables); the rest are
+    the second's counts."""
+    counted = count_model(llama(layers=6), 256)
+    first, second, *rest = counted.layers
+    assert first.saved_bytes > second.saved_bytes
+    assert all(layer is second for layer in rest)
