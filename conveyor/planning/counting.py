@@ -208,6 +208,7 @@ def _count_config(key: _ConfigKey, seq: int, dtype: str) -> ModelCount:
     _training(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model.tie_weights()  # transformers 5.0 leaves a model built on meta untied
     return _count(model.to(DTYPES[dtype]), seq, dtype)
 
 
@@ -243,6 +244,22 @@ def _one_sequence() -> Iterator[None]:
     finally:
         if found is not None:
             masking.find_packed_sequence_indices = found  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _no_autocast_on_meta() -> Iterator[None]:
+    """Older transformers (5.0) ask ``torch.is_autocast_enabled(device.type)`` of the rotary
+    embedding's device, which torch rejects for ``"meta"``; there is no autocast there."""
+    asked = torch.is_autocast_enabled
+
+    def enabled(*args: Any) -> bool:
+        return False if args and args[0] == "meta" else bool(asked(*args))
+
+    torch.is_autocast_enabled = enabled  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = asked
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -466,6 +483,7 @@ def _run(model: nn.Module, layers: list[nn.Module], seq: int) -> _Run:
     try:
         with (
             _one_sequence(),
+            _no_autocast_on_meta(),
             _FlashAttention(),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),

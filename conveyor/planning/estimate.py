@@ -93,7 +93,7 @@ def estimate(model: Any, *, hardware: str | Hardware, layout: Layout) -> Estimat
 
     Raises:
         ConfigError: For an unknown hardware name, a model that cannot be counted, more
-            stages than decoder layers, or a schedule that cannot run the layout's
+            stages than decoder layers + 2, or a schedule that cannot run the layout's
             micro-batches.
     """
     counted = count_model(model, layout.seq, layout.dtype)
