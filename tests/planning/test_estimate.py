@@ -351,3 +351,23 @@ def test_layers_alike_are_traced_twice_and_counted_from_the_second() -> None:
     first, second, *rest = counted.layers
     assert first.saved_bytes > second.saved_bytes
     assert all(layer is second for layer in rest)
+
+
+def test_a_model_built_on_meta_is_estimated_as_its_config() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import conveyor
+
+    config = llama(layers=4)
+    with conveyor.empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    layout = Layout(2, tp=2, global_batch=8, seq=256)
+    from_model = estimate(model, hardware="h200", layout=layout)
+    from_config = estimate(config, hardware="h200", layout=layout)
+    assert from_model.step_s == pytest.approx(from_config.step_s)
+    for ours, theirs in zip(from_model.memory_parts, from_config.memory_parts, strict=True):
+        assert ours == pytest.approx(theirs)
+    assert all(p.is_meta for p in model.parameters())  # the model itself is left as it was
+    with pytest.raises(ConfigError, match="count a model on the meta device"):
+        estimate(torch.nn.Linear(2, 2), hardware="h200", layout=layout)
