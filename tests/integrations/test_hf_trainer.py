@@ -189,6 +189,7 @@ def test_without_cache_turns_the_key_value_cache_off() -> None:
     without_cache(torch.nn.Linear(2, 2))  # a model without a config is left as it is
 
 
+@pytest.mark.slow  # near 2 s: the fast lane stays under 90 s
 def test_one_process_runs_both_stages_and_saves_a_whole_model(tmp_path: Path) -> None:
     reset_context()
     trainer = PipelineTrainer(

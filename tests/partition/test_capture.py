@@ -359,6 +359,7 @@ def test_loss_fn_none_errors() -> None:
         unlabelled.train_step({"input_ids": inputs["input_ids"]}, None)
 
 
+@pytest.mark.slow  # near 2 s: the fast lane stays under 90 s
 def test_recompute_and_checkpoints_on_a_captured_model(tmp_path: Any) -> None:
     model, batches, _ = shared("llama")
     inputs = batches()[0][0]
