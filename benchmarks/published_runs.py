@@ -129,56 +129,6 @@ SOURCES: dict[str, Source] = {
 }
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """A GPU preset: dense BF16 tensor peak, HBM size and bandwidth, NVLink bandwidth
-    (bidirectional, per GPU), and where the numbers were read."""
-
-    name: str
-    bf16_tflops: float
-    hbm_gb: float
-    hbm_gb_per_s: float
-    nvlink_gb_per_s: float
-    source: str
-
-
-HARDWARE: dict[str, Hardware] = {
-    "a100-80g": Hardware(
-        "NVIDIA A100 80GB SXM4",
-        312.0,
-        80.0,
-        2039.0,
-        600.0,
-        "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4); "
-        "the datasheet itself is not in the stored copies, its numbers were read in pages that "
-        "cite it (glennklockwood.com/garden/processors/A100: BF16 312 dense, 2,039 GB/s; "
-        "thundercompute.com A100 guide: 2,039 GB/s SXM 80GB); 312 is also the peak "
-        "Megatron-LM SC '21 uses for its percentages",
-    ),
-    "h100-sxm": Hardware(
-        "NVIDIA H100 SXM5 80GB",
-        989.0,
-        80.0,
-        3350.0,
-        900.0,
-        "NVIDIA H100 Tensor Core GPU datasheet (BF16 1,979 TFLOPS with sparsity, i.e. 989.5 "
-        "dense; 3.35 TB/s; NVLink 900 GB/s): from memory, NVIDIA's page not found in stored "
-        "copies; the same 989 / 3.35 TB/s / 900 GB/s read in secondary pages "
-        "(ttsugriy.github.io distributed-training-book ch. 34; lzwjava.github.io H200 specs)",
-    ),
-    "h200": Hardware(
-        "NVIDIA H200 SXM 141GB",
-        989.0,
-        141.0,
-        4800.0,
-        900.0,
-        "NVIDIA H200 Tensor Core GPU datasheet (same Hopper compute as H100 SXM, 141 GB HBM3e "
-        "at 4.8 TB/s, NVLink 900 GB/s): NVIDIA's page not found in stored copies; read in "
-        "secondary pages (lzwjava.github.io, aiminingco.com, gentic.news H200 specs)",
-    ),
-}
-
-
 def megatron_flops(model: Model, batch: int) -> float:
     """Megatron-LM SC '21 equation 3: GEMM FLOPs of one iteration of ``batch`` sequences,
     counting the recomputed forward pass."""

@@ -262,7 +262,16 @@ def init(
                 f"tp=1 in one process"
             )
         _current = Context(
-            0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds,
+            0,
+            1,
+            0,
+            pp or 1,
+            0,
+            1,
+            torch.device("cpu"),
+            None,
+            False,
+            seconds,
             pp_explicit=pp is not None,
         )
         return _current

@@ -167,18 +167,43 @@ def main(argv: list[str] | None = None) -> int:
         description="Every schedule's losses and gradients against the unsplit model, on "
         "this machine's devices (launch with conveyor launch --nproc-per-node N).",
     )
-    parser.add_argument("--schedules", default=",".join(SCHEDULE_NAMES),
-                        help="comma-separated schedule names (default: all)")
-    parser.add_argument("--microbatches", type=int, default=0,
-                        help="micro-batches per step (default: 2 x pipeline ranks)")
-    parser.add_argument("--tolerance", type=float, default=1e-5,
-                        help="largest relative difference accepted (default: 1e-5)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds before a stalled rank is reported (default: 120)")
-    parser.add_argument("--compile", nargs="?", const="inductor", default=None,
-                        metavar="BACKEND", help="also a pass with compiled stages")
-    parser.add_argument("--compile-tolerance", type=float, default=1e-4,
-                        help="largest relative difference of the compiled pass (1e-4)")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULE_NAMES),
+        help="comma-separated schedule names (default: all)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="micro-batches per step (default: 2 x pipeline ranks)",
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="largest relative difference accepted (default: 1e-5)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120,
+        help="seconds before a stalled rank is reported (default: 120)",
+    )
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="also a pass with compiled stages",
+    )
+    parser.add_argument(
+        "--compile-tolerance",
+        type=float,
+        default=1e-4,
+        help="largest relative difference of the compiled pass (1e-4)",
+    )
     args = parser.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False  # compare fp32 with fp32
     torch.backends.cudnn.allow_tf32 = False
@@ -191,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     passes = [(None, args.tolerance)]
     if args.compile is not None:
         passes.append((args.compile, args.compile_tolerance))
-    for (backend, tolerance), name in (
-        (p, n) for p in passes for n in args.schedules.split(",")
-    ):
+    for (backend, tolerance), name in ((p, n) for p in passes for n in args.schedules.split(",")):
         worst, ms = _check(name.strip(), ctx, microbatches, backend)
         if ctx.distributed:
             buf = torch.tensor([worst], dtype=torch.float64, device=ctx.device)
@@ -204,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.rank == 0:
             verdict = "ok" if ok else "DIFFERS"
             label = name if backend is None else f"{name} compiled"
-            print(f"  {label:<27} {verdict:<8} max relative difference {worst:.1e}  "
-                  f"{ms:8.1f} ms/step", flush=True)
+            print(
+                f"  {label:<27} {verdict:<8} max relative difference {worst:.1e}  "
+                f"{ms:8.1f} ms/step",
+                flush=True,
+            )
     if ctx.rank == 0:
         print("conveyor.verify: " + ("FAILED" if failed else "every schedule matches"))
     return 1 if failed else 0

@@ -309,8 +309,9 @@ def _to_transformers(
     out.mkdir(parents=True, exist_ok=True)
     names = free_names(out, len(files))
     by_name = {i.name: i for i in infos}
-    shards = Shards(out, [(f, [by_name[n] for n in group]) for f, group in zip(names, files,
-                                                                             strict=True)])
+    shards = Shards(
+        out, [(f, [by_name[n] for n in group]) for f, group in zip(names, files, strict=True)]
+    )
     sizes = (
         (g, sum(math.prod(stored[n].size) * stored[n].properties.dtype.itemsize for n in g))
         for g in groups

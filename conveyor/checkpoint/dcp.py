@@ -49,5 +49,3 @@ def empty_like_for(md: Any, param: Any) -> Any:
     ):
         return torch.empty_like(param, dtype=md.properties.dtype)
     return empty_for(md)
-
-

@@ -140,4 +140,3 @@ def weight_files(root: Path) -> list[str]:
     if (root / INDEX).is_file():
         names.append(INDEX)
     return names
-

@@ -20,7 +20,6 @@ from conveyor.storage import LATEST, META, resolve
 __all__ = ["LATEST", "META", "commit", "new_name", "resolve"]
 
 
-
 def new_name(step: int | None) -> str:
     """A fresh checkpoint directory name: ``step-<step>-<hex>`` or ``nostep-<hex>``."""
     prefix = f"step-{step:08d}" if step is not None else "nostep"

@@ -12,7 +12,6 @@ from conveyor.storage import FORMAT, VERSION, read_checkpoint
 __all__ = ["build_meta", "read_checkpoint"]
 
 
-
 def build_meta(
     reports: list[dict[str, Any]],
     canon: dict[str, str],
@@ -63,5 +62,3 @@ def build_meta(
         "with_state": with_state,
     }
     return meta
-
-

@@ -86,7 +86,5 @@ def load_optimizer(
     param_groups = []
     for g, param_group in enumerate(current["param_groups"]):
         saved = opt_meta["param_groups"][group_of[g]] if g in group_of else {}
-        param_groups.append(
-            {**_hyper_restore(saved, param_group), "params": param_group["params"]}
-        )
+        param_groups.append({**_hyper_restore(saved, param_group), "params": param_group["params"]})
     optimizer.load_state_dict({"state": per_param, "param_groups": param_groups})

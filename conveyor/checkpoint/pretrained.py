@@ -227,5 +227,3 @@ def _refusal(root: Path, any_directory: bool) -> str | None:
     except OSError as exc:
         return f"cannot create {root}: {exc.strerror or exc}"
     return None
-
-

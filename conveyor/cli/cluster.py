@@ -47,15 +47,11 @@ def load_config(path: str) -> Any:
     from transformers import AutoConfig
 
     where = Path(path)
-    if where.is_file():
-        where = where.parent if where.name == "config.json" else where
-    if not (where / "config.json").is_file() and not Path(path).is_file():
+    if not (where.is_file() or (where / "config.json").is_file()):
         raise ConfigError(
             f"no config at {path}; pass a transformers config.json or the folder holding it"
         )
-    try:
-        if Path(path).is_file() and Path(path).name != "config.json":
-            return AutoConfig.from_pretrained(str(Path(path).parent), local_files_only=True)
+    try:  # a file is read as it is, a folder's config.json otherwise
         return AutoConfig.from_pretrained(str(where), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(f"transformers cannot read the config at {path}: {error}") from None

@@ -251,10 +251,7 @@ def rendezvous_summary(error: BaseException, config: argparse.Namespace) -> str:
         address = config.rdzv_endpoint or "localhost:29400"
     if isinstance(error, RendezvousTimeoutError):
         join_timeout = _parse_rendezvous_config(config.rdzv_conf).get("join_timeout", "600")
-        what = (
-            f"did not gather --nnodes {config.nnodes} nodes within "
-            f"join_timeout={join_timeout} s"
-        )
+        what = f"did not gather --nnodes {config.nnodes} nodes within join_timeout={join_timeout} s"
     else:
         what = f"failed: {one_line(error).rstrip('.')}"
     same = "--rdzv-endpoint and --rdzv-id"

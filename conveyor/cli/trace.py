@@ -38,9 +38,16 @@ def main(argv: list[str] | None = None) -> int:
         trace = read_trace(args.file)
         info = trace.get("otherData", {})
         waits = [
-            Timing(e["tid"], WAIT, e["args"]["stage"], e["args"]["microbatch"], e["ts"] / 1e6,
-                   (e["ts"] + e["dur"]) / 1e6)
-            for e in trace["traceEvents"] if e.get("cat") == "wait"
+            Timing(
+                e["tid"],
+                WAIT,
+                e["args"]["stage"],
+                e["args"]["microbatch"],
+                e["ts"] / 1e6,
+                (e["ts"] + e["dur"]) / 1e6,
+            )
+            for e in trace["traceEvents"]
+            if e.get("cat") == "wait"
         ]
         chunks = info.get("chunks", "?")
         title = (
@@ -50,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{info.get('simulated_bubble', float('nan')):.3f}"
         )
         in_ms = [
-            t._replace(start=t.start * 1e3, end=t.end * 1e3)
-            for t in actions_of(trace) + waits
+            t._replace(start=t.start * 1e3, end=t.end * 1e3) for t in actions_of(trace) + waits
         ]
         draw_timeline(in_ms, args.png, title, unit="ms")
     except ConfigError as error:
@@ -59,4 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {args.png}")
     return 0
-

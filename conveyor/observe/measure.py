@@ -63,11 +63,15 @@ def pipeline_bubble(timings: list[Timing], ctx: Context, ranks: int) -> float:
     doing = f"rank {ctx.rank}: measuring the bubble"
     collective(
         lambda: dist.all_reduce(busies, group=group, async_op=True),
-        ctx.timeout, doing, "another pipeline rank",
+        ctx.timeout,
+        doing,
+        "another pipeline rank",
     )
     collective(
         lambda: dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=group, async_op=True),
-        ctx.timeout, doing, "another pipeline rank",
+        ctx.timeout,
+        doing,
+        "another pipeline rank",
     )
     first, last = -float(ends[0]), float(ends[1])
     if not first < last:  # no rank ran an action

@@ -77,11 +77,18 @@ def chrome_trace(
     ranks: set[int] = set()
     for rank, kind, stage, mb, start, end in timings:
         ranks.add(rank)
-        trace_events.append({
-            "name": f"{kind}{mb}", "cat": kind, "ph": "X", "pid": 0, "tid": rank,
-            "ts": start * 1e6, "dur": (end - start) * 1e6,
-            "args": {"kind": kind, "stage": stage, "microbatch": mb},
-        })
+        trace_events.append(
+            {
+                "name": f"{kind}{mb}",
+                "cat": kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": rank,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {"kind": kind, "stage": stage, "microbatch": mb},
+            }
+        )
     for rank, kind, stage, mb, start, end in waits:
         args: dict[str, object]
         if kind == "A":  # an expert all-to-all, from its post to its end
@@ -89,11 +96,18 @@ def chrome_trace(
         else:
             what = "activations" if kind == "F" else "gradients"
             name, cat, args = f"wait {what} {kind}{stage},{mb}", "wait", {"waits_for": kind}
-        trace_events.append({
-            "name": name, "cat": cat, "ph": "X", "pid": 0, "tid": rank,
-            "ts": start * 1e6, "dur": (end - start) * 1e6,
-            "args": {**args, "stage": stage, "microbatch": mb},
-        })
+        trace_events.append(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "pid": 0,
+                "tid": rank,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {**args, "stage": stage, "microbatch": mb},
+            }
+        )
     trace_events += [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
         for r in sorted(ranks)
@@ -115,9 +129,16 @@ def actions_of(trace: dict[str, Any]) -> list[Timing]:
         KeyError: If an action event lacks what :func:`chrome_trace` writes.
     """
     rows = [
-        Timing(e["tid"], e["args"]["kind"], e["args"]["stage"], e["args"]["microbatch"],
-               e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-        for e in trace["traceEvents"] if e.get("cat") in ("F", "B", "W")
+        Timing(
+            e["tid"],
+            e["args"]["kind"],
+            e["args"]["stage"],
+            e["args"]["microbatch"],
+            e["ts"] / 1e6,
+            (e["ts"] + e["dur"]) / 1e6,
+        )
+        for e in trace["traceEvents"]
+        if e.get("cat") in ("F", "B", "W")
     ]
     return sorted(rows, key=lambda r: (r.start, r.rank))
 

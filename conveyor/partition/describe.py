@@ -221,9 +221,7 @@ def _modules(touched: list[set[str]], s: int, blocks: set[str]) -> list[str]:
     def whole(path: str) -> bool:
         return path in mine and path not in others
 
-    wholes = sorted(
-        (p for p in mine if whole(p) and not whole(p.rpartition(".")[0])), key=_natural
-    )
+    wholes = sorted((p for p in mine if whole(p) and not whole(p.rpartition(".")[0])), key=_natural)
     shared = mine & others
     partial = sorted(
         (p for p in shared if p in blocks and not any(c.startswith(p + ".") for c in shared)),

@@ -84,7 +84,6 @@ class Part:
         name: ``"pre"``, ``"layer"`` or ``"post"``.
         forward, backward, weight: Its operations in F, B and W.
         saved_bytes: What autograd saves in F for the backward, per sequence.
-        boundary_bytes: The activation it sends on (its output), per sequence.
         params: Its parameters (a tied weight counts in every part that reads it).
         param_tensors: How many parameter tensors those are.
         expert_params: Of ``params``, those in expert collections (split over ``ep``).
@@ -98,7 +97,6 @@ class Part:
     backward: tuple[Op, ...]
     weight: tuple[Op, ...]
     saved_bytes: float
-    boundary_bytes: float
     params: int
     param_tensors: int
     expert_params: int
@@ -116,7 +114,6 @@ class ModelCount:
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
         parts: ``pre``, one :class:`Part` per decoder layer, ``post``.
         hidden_bytes: Bytes of one token's hidden state (what a layer passes on).
-        vocab: Rows of the output embedding (0 if none was found).
         heads: Attention heads of its config (0 if it has none to read).
     """
 
@@ -125,7 +122,6 @@ class ModelCount:
     dtype: str
     parts: tuple[Part, ...]
     hidden_bytes: float
-    vocab: int
     heads: int = 0
 
     @property
@@ -136,12 +132,13 @@ class ModelCount:
     @property
     def params(self) -> int:
         """Parameters of the model (a tied weight once)."""
-        return self.parts_params - self.tied_params
+        return sum(p.params for p in self.parts) - self.tied_params
 
-    @property
-    def parts_params(self) -> int:
-        """Parameters summed over parts (a tied weight in each part that reads it)."""
-        return sum(p.params for p in self.parts)
+    @functools.cached_property
+    def forward_flops(self) -> tuple[float, float]:
+        """FLOPs of one sequence's forward: (the whole model's, the decoder layers')."""
+        layers = sum(self.flops("forward", p) for p in self.layers)
+        return self.flops("forward"), layers
 
     tied_params: int = 0
     """Parameters read by both ends (a tied embedding), counted in both parts."""
@@ -372,7 +369,9 @@ class _FlashAttention(TorchFunctionMode):
 
 
 class _Saved:
-    """What autograd saves, per part: each storage once, parameters never."""
+    """What autograd saves, per part: each storage once, parameters never (the runtime's
+    ActivationMeter keys storages by data pointer, which meta tensors do not have; here a
+    view's base tensor, kept alive, is the key)."""
 
     def __init__(self, params: set[int], recorder: _Recorder) -> None:
         self.params = params
@@ -427,7 +426,6 @@ def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
         dtype=dtype,
         parts=tuple(parts),
         hidden_bytes=run.hidden / seq,
-        vocab=_vocab(model),
         heads=_heads(model),
         tied_params=sum(p.numel() for k, p in outside.items() if k in both),
     )
@@ -524,7 +522,6 @@ def _part(
         backward=_ops(run.backward.get(index, [])),
         weight=_ops(_minus(run.whole.get(index, []), run.backward.get(index, []))),
         saved_bytes=float(run.saved[index]),
-        boundary_bytes=run.hidden if name != "post" else 0.0,
         params=sum(p.numel() for p in params.values()),
         param_tensors=len(params),
         expert_params=sum(p.numel() for k, p in params.items() if k in expert_owner),
@@ -604,12 +601,6 @@ def _expert_params(model: nn.Module) -> dict[int, int]:
             for p in module.parameters():
                 found[id(p)] = int(num_experts(module) or 0)
     return found
-
-
-def _vocab(model: nn.Module) -> int:
-    get = getattr(model, "get_output_embeddings", None)
-    weight = getattr(get() if callable(get) else None, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, Tensor) else 0
 
 
 def _heads(model: nn.Module) -> int:

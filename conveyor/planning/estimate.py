@@ -130,10 +130,10 @@ def predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate:
     )
     step = sim.makespan + sync
     tokens = layout.global_batch * layout.seq
-    forward = counted.flops("forward") * layout.global_batch
+    whole, layers_only = counted.forward_flops
+    forward = whole * layout.global_batch
     # Recompute runs the decoder layers' forward again (not the embeddings' or the head's).
-    again = sum(counted.flops("forward", p) for p in counted.layers) if layout.recompute else 0.0
-    executed = 3 * forward + again * layout.global_batch
+    executed = 3 * forward + (layers_only * layout.global_batch if layout.recompute else 0.0)
     gpus = layout.gpus
     return Estimate(
         step_s=step,

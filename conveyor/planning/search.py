@@ -84,7 +84,7 @@ def rank_layouts(
         raise ConfigError(f"the memory limit must be a number of GB > 0, got {limit!r}")
     counted = count_model(model, seq, dtype)
     ranked = [
-        Ranked(est, est.memory_gb <= limit)
+        Ranked(est, est.fits(limit))
         for layout in layouts(counted, hw, gpus, seq, global_batch, dtype)
         if (est := _predict(counted, hw, layout)) is not None
     ]

@@ -67,14 +67,18 @@ def clip_grad_norm(
         if ctx.distributed:
             collective(
                 lambda: dist.all_reduce(total, op=dist.ReduceOp.MAX, async_op=True),
-                ctx.timeout, doing, "another pipeline rank",
+                ctx.timeout,
+                doing,
+                "another pipeline rank",
             )
     else:
         total = sum((n.pow(p) / count for n, count in parts), zero)
         if ctx.distributed:
             collective(
                 lambda: dist.all_reduce(total, async_op=True),
-                ctx.timeout, doing, "another pipeline rank",
+                ctx.timeout,
+                doing,
+                "another pipeline rank",
             )
         total = total.pow(1.0 / p)
     total = total.float()

@@ -78,9 +78,7 @@ class DataParallel(StepSync):
         by_stages: dict[tuple[frozenset[int], bool], list[nn.Parameter]] = {}
         for key, p in params.items():
             by_stages.setdefault((frozenset(users[key]), is_expert_parameter(p)), []).append(p)
-        self._buckets = [
-            _Bucket(s, ps) for (s, _), ps in by_stages.items()
-        ]
+        self._buckets = [_Bucket(s, ps) for (s, _), ps in by_stages.items()]
         # The step's program: each stage's last backward / W ends its gradients.
         self._program: RankProgram | None = None
         self._done: set[int] = set()

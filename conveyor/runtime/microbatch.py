@@ -113,7 +113,6 @@ def to_device(value: Any, device: torch.device) -> Any:
     )
 
 
-
 @dataclass(frozen=True)
 class Needs:
     """What a process passes to a step: the inputs, the targets, or neither (see
@@ -195,8 +194,12 @@ def _described(
         what = "inputs" if inputs is not None else "targets"
         sizes = tuple(batch_size(mb, what) for mb in given)
     counts = None
-    if counter is not None and inputs is not None and all(
-        isinstance(mb, Mapping) and isinstance(mb.get("labels"), torch.Tensor) for mb in inputs
+    if (
+        counter is not None
+        and inputs is not None
+        and all(
+            isinstance(mb, Mapping) and isinstance(mb.get("labels"), torch.Tensor) for mb in inputs
+        )
     ):
         counts = torch.stack([counter(mb["labels"]) for mb in inputs])
     return MicroBatches(inputs, targets, sizes, counts)

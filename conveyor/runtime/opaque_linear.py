@@ -146,9 +146,7 @@ def linear_call(
     return None
 
 
-def autocast_input(
-    x: torch.Tensor, weight: Any
-) -> tuple[torch.Tensor, torch.dtype | None] | None:
+def autocast_input(x: torch.Tensor, weight: Any) -> tuple[torch.Tensor, torch.dtype | None] | None:
     """``x`` as autocast's linear takes it, and the dtype it casts input, weight and bias
     to (None without autocast); None where autocast would leave the linear as it is."""
     device = x.device.type

@@ -172,9 +172,7 @@ def backward_input(
         # Shared branch: replay the whole backward into the parameters in W (which keeps
         # the compiled linears' (X, dY); B keeps none, or they would count twice).
         with collect(False):
-            got = torch.autograd.grad(
-                outputs, wanted, grads, retain_graph=True, allow_unused=True
-            )
+            got = torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
         work.from_outputs = (outputs, grads, params)
         return _place(inputs, wanted, got), work
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}

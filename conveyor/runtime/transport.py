@@ -104,8 +104,9 @@ class Transport:
         for work, _, what, peer in sends:
             if id(work) not in done:
                 done.add(id(work))
-                self._wait(work, f"{self.name(self.rank)}: {what} to {self.name(peer)}",
-                           self.name(peer))
+                self._wait(
+                    work, f"{self.name(self.rank)}: {what} to {self.name(peer)}", self.name(peer)
+                )
 
     def prune(self) -> None:
         """Forget sends that already completed, so their buffers can be freed early."""
@@ -142,9 +143,7 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
         )
 
 
-def collective(
-    start: Callable[[], Work | None], timeout: float, doing: str, suspect: str
-) -> None:
+def collective(start: Callable[[], Work | None], timeout: float, doing: str, suspect: str) -> None:
     """Run a collective started by ``start`` (``async_op=True``) and wait at most
     ``timeout`` seconds: a failure, time-out or error at the start raises a
     :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died,

@@ -122,9 +122,10 @@ class VocabRunner:
 
     def sample(self, value: Any) -> Any:
         """A capture sample as the first stage sees it (:meth:`first_input`, zeros)."""
-        if self.takes == "replace" or (self.takes == "inputs_embeds" and (
-            not isinstance(value, dict) or "input_ids" not in value
-        )):
+        if self.takes == "replace" or (
+            self.takes == "inputs_embeds"
+            and (not isinstance(value, dict) or "input_ids" not in value)
+        ):
             return value
         ids = token_ids(value)
         weight = self.shards.local(self.shards.embedding)
@@ -291,8 +292,10 @@ class VocabRunner:
         grad = shard_grad(logits, lse, targets, weight_tok, rows, loss.label_smoothing)
         weight = shards.local(shards.output).detach()
         with self._autocast():
-            grad_in = (grad.to(flat.dtype) @ weight.to(flat.dtype)) if weight.shape[0] else (
-                torch.zeros_like(flat)
+            grad_in = (
+                (grad.to(flat.dtype) @ weight.to(flat.dtype))
+                if weight.shape[0]
+                else (torch.zeros_like(flat))
             )
             grad_w = grad.t().to(flat.dtype) @ flat  # [0, hidden] on a rank of no rows
         grad_in = grad_in.to(flat.dtype)

@@ -120,7 +120,8 @@ def _initialize(
         for key in saved_params:
             if key in fresh:
                 module._parameters[key] = nn.Parameter(
-                    fresh[key], requires_grad=saved_params[key].requires_grad  # type: ignore[union-attr]
+                    fresh[key],
+                    requires_grad=saved_params[key].requires_grad,  # type: ignore[union-attr]
                 )
         for key in saved_buffers:
             if key in fresh:

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import published_runs as pr
+from conveyor.planning import PRESETS
 
 KINDS = {"samples_per_s_per_gpu", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory_gb"}
 SCHEDULES = {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto"}
@@ -22,7 +23,7 @@ def test_row_is_consistent(run: pr.Run) -> None:
     assert run.gpus == run.pp * run.tp * run.dp * run.cp
     assert run.global_batch % (run.microbatch_size * run.dp) == 0
     assert run.microbatches >= 1
-    assert run.hardware in pr.HARDWARE
+    assert run.hardware in PRESETS
     assert run.schedule in SCHEDULES
     assert set(run.measured) <= KINDS
     assert all(value > 0 for value in run.measured.values())
@@ -68,7 +69,7 @@ def test_table_sizes_and_pairs() -> None:
 def test_published_percentages_match_the_presets_peaks() -> None:
     for key in ("megatron-table1", "llama3-table4"):
         for run in pr.by_source(key):
-            peak = pr.HARDWARE[run.hardware].bf16_tflops
+            peak = PRESETS[run.hardware].peak_tflops
             assert run.measured["tflops_per_gpu"] / peak == pytest.approx(
                 run.measured["mfu"], abs=0.01
             )
