@@ -409,3 +409,22 @@ def test_one_work_per_batch_group_as_nccl_returns_it(recorded: dict[str, Traces]
         for members in groups.values():  # each group waited for, and only as a whole
             assert members in waited
             assert all(w == members or w.isdisjoint(members) for w in waited)
+
+
+def test_report_paths_do_not_depend_on_the_checkout_folders_name() -> None:
+    # A checkout cloned into a folder named like the library (`git clone` makes
+    # .../conveyor/conveyor/): its tests are not library frames, and paths are relative to
+    # the checkout, whatever it is called.
+    from types import SimpleNamespace
+
+    from tests.support import nccl_record
+
+    rec = nccl_record._Recorder("conveyor")
+    rec.library, rec.root = "/src/conveyor/conveyor/", "/src/conveyor/"
+    frame: Any = SimpleNamespace(f_lineno=7, f_code=SimpleNamespace(co_name="fn"))
+    test_file = "/src/conveyor/tests/parallel/test_x.py"
+    assert rec.format(frame, test_file) == "tests/parallel/test_x.py:7 in fn"
+    assert (
+        rec.format(frame, "/src/conveyor/conveyor/runtime/a.py") == "conveyor/runtime/a.py:7 in fn"
+    )
+    assert not test_file.startswith(rec.library)

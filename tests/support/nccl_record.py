@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import os
 import sys
@@ -84,7 +85,13 @@ class _Recorder:
 
     def __init__(self, library: str) -> None:
         self.trace: Trace = []
-        self.marker = os.sep + library + os.sep
+        # The library's own directory, and the folder holding it (the checkout): frames are
+        # told apart by where the imported package lives, not by a folder's name, so a
+        # checkout that is itself named like the library reports the same paths.
+        package = importlib.import_module(library).__file__
+        assert package is not None
+        self.library = os.path.dirname(os.path.abspath(package)) + os.sep
+        self.root = os.path.dirname(self.library.rstrip(os.sep)) + os.sep
         self.lock = threading.Lock()
         self.local = threading.local()
         self.batches = 0
@@ -135,14 +142,16 @@ class _Recorder:
             if not skip:
                 text = self.format(frame, name)
                 caller = caller or text
-                if self.marker in name:
+                if name.startswith(self.library):
                     stack.append(text)
             frame = frame.f_back
         return {"where": stack[0] if stack else "", "stack": tuple(stack), "caller": caller}
 
     def format(self, frame: FrameType, name: str) -> str:
-        if self.marker in name:
-            path = name[name.rindex(self.marker) + 1 :]
+        """``path:line in function``, the path relative to the checkout holding the library
+        (else to the working directory, else absolute)."""
+        if name.startswith(self.root):
+            path = name[len(self.root) :]
         else:
             path = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
         return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
