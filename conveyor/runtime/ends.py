@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.errors import PipelineError
+from conveyor.errors import ConfigError, PipelineError
 from conveyor.losses import output_field
 from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term, router_term
 from conveyor.runtime.step_state import StepState
@@ -63,18 +63,50 @@ class StageEnds(Protocol):
 
 
 def model_loss(out: Any) -> torch.Tensor:
-    """The loss a model computed itself (``loss_fn=None``): its output if that is a scalar,
-    else the output's ``loss`` (a ``ModelOutput`` / dict entry or attribute)."""
+    """The loss a model computed itself (``loss_fn=None``), by one rule: the output if it
+    is a one-element tensor; else its ``loss`` (a ``ModelOutput`` / dict entry or
+    attribute); else, for a tuple or list (nanoGPT's ``(logits, loss)``), its one 0-dim
+    floating-point tensor.
+
+    Raises:
+        ConfigError: none of these holds a loss, or a tuple holds several 0-dim tensors
+            (names the output and the ``loss_fn`` to write).
+    """
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return out
     loss = output_field(out, "loss")
-    if loss is None:
-        raise PipelineError(
-            f"loss_fn=None takes the loss from the model's output, but its "
-            f"{type(out).__name__} has no loss; pass what the model needs to compute one "
-            f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
+    if loss is not None:
+        return loss
+    if isinstance(out, (tuple, list)):
+        found = [i for i, x in enumerate(out) if _scalar(x)]
+        if len(found) == 1:
+            return out[found[0]]  # type: ignore[no-any-return]
+        shapes = ", ".join(_shape(x) for x in out)
+        which = "no" if not found else f"{len(found)}"
+        pick = found[-1] if found else len(out) - 1
+        raise ConfigError(
+            f"loss_fn=None takes the loss from the model's output, and a {type(out).__name__} "
+            f"output's loss is its one 0-dim tensor, but ({shapes}) holds {which} such "
+            f"tensors; pass Pipeline(loss_fn=lambda out, _: out[{pick}]) naming the loss, "
+            f"or pass what the model needs to compute one (e.g. its targets)"
         )
-    return loss
+    raise ConfigError(
+        f"loss_fn=None takes the loss from the model's output, but its "
+        f"{type(out).__name__} has no loss; pass what the model needs to compute one "
+        f"(e.g. labels in the inputs dict), or give Pipeline a loss_fn"
+    )
+
+
+def _scalar(value: Any) -> bool:
+    """A 0-dim floating-point tensor: what a tuple output's loss is."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+def _shape(value: Any) -> str:
+    """A tuple element as the error names it: ``Tensor[4, 8]``, ``Tensor[]``, ``None``."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor[{', '.join(map(str, value.shape))}]"
+    return "None" if value is None else type(value).__name__
 
 
 def add_term(state: StepState, term: LossTerm, m: int) -> None:

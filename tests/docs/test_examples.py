@@ -89,6 +89,21 @@ def test_gpt_under_launch_with_four_ranks_and_interleaving() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_nanogpt_learns_under_launch_with_its_optimizer_built_first() -> None:
+    out = run(
+        [sys.executable, "-m", "conveyor.launch", "--nproc-per-node", "2", "examples/nanogpt.py",
+         "--steps", "40", "--n-embd", "32", "--n-layer", "2", "--block-size", "16",
+         "--chars", "20000", "--schedule", "zb-h1"],
+        timeout=240,
+    )  # fmt: skip
+    seen = [float(line.split("loss")[1].split()[0]) for line in out.splitlines()
+            if line.startswith("step")]  # fmt: skip
+    assert len(seen) >= 5 and seen[-1] < seen[0] - 1.0, out  # the optimizer trains the stages
+    assert "Pipeline(zb-h1, 2 ranks x 1 chunks = 2 stages, 4 micro-batches)" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_gpt_resumed_from_its_checkpoint_trains_as_an_uninterrupted_run(tmp_path: Path) -> None:
     """The docstring's promise: a run started again resumes from --checkpoint and sees the
     batches the lost one would have, so its losses are the uninterrupted run's."""

@@ -94,6 +94,8 @@ def test_every_example_imports_when_copied_alone(tmp_path: Path) -> None:
     [
         ("gpt", ["--steps", "2", "--chars", "3000", "--width", "16", "--depth", "2",
                  "--context", "8", "--sample", "5"], "2 stages, 4 micro-batches, in one process"),
+        ("nanogpt", ["--steps", "2", "--chars", "3000", "--n-embd", "16", "--n-layer", "2",
+                     "--block-size", "8"], "2 stages, 4 micro-batches, in one process"),
         ("resnet", ["--steps", "1", "--base", "8", "--blocks", "1,1,1,1", "--batch-size", "8"],
          "held-out accuracy"),
     ],

@@ -46,6 +46,18 @@ SETUP: dict[str, str] = {
     # The README's meta-device model, after its Use snippet (one process here).
     "from transformers import AutoModelForCausalLM": "import torch, conveyor\nconveyor.init()\n",
     "from conveyor.runtime.program import": "",
+    # nanoGPT's model (examples/nanogpt.py), tiny, on a 2-rank pipeline in one process.
+    "model = GPT(config)": f"""
+import importlib.util, sys, torch, conveyor
+spec = importlib.util.spec_from_file_location("nanogpt", "{ROOT / 'examples' / 'nanogpt.py'}")
+nanogpt = importlib.util.module_from_spec(spec)
+sys.modules["nanogpt"] = nanogpt
+spec.loader.exec_module(nanogpt)
+GPT = nanogpt.GPT
+conveyor.init(pp=2)
+config = nanogpt.GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
+idx, targets = torch.randint(0, 32, (8, 16)), torch.randint(0, 32, (8, 16))
+""",
     "# plan_me.py": "",
     "model.blocks[4].pipeline_stage = 1": """
 import functools, torch, conveyor

@@ -355,7 +355,7 @@ def test_loss_fn_none_errors() -> None:
     with pytest.raises(conveyor.ConfigError, match=r"targets are not used; pass the labels"):
         pipe.train_step(inputs, inputs["labels"])
     unlabelled = conveyor.Pipeline(model, loss_fn=None, microbatches=2, context=conveyor.init(pp=2))
-    with pytest.raises(conveyor.PipelineError, match=r"has no loss; pass what the model needs"):
+    with pytest.raises(conveyor.ConfigError, match=r"has no loss; pass what the model needs"):
         unlabelled.train_step({"input_ids": inputs["input_ids"]}, None)
 
 
