@@ -22,7 +22,6 @@ here: windows of one length). With padded rows (targets ``-1``) pass a token los
 again (docs/guide/losses.md).
 """
 
-
 import argparse
 import inspect
 import math
