@@ -118,9 +118,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor]
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=device)
     queries = plan.sequence.tokens(list(plan.rotation.ranks), device)
     block = torch.stack([k, v], dim=1)
-    size = plan.rotation.size
+    size, turn = plan.rotation.size, plan.rotation.turn()
     for step in range(size):
-        move = plan.rotation.start(block, "keys and values") if step + 1 < size else None
+        move = turn.start(block, "keys and values") if step + 1 < size else None
         keys = plan.sequence.tokens(plan.sources(step), device)
         kb, vb = _expand(block[:, 0], groups), _expand(block[:, 1], groups)
         for (r0, rn), (c0, cn), mask, salt in _pieces(plan, queries, keys, length, step):
@@ -152,9 +152,9 @@ def attend_backward(
     queries = plan.sequence.tokens(list(plan.rotation.ranks), device)
     block = torch.stack([k, v], dim=1)
     held = torch.zeros(block.shape, dtype=dtype, device=device)  # its dk, dv so far
-    size = plan.rotation.size
+    size, turn = plan.rotation.size, plan.rotation.turn()
     for step in range(size):
-        move = plan.rotation.start(block, "keys and values") if step + 1 < size else None
+        move = turn.start(block, "keys and values") if step + 1 < size else None
         keys = plan.sequence.tokens(plan.sources(step), device)
         kb, vb = _expand(block[:, 0], groups), _expand(block[:, 1], groups)
         dk = torch.zeros(kb.shape, dtype=dtype, device=device)
@@ -172,7 +172,7 @@ def attend_backward(
             dv.narrow(3, c0, cn).add_(gv)
         held = held + torch.stack([_fold(dk, groups), _fold(dv, groups)], dim=1)
         # The block's gradient goes on with it; after the last step it reaches its owner.
-        returned = plan.rotation.start(held, "key and value gradients")
+        returned = turn.give(held, last=step + 1 == size)
         if move is not None:
             block = move.result()
         held = returned.result()

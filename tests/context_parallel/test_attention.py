@@ -135,10 +135,12 @@ def test_dropout_redraws_its_masks_in_the_backward() -> None:
     assert torch.autograd.gradcheck(lambda a, b, c: RingAttention.apply(a, b, c, plan), (q, k, v))
 
 
-def _on_ranks(rank: int, cp: int, rule: Rule, doc: Tensor | None) -> dict[str, Tensor]:
+def _on_ranks(
+    rank: int, cp: int, rule: Rule, doc: Tensor | None, gathered: bool
+) -> dict[str, Tensor]:
     import torch.distributed as dist
 
-    from conveyor.context_parallel.rotation import Ring
+    from conveyor.context_parallel.rotation import Gathered, Ring, Rotation
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -148,7 +150,8 @@ def _on_ranks(rank: int, cp: int, rule: Rule, doc: Tensor | None) -> dict[str, T
     v = torch.randn(b, hkv, length, d, requires_grad=True)
     w = torch.randn(b, h, length, d)
     ring = Ring(rank, tuple(range(cp)), dist.group.WORLD, timeout=30.0)
-    plan = Plan(ring, Sequence(length, cp, doc), rule, d**-0.5, Dropout(0.0, 0))
+    rotation: Rotation = Gathered(ring) if gathered else ring
+    plan = Plan(rotation, Sequence(length, cp, doc), rule, d**-0.5, Dropout(0.0, 0))
 
     def share(t: Tensor) -> Tensor:
         return layout.cut(t, 2, cp, rank)[None]
@@ -159,13 +162,14 @@ def _on_ranks(rank: int, cp: int, rule: Rule, doc: Tensor | None) -> dict[str, T
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("gathered", [False, True], ids=["ring", "all-gather"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_the_ring_across_processes(cp: int) -> None:
+def test_across_processes(cp: int, gathered: bool) -> None:
     from tests.support import distributed
 
     doc = torch.tensor([[0] * 7 + [1] * 25, [0] * 20 + [1] * 12])
     rule = Rule(True)
-    results = distributed.run(_on_ranks, cp, cp, rule, doc, fork=True)
+    results = distributed.run(_on_ranks, cp, cp, rule, doc, gathered, fork=True)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 32, 8, requires_grad=True)
     k = torch.randn(2, 2, 32, 8, requires_grad=True)
