@@ -19,7 +19,7 @@ from torch import Tensor
 
 from conveyor.context_parallel import blocks
 from conveyor.context_parallel.layout import held_index
-from conveyor.context_parallel.masks import Rule, Tokens, allowed, attends_nothing
+from conveyor.context_parallel.masks import NOTHING, Rule, Tokens, both, by_data, by_index
 from conveyor.context_parallel.rotation import Rotation
 
 TILE = 1024
@@ -42,12 +42,16 @@ class Sequence:
     doc: Tensor | None = None
     valid: Tensor | None = None
 
-    def tokens(self, ranks: list[int], device: torch.device) -> Tokens:
-        """The tokens of cp ranks ``ranks`` (stacked in that order)."""
-        index = torch.stack([held_index(self.length, self.cp, r, device) for r in ranks])
+    def tokens(self, ranks: list[int]) -> Tokens:
+        """The tokens of cp ranks ``ranks`` (stacked in that order); indices on the CPU,
+        documents and padding on their device."""
+        index = torch.stack([held_index(self.length, self.cp, r) for r in ranks])
 
         def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None else torch.stack([t[:, i] for i in index])
+            if t is None:
+                return None
+            on = index.to(t.device)
+            return torch.stack([t[:, i] for i in on])
 
         return Tokens(index, pick(self.doc), pick(self.valid))
 
@@ -89,21 +93,49 @@ def _fold(t: Tensor, groups: int) -> Tensor:
     return t.view(v, b, h // groups, groups, length, d).sum(dim=3)
 
 
-def _pieces(plan: Plan, queries: Tokens, keys: Tokens, length: int, step: int) -> list[Any]:
+_INDEX_MASKS: dict[tuple[Any, ...], Tensor | None] = {}
+"""Masks by index on their device, per layout: the same for every layer and micro-batch
+of a length, so each is made (and copied to the device) once."""
+
+
+def _index_mask(
+    rule: Rule, queries: Tensor, keys: Tensor, key: tuple[Any, ...], device: torch.device
+) -> Tensor | None:
+    cached = _INDEX_MASKS.get(key, _INDEX_MASKS)
+    if cached is not _INDEX_MASKS:
+        return cached  # type: ignore[return-value]
+    mask = by_index(rule, queries, keys)
+    if mask is not None and mask is not NOTHING:
+        mask = mask.to(device)
+    if len(_INDEX_MASKS) > 4096:
+        _INDEX_MASKS.clear()
+    _INDEX_MASKS[key] = mask
+    return mask
+
+
+def _pieces(
+    plan: Plan, queries: Tokens, keys: Tokens, length: int, step: int, device: torch.device
+) -> list[Any]:
     """The (query tile, key chunk) pairs that attend something, as ``(rows, cols, mask,
     salt)`` with ``rows`` / ``cols`` as (start, length). Tiles never span the two chunks a
     rank holds, so a tile of the early chunk skips the late chunks it cannot see."""
     out = []
     chunk = length // 2
     starts = [c + t for c in (0, chunk) for t in range(0, chunk, TILE)]
+    layout = (plan.rule, length, plan.rotation.size, plan.rotation.ranks, step, device)
     for n, start in enumerate(starts):
         rows = (start, min(TILE, chunk - start % chunk))
         for k, first in enumerate((0, chunk)):
-            mask = allowed(plan.rule, queries.narrow(*rows), keys.narrow(first, chunk))
-            if attends_nothing(mask):
+            cols = (first, chunk)
+            index = _index_mask(
+                plan.rule, queries.index.narrow(-1, *rows), keys.index.narrow(-1, *cols),
+                (*layout, rows, cols), device,
+            )  # fmt: skip
+            if index is NOTHING:
                 continue
+            mask = both(index, by_data(queries.narrow(*rows), keys.narrow(*cols)))
             salt = ((plan.rotation.ranks[0] * plan.rotation.size + step) * len(starts) + n) * 2 + k
-            out.append((rows, (first, chunk), mask, salt))
+            out.append((rows, cols, mask, salt))
     return out
 
 
@@ -116,14 +148,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=dtype, device=device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=device)
-    queries = plan.sequence.tokens(list(plan.rotation.ranks), device)
+    queries = plan.sequence.tokens(list(plan.rotation.ranks))
     block = torch.stack([k, v], dim=1)
     size, turn = plan.rotation.size, plan.rotation.turn()
     for step in range(size):
         move = turn.start(block, "keys and values") if step + 1 < size else None
-        keys = plan.sequence.tokens(plan.sources(step), device)
+        keys = plan.sequence.tokens(plan.sources(step))
         kb, vb = _expand(block[:, 0], groups), _expand(block[:, 1], groups)
-        for (r0, rn), (c0, cn), mask, salt in _pieces(plan, queries, keys, length, step):
+        for (r0, rn), (c0, cn), mask, salt in _pieces(plan, queries, keys, length, step, device):
             qt = q.narrow(3, r0, rn)
             keep = plan.dropout.keep((*qt.shape[:-1], cn), device, salt)
             o, s = blocks.forward(
@@ -149,17 +181,17 @@ def attend_backward(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1)
     dq = torch.zeros(q.shape, dtype=dtype, device=device)
-    queries = plan.sequence.tokens(list(plan.rotation.ranks), device)
+    queries = plan.sequence.tokens(list(plan.rotation.ranks))
     block = torch.stack([k, v], dim=1)
     held = torch.zeros(block.shape, dtype=dtype, device=device)  # its dk, dv so far
     size, turn = plan.rotation.size, plan.rotation.turn()
     for step in range(size):
         move = turn.start(block, "keys and values") if step + 1 < size else None
-        keys = plan.sequence.tokens(plan.sources(step), device)
+        keys = plan.sequence.tokens(plan.sources(step))
         kb, vb = _expand(block[:, 0], groups), _expand(block[:, 1], groups)
         dk = torch.zeros(kb.shape, dtype=dtype, device=device)
         dv = torch.zeros(kb.shape, dtype=dtype, device=device)
-        for (r0, rn), (c0, cn), mask, salt in _pieces(plan, queries, keys, length, step):
+        for (r0, rn), (c0, cn), mask, salt in _pieces(plan, queries, keys, length, step, device):
             qt = q.narrow(3, r0, rn)
             keep = plan.dropout.keep((*qt.shape[:-1], cn), device, salt)
             gq, gk, gv = blocks.backward(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 
@@ -22,7 +23,8 @@ class Tokens:
     """Some tokens of each cp rank this process computes (``V`` of them).
 
     Attributes:
-        index: ``[V, L]`` their global indices in the sequence.
+        index: ``[V, L]`` their global indices in the sequence, on the CPU (what is masked
+            by index alone is decided there: no device sync).
         doc: ``[V, B, L]`` the document each belongs to (rows packed from several
             documents), or None (one document per row).
         valid: ``[V, B, L]`` True where the token may be attended (not padding), or None.
@@ -41,29 +43,43 @@ class Tokens:
         )
 
 
-def allowed(rule: Rule, queries: Tokens, keys: Tokens) -> Tensor | None:
-    """True where a query may attend a key, shaped ``[V, B or 1, 1, Lq, Lk]``; None when
-    every query may attend every key."""
-    qi = queries.index[:, None, None, :, None]
-    ki = keys.index[:, None, None, None, :]
+NOTHING = torch.zeros((), dtype=torch.bool)
+""":func:`by_index`'s answer when no query may attend any key (the block is skipped)."""
+
+
+def by_index(rule: Rule, queries: Tensor, keys: Tensor) -> Tensor | None:
+    """What the tokens' indices alone allow (causal order, window), on the CPU, shaped
+    ``[V, 1, 1, Lq, Lk]``: None when every query may attend every key, :data:`NOTHING` when
+    none may attend any. ``queries``, ``keys``: ``[V, L]`` global indices."""
+    qi = queries[:, None, None, :, None]
+    ki = keys[:, None, None, None, :]
     mask: Tensor | None = None
-
-    def both(a: Tensor | None, b: Tensor) -> Tensor:
-        return b if a is None else a & b
-
     if rule.causal:
-        mask = both(mask, ki <= qi)
+        mask = ki <= qi
     if rule.window is not None:
-        mask = both(mask, qi - ki < rule.window)
-    if queries.doc is not None and keys.doc is not None:
-        mask = both(mask, queries.doc[:, :, None, :, None] == keys.doc[:, :, None, None, :])
-    if keys.valid is not None:
-        mask = both(mask, keys.valid[:, :, None, None, :])
-    if mask is not None and bool(mask.all()):
+        near = qi - ki < rule.window
+        mask = near if mask is None else mask & near
+    if mask is None:
         return None
+    if not bool(mask.any()):
+        return NOTHING
+    return None if bool(mask.all()) else mask
+
+
+def by_data(queries: Tokens, keys: Tokens) -> Tensor | None:
+    """What the documents and the padding allow, on their device, shaped ``[V, B, 1, Lq,
+    Lk]`` (or ``[V, B, 1, 1, Lk]``); None when they allow everything."""
+    mask: Tensor | None = None
+    if queries.doc is not None and keys.doc is not None:
+        mask = queries.doc[:, :, None, :, None] == keys.doc[:, :, None, None, :]
+    if keys.valid is not None:
+        valid = keys.valid[:, :, None, None, :]
+        mask = valid if mask is None else mask & valid
     return mask
 
 
-def attends_nothing(mask: Tensor | None) -> bool:
-    """No query attends any key (the block is skipped)."""
-    return mask is not None and not bool(mask.any())
+def both(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """Allowed by ``a`` and by ``b`` (None allows everything)."""
+    if a is None:
+        return b
+    return a if b is None else a & b

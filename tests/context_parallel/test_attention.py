@@ -116,9 +116,9 @@ def test_a_causal_rank_skips_what_it_cannot_see() -> None:
     # rank 0 holds chunks 0 and 3 of 4: its first chunk sees only itself, so of the two
     # blocks' four chunk pairs per tile, the future ones are skipped
     plan = Plan(Stacked(2), Sequence(16, 2), Rule(True), 1.0, Dropout(0.0, 0))
-    queries = plan.sequence.tokens([0], torch.device("cpu"))
-    own = attention._pieces(plan, queries, plan.sequence.tokens([0], torch.device("cpu")), 8, 0)
-    other = attention._pieces(plan, queries, plan.sequence.tokens([1], torch.device("cpu")), 8, 1)
+    queries = plan.sequence.tokens([0])
+    own = attention._pieces(plan, queries, plan.sequence.tokens([0]), 8, 0, torch.device("cpu"))
+    other = attention._pieces(plan, queries, plan.sequence.tokens([1]), 8, 1, torch.device("cpu"))
     assert len(own) == 3  # chunk 0 vs 0 (diagonal), 3 vs 0, 3 vs 3 (diagonal)
     assert len(other) == 2  # chunk 3 vs 1 and 3 vs 2; chunk 0 sees neither
     assert all(mask is None for _, (c0, _), mask, _ in other)
