@@ -39,15 +39,12 @@ def _length(value: Any) -> int | None:
     return None
 
 
-def documents(positions: Tensor) -> Tensor | None:
+def documents(positions: Tensor) -> Tensor:
     """Each token's document from ``[B, S]`` position ids that restart at each document
-    (transformers' ``DataCollatorWithFlattening``), or None when every row is one
-    document."""
+    (transformers' ``DataCollatorWithFlattening``): a new one wherever a position does
+    not follow the one before it."""
     first = positions[:, :1] - 1
-    starts = torch.diff(positions, dim=1, prepend=first) != 1
-    if not bool(starts[:, 1:].any()):
-        return None
-    return starts.cumsum(dim=1)
+    return (torch.diff(positions, dim=1, prepend=first) != 1).cumsum(dim=1)
 
 
 @dataclass(frozen=True)
@@ -112,21 +109,22 @@ class Cut:
         positions = value.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=rows.device).expand(rows.size(0), length)
+        else:  # the user's positions may restart: packed documents (no host sync to ask)
+            value[install.DOC] = documents(positions)
         value["position_ids"] = positions
         labels = value.get("labels")
         if self.shift_labels and isinstance(labels, Tensor) and "shift_labels" not in value:
             shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
             value["shift_labels"] = value["labels"] = shifted
-        out = self._cut(value, length)
-        out[install.KEY] = self.key
         # The whole sequence's documents and padding ([B, S], not cut): the attention
         # masks any rank's keys by them.
-        doc = documents(positions)
-        if doc is not None:
-            out[install.DOC] = doc
+        whole = {k: value.pop(k) for k in (install.DOC,) if k in value}
         mask = value.get("attention_mask")
-        if isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            out[install.VALID] = mask.bool()
+        if isinstance(mask, Tensor) and mask.dim() == 2:
+            whole[install.VALID] = mask.bool()
+        out = self._cut(value, length)
+        out[install.KEY] = self.key
+        out.update(whole)
         return out
 
     def targets(self, value: Any, length: int) -> Any:
