@@ -60,6 +60,9 @@ class Cut:
             attention interface (positions, documents and padding are passed on).
         shift_labels: Next-token labels: ``labels`` are shifted before the cut and given
             as ``shift_labels`` (transformers' causal LM losses read them as they are).
+        shift_targets: A ``loss_fn``'s targets are next-token targets, shifted before the
+            cut with this ``ignore_index`` at the end (a ``TokenCrossEntropy(shift=True)``,
+            which then runs unshifted); None: cut as they are.
     """
 
     cp: int
@@ -67,6 +70,7 @@ class Cut:
     key: int
     transformers: bool
     shift_labels: bool
+    shift_targets: int | None = None
 
     def share(self, t: Tensor) -> Tensor:
         """``t``'s share along dimension 1 (every held rank's, stacked on dimension 0)."""
@@ -128,7 +132,18 @@ class Cut:
         return out
 
     def targets(self, value: Any, length: int) -> Any:
-        """A ``loss_fn``'s targets for this process: cut like the inputs."""
+        """A ``loss_fn``'s targets for this process: shifted if they are next-token
+        targets, then cut like the inputs."""
+        ignore = self.shift_targets
+        if ignore is not None:
+            value = pytree.tree_map(
+                lambda t: (
+                    F.pad(t[:, 1:], (0, 1), value=ignore)
+                    if isinstance(t, Tensor) and t.dim() > 1 and t.size(1) == length
+                    else t
+                ),
+                value,
+            )
         return self._cut(value, length)
 
     def count(self, labels: Tensor) -> Tensor:
