@@ -75,9 +75,9 @@ class SequenceEnds:
     def _join(self, value: Any) -> Any:
         if not isinstance(value, Tensor) or value.dim() < 2:
             return value
+        gather = self.gather
         # In one process every rank's share is stacked on the rows.
-        stacked = self.gather is None
-        parts = list(value.chunk(len(self.cut.ranks))) if stacked else self.gather(value)
+        parts = list(value.chunk(len(self.cut.ranks))) if gather is None else gather(value)
         return layout.join(parts, 1)
 
     def output_grad(self, m: int) -> list[Tensor] | None:
