@@ -11,7 +11,9 @@
 
 Planning for a cluster nobody has to own (``conveyor.planning.estimate``):
 
-- :mod:`~conveyor.planning.counting`: a model's FLOPs, bytes and saved activations on meta;
+- :mod:`~conveyor.planning.counting`: a model's FLOPs, bytes and saved activations on meta
+  (:mod:`~conveyor.planning.model_count` what a count holds, :mod:`~conveyor.planning.tracing`
+  the traced step, :mod:`~conveyor.planning.recording` what its operations do);
 - :mod:`~conveyor.planning.hardware`: the GPUs, and the rates their kernels reach;
 - :mod:`~conveyor.planning.collectives`: transfers and collectives by NCCL's cost model;
 - :mod:`~conveyor.planning.layout`: pp, tp, dp, ep, schedule and batch of a run;

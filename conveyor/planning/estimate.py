@@ -28,9 +28,10 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.planning import collectives
-from conveyor.planning.counting import ATTENTION, MATMUL, ModelCount, Op, Part, count_model
+from conveyor.planning.counting import count_model
 from conveyor.planning.hardware import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.model_count import ATTENTION, MATMUL, ModelCount, Op, Part
 from conveyor.schedules import Schedule, get_schedule, zero_bubble_auto
 from conveyor.simulate import peak_activations, simulate
 

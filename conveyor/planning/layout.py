@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 
 from conveyor.errors import ConfigError
-from conveyor.planning.counting import DTYPES
+from conveyor.planning.model_count import DTYPES
 from conveyor.schedules import SCHEDULE_NAMES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")

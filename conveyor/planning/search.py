@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
-from conveyor.planning.counting import ModelCount, count_model
+from conveyor.planning.counting import count_model
 from conveyor.planning.estimate import Estimate, predict
 from conveyor.planning.hardware import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.model_count import ModelCount
 
 SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1),
