@@ -7,7 +7,8 @@
 - :mod:`~conveyor.planning.meta`: a meta-device model's units made real one at a time;
 - :mod:`~conveyor.planning.cost_model`: a candidate's balance, step time and memory;
 - :mod:`~conveyor.planning.calibration`: a profile scaled to a few real steps;
-- :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches.
+- :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches;
+- :mod:`~conveyor.planning.plan_result`: the plan it returns, with every candidate ranked.
 
 Planning for a cluster nobody has to own (``conveyor.planning.estimate``):
 
