@@ -11,7 +11,7 @@ from transformers import LlamaConfig, masking_utils
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conveyor.planning.counting import count_model
-from conveyor.planning.model_count import ATTENTION, MATMUL
+from conveyor.planning.model_count import ATTENTION, MATMUL, OTHER, Op
 
 
 def llama(layers: int = 3, h: int = 128) -> LlamaConfig:
@@ -65,3 +65,11 @@ def test_each_layers_work_is_its_own() -> None:
     assert sum(o.flops * o.count for o in post.forward if o.kind == MATMUL) == 2 * s * h * 512
     assert sum(o.flops * o.count for o in post.backward if o.kind == MATMUL) == 2 * s * h * 512
     assert counted.heads == 4 and counted.kv_heads == 2
+    # B and W of the first and second layers are alike; the embedding's backward, which
+    # runs after the first layer's, is pre's W alone: it reads the [s, h] gradient and
+    # the s token ids (int64) and writes the [512, h] weight gradient, in bf16
+    first, second = counted.layers[:2]
+    assert sorted(map(repr, first.backward)) == sorted(map(repr, second.backward))
+    assert sorted(map(repr, first.weight)) == sorted(map(repr, second.weight))
+    assert pre.backward == ()
+    assert pre.weight == (Op(OTHER, 0.0, s * h * 2 + s * 8 + 512 * h * 2, 0, False, 1),)
