@@ -7,11 +7,14 @@
 - :mod:`~conveyor.planning.meta`: a meta-device model's units made real one at a time;
 - :mod:`~conveyor.planning.cost_model`: a candidate's balance, step time and memory;
 - :mod:`~conveyor.planning.calibration`: a profile scaled to a few real steps;
-- :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches.
+- :mod:`~conveyor.planning.planner`: the search over schedules, chunks and micro-batches;
+- :mod:`~conveyor.planning.plan_result`: the plan it returns, with every candidate ranked.
 
 Planning for a cluster nobody has to own (``conveyor.planning.estimate``):
 
-- :mod:`~conveyor.planning.counting`: a model's FLOPs, bytes and saved activations on meta;
+- :mod:`~conveyor.planning.counting`: a model's FLOPs, bytes and saved activations on meta
+  (:mod:`~conveyor.planning.model_count` what a count holds, :mod:`~conveyor.planning.tracing`
+  the traced step, :mod:`~conveyor.planning.recording` what its operations do);
 - :mod:`~conveyor.planning.hardware`: the GPUs, and the rates their kernels reach;
 - :mod:`~conveyor.planning.collectives`: transfers and collectives by NCCL's cost model;
 - :mod:`~conveyor.planning.layout`: pp, tp, dp, ep, schedule and batch of a run;

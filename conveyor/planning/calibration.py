@@ -13,7 +13,7 @@ The reference pipelines get the planned pipeline's ``recompute`` and ``autocast`
 meta model's ``weights`` / ``init_seed``), so they time its step, but always with eager
 stages: ``compile=`` is not applied (compiling four references would cost more than the
 steps they time), and a calibration says so (:attr:`Calibration.compile_skipped`; the
-plan's :attr:`~conveyor.planning.planner.Plan.basis`). ``fsdp`` and ``tp_plan`` never reach
+plan's :attr:`~conveyor.planning.plan_result.Plan.basis`). ``fsdp`` and ``tp_plan`` never reach
 it: calibration runs only where the world is the pipeline ranks alone, with no replicas or
 tensor-parallel ranks to shard over.
 

@@ -10,8 +10,9 @@ A tree all-reduce crosses log2(nodes) network steps each way, at 0.92 of the ban
 :func:`all_reduce`. Links run at 0.8 of their rate, the bus bandwidth ``nccl-tests``
 measures on 8 A100s (234.9 of 300 GB/s) and 8 H200s (366 of 450 GB/s).
 
-A group lies inside one node when its ranks do (``span`` ranks apart at most
-``gpus_per_node``); otherwise its data crosses the network, one adapter per GPU.
+A group of ``size`` ranks ``stride`` apart (:meth:`conveyor.planning.layout.Layout.group`)
+lies inside one node when its ranks do, ranks packed onto nodes in order; otherwise its
+data crosses the network, one adapter per GPU.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ TREE_DERATE = 0.92
 
 
 def _nodes(hw: Hardware, size: int, stride: int) -> int:
-    """Nodes a group of ``size`` ranks ``stride`` apart spans (ranks packed in order)."""
-    return max(1, math.ceil(size * stride / hw.gpus_per_node))
+    """Nodes a group of ``size`` ranks ``stride`` apart spans (ranks packed in order): all
+    of it within ``gpus_per_node``, otherwise a node per ``gpus_per_node / stride`` ranks,
+    and a node each once they are a node or more apart."""
+    return max(1, min(size, math.ceil(size * stride / hw.gpus_per_node)))
 
 
 def _bandwidth(hw: Hardware, nodes: int) -> float:

@@ -28,9 +28,10 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.planning import collectives
-from conveyor.planning.counting import ATTENTION, MATMUL, ModelCount, Op, Part, count_model
+from conveyor.planning.counting import count_model
 from conveyor.planning.hardware import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.model_count import ATTENTION, MATMUL, ModelCount, Op, Part
 from conveyor.schedules import Schedule, get_schedule, zero_bubble_auto
 from conveyor.simulate import peak_activations, simulate
 
@@ -105,6 +106,13 @@ _hardware = hardware
 
 def predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate:
     """:func:`estimate` on a model already counted at the layout's ``seq`` and ``dtype``."""
+    if not counted.tp_divides_heads(layout.tp):
+        splits = [t for t in range(1, counted.heads + 1) if counted.tp_divides_heads(t)]
+        raise ConfigError(
+            f"tp={layout.tp} cannot split the model's {counted.heads} attention heads "
+            f"({counted.kv_heads} key/value heads) evenly; use a tp among "
+            f"{', '.join(map(str, splits))}"
+        )
     stages = layout.pp * layout.chunks
     layers = len(counted.layers)
     if stages > layers + 2:
@@ -230,7 +238,7 @@ class _Times:
     def a2a(self, part: Part) -> float:
         """One all-to-all of a micro-batch's routed tokens among the expert-parallel ranks."""
         nbytes = part.routed_bytes * self.layout.microbatch_size / self.layout.tp
-        return collectives.all_to_all(self.hw, nbytes, self.layout.ep, self.layout.tp)
+        return collectives.all_to_all(self.hw, nbytes, *self.layout.group("ep"))
 
     def part(self, part: Part) -> tuple[float, float, float]:
         f = self.compute(part.forward)
@@ -264,9 +272,11 @@ class _Times:
         if layout.pp == 1:
             return 0.0
         nbytes = self.counted.hidden_bytes * layout.seq * layout.microbatch_size / layout.tp
-        # Neighbours are tp * dp ranks apart: once the pipeline leaves a node, some
+        # A pipeline is pp * tp consecutive ranks: inside a node when every pipeline fits
+        # one (all of them in one node, or nodes holding whole pipelines); otherwise some
         # boundary crosses the network, and every micro-batch passes every boundary.
-        same = layout.gpus <= self.hw.gpus_per_node
+        node = self.hw.gpus_per_node
+        same = layout.gpus <= node or node % (layout.pp * layout.tp) == 0
         return collectives.p2p(self.hw, nbytes, same)
 
     def sync(self, parts: Sequence[Part], cost: tuple[float, float, float]) -> float:
@@ -274,22 +284,21 @@ class _Times:
         optimizer step."""
         layout, hw = self.layout, self.hw
         dense, experts = _params(parts, layout)
-        stride = layout.tp
+        replicas, stride = layout.group("dp")
         if layout.fsdp:  # one gather and one reduce-scatter per part (FSDP wraps each layer)
             weight_bytes = 2 if layout.dtype != "fp32" else 4
             sizes = [sum(_params([p], layout)) for p in parts]
             gather = sum(
-                collectives.all_gather(hw, n * weight_bytes, layout.dp, stride) for n in sizes
+                collectives.all_gather(hw, n * weight_bytes, replicas, stride) for n in sizes
             )
-            scatter = sum(collectives.reduce_scatter(hw, n * 4, layout.dp, stride) for n in sizes)
+            scatter = sum(collectives.reduce_scatter(hw, n * 4, replicas, stride) for n in sizes)
             # Gathered once a step, before the rank's first forward, and reduced after its
             # last backward (conveyor's runtime and torchtitan's with a pipeline).
             exposed = max(0.0, gather - cost[0]) + max(0.0, scatter - cost[1] - cost[2])
         else:
-            exposed = collectives.all_reduce(hw, dense * 4, layout.dp, stride)
-            exposed += collectives.all_reduce(
-                hw, experts * 4, layout.dp // layout.ep, stride * layout.ep
-            )
+            exposed = collectives.all_reduce(hw, dense * 4, replicas, stride)
+            if experts:  # each expert's share among the replicas holding it: dp / ep ranks
+                exposed += collectives.all_reduce(hw, experts * 4, *layout.group("edp"))
         shard = layout.dp if layout.fsdp else 1
         # AdamW reads gradient, master weight and two states, writes the three, and the
         # bf16 copy: 30 bytes a parameter (fp32: 28); SGD reads and writes weight and gradient.

@@ -5,7 +5,7 @@ roofline (Williams, Waterman and Patterson, CACM 2009): an operation takes the l
 its FLOPs at the achievable compute rate and its bytes at the achievable memory rate, so
 its rate grows with its arithmetic intensity (FLOPs per byte, which grows with its size)
 up to the compute ceiling. The ceilings are measured, not fitted to training runs (the
-sources are in ``docs/guide/cluster-planning.md``):
+sources are in ``docs/guide/cluster.md``):
 
 - matrix multiplies: the maximum achievable matmul FLOPS (MAMF) measured on each GPU in
   bf16 (stas00/ml-engineering, ``compute/accelerator/README.md``): A100 SXM 271.2 of 312,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 
 from conveyor.errors import ConfigError
-from conveyor.planning.counting import DTYPES
+from conveyor.planning.model_count import DTYPES
 from conveyor.schedules import SCHEDULE_NAMES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -16,9 +16,11 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 class Layout:
     """One way to run a model on ``pp * tp * dp`` GPUs.
 
-    Ranks are numbered tensor-parallel first, then data-parallel, then pipeline (Megatron's
-    order): a tensor-parallel group sits in one node when it fits, pipeline neighbours are
-    ``tp * dp`` ranks apart. Expert-parallel groups are taken from the data-parallel ranks.
+    Ranks are numbered as :func:`conveyor.init` numbers them, ``rank = (dp_rank * pp +
+    pp_rank) * tp + tp_rank``, and packed onto nodes in order (:meth:`group`): a
+    tensor-parallel group is ``tp`` consecutive ranks, a pipeline ``pp`` ranks ``tp``
+    apart, a data-parallel group ``dp`` ranks ``pp * tp`` apart. Expert-parallel groups are
+    consecutive data-parallel ranks (``dp_rank = edp_rank * ep + ep_rank``).
 
     Attributes:
         pp: Pipeline ranks.
@@ -83,6 +85,23 @@ class Layout:
             raise ConfigError(
                 f"Layout optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+
+    def group(self, axis: str) -> tuple[int, int]:
+        """One group of the mesh along ``axis``: (its ranks, how many ranks apart they are).
+
+        Args:
+            axis: ``"tp"``, ``"pp"`` (a pipeline), ``"dp"`` (the replicas of one rank),
+                ``"ep"`` (the ranks that split the experts among them) or ``"edp"`` (the
+                replicas of one rank's experts, which reduce their gradients).
+        """
+        stage = self.pp * self.tp  # a pipeline's ranks: one replica
+        return {
+            "tp": (self.tp, 1),
+            "pp": (self.pp, self.tp),
+            "dp": (self.dp, stage),
+            "ep": (self.ep, stage),
+            "edp": (self.dp // self.ep, self.ep * stage),
+        }[axis]
 
     @property
     def gpus(self) -> int:

@@ -1,10 +1,10 @@
 """Every layout of a model on a cluster, predicted and ranked: :func:`rank_layouts`.
 
 The layouts are every product ``pp * tp * dp = gpus`` with tensor parallelism inside a
-node (a power of two dividing the attention heads), expert parallelism over the
-data-parallel ranks (a divisor of both ``dp`` and the expert count), FSDP or not, each
-pipeline schedule of :data:`SCHEDULES`, micro-batches of 1 to 8 sequences and recompute or
-not; the model is counted once and every layout is simulated
+node (a power of two dividing the attention heads and the key/value heads), expert
+parallelism over the data-parallel ranks (a divisor of both ``dp`` and the expert count),
+FSDP or not, each pipeline schedule of :data:`SCHEDULES`, micro-batches of 1 to 8
+sequences and recompute or not; the model is counted once and every layout is simulated
 (:func:`~conveyor.planning.estimate.predict`). Layouts that fit the memory limit come
 first, fastest (tokens per second per GPU) first; those over it follow, marked.
 """
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
-from conveyor.planning.counting import ModelCount, count_model
+from conveyor.planning.counting import count_model
 from conveyor.planning.estimate import Estimate, predict
 from conveyor.planning.hardware import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.model_count import ModelCount
 
 SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1),
@@ -103,7 +104,7 @@ _hardware = hardware
 def _predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate | None:
     try:
         return predict(counted, hw, layout)
-    except ConfigError:  # a schedule that cannot run these micro-batches
+    except ConfigError:  # a tp splitting no heads evenly; a schedule these micro-batches fail
         return None
 
 
@@ -114,7 +115,7 @@ def layouts(
     layers = len(counted.layers)
     experts = max((p.experts for p in counted.layers), default=0)
     for tp in _powers_of_two(min(hw.gpus_per_node, gpus)):
-        if gpus % tp or (counted.heads and counted.heads % tp):
+        if gpus % tp:  # a tp that cannot split the heads: predict refuses it
             continue
         for pp in _divisors(gpus // tp):
             if pp > layers + 2:

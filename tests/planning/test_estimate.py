@@ -13,7 +13,8 @@ from transformers import GPT2Config, LlamaConfig, MixtralConfig
 from conveyor.errors import ConfigError
 from conveyor.planning import PRESETS, Hardware, Layout, estimate
 from conveyor.planning.collectives import all_gather, all_reduce, p2p
-from conveyor.planning.counting import ATTENTION, MATMUL, count_model
+from conveyor.planning.counting import count_model
+from conveyor.planning.model_count import ATTENTION, MATMUL
 from conveyor.planning.search import rank_layouts
 
 
