@@ -220,7 +220,7 @@ def test_the_replay_catches_both_ends_of_an_exchange_receiving_ahead(
     schedule = get_schedule("1f1b", 2, 8)
     check(_traces(schedule, join=True))
     both = {tick: frozenset({0, 1}) for tick in ahead_ranks(schedule)}
-    monkeypatch.setattr(program_module, "_ahead", lambda *args: both)
+    monkeypatch.setattr(program_module, "choose_ahead", lambda *args: both)
     with pytest.raises(AssertionError, match="DEADLOCK"):
         check(_traces(schedule, join=True))
 

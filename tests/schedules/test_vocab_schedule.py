@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conveyor.cli.command import main, parse_vocab
 from conveyor.errors import ConfigError, ScheduleError
 from conveyor.schedules import SCHEDULE_NAMES, Action, Schedule, get_schedule, validate
-from conveyor.schedules.core import B, F, VocabAction, dependencies
+from conveyor.schedules.core import B, F, Pass, dependencies
 from conveyor.schedules.vocab import check_vocab, merged_order, vocab_collectives, with_vocab
 from conveyor.simulate import SimResult, ascii_timeline, normalize_vocab, simulate
 
@@ -61,7 +61,7 @@ def _index(schedule: Schedule, action: Action) -> tuple[int, int]:
 
 def _slot(schedule: Schedule, kind: str, m: int, rank: int) -> int:
     """Where ``rank`` runs pass ``kind`` of micro-batch ``m``."""
-    return schedule.vocab_slots[rank][schedule.vocab.index(VocabAction(kind, m))]  # type: ignore[arg-type]
+    return schedule.vocab_slots[rank][schedule.vocab.index(Pass(kind, m))]  # type: ignore[arg-type]
 
 
 def _with_slots(schedule: Schedule, rank: int, row: list[int]) -> Schedule:
@@ -125,7 +125,7 @@ def test_merged_order_runs_everything_once_in_dependency_order(
     _, s, _ = case
     steps = merged_order(s)
     actions = [a for a in steps if isinstance(a, Action)]
-    passes = [v for v in steps if isinstance(v, VocabAction)]
+    passes = [v for v in steps if isinstance(v, Pass)]
     assert sorted(actions) == sorted(a for _, a in s) and len(steps) == len(set(steps))
     assert passes == list(s.vocab) and len(actions) + len(passes) == len(steps)
     at = {step: k for k, step in enumerate(steps)}
@@ -158,7 +158,7 @@ def test_check_vocab_rejects_broken_schedules(
         validate(dropped)
     # A micro-batch's S and T in the wrong order.
     order = list(s.vocab)
-    i, j = order.index(VocabAction("S", m)), order.index(VocabAction("T", m))
+    i, j = order.index(Pass("S", m)), order.index(Pass("T", m))
     order[i], order[j] = order[j], order[i]
     with pytest.raises(ScheduleError, match="out of order"):
         check_vocab(dataclasses.replace(s, vocab=tuple(order)))
@@ -170,13 +170,13 @@ def test_check_vocab_rejects_broken_schedules(
         check_vocab(_with_slots(s, rank, row))
     # S moved before its data (the last stage's forward), earlier passes along with it.
     last_rank, i = _index(s, Action(F, s.stages - 1, m))
-    k = s.vocab.index(VocabAction("S", m))
+    k = s.vocab.index(Pass("S", m))
     row = [min(slot, i) if q <= k else slot for q, slot in enumerate(s.vocab_slots[last_rank])]
     with pytest.raises(ScheduleError, match="must run after"):
         check_vocab(_with_slots(s, last_rank, row))
     # E moved after its consumer (stage 0's forward), later passes along with it.
     rank, i = _index(s, Action(F, 0, m))
-    k = s.vocab.index(VocabAction("E", m))
+    k = s.vocab.index(Pass("E", m))
     row = [max(slot, i + 1) if q >= k else slot for q, slot in enumerate(s.vocab_slots[rank])]
     with pytest.raises(ScheduleError, match="must run before"):
         check_vocab(_with_slots(s, rank, row))
