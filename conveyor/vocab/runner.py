@@ -198,17 +198,9 @@ class VocabRunner:
     def run_pass(self, step: Pass) -> None:
         """Run pass ``step`` (of a kind of :data:`~conveyor.schedules.vocab.VOCAB_KINDS`)
         on this rank's rows."""
-        m = step.microbatch
-        if step.kind == "E":
-            self._embed(m)
-        elif step.kind == "S":
-            self._output_forward(m)
-        elif step.kind == "T":
-            self._output_backward(m)
-        elif step.kind == "G":
-            self._embedding_grad(m)
-        else:
-            raise PipelineError(f"vocab_parallel has no pass of kind {step.kind!r} ({step})")
+        run = {"E": self._embed, "S": self._output_forward, "T": self._output_backward,
+               "G": self._embedding_grad}  # fmt: skip
+        run[step.kind](step.microbatch)
 
     def _collective(self, what: str, m: int, start: Callable[[dist.ProcessGroup], Any]) -> None:
         g = self.group

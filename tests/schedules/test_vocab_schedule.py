@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from conveyor.cli.command import main, parse_vocab
 from conveyor.errors import ConfigError, ScheduleError
-from conveyor.schedules import SCHEDULE_NAMES, Action, Schedule, get_schedule, validate
+from conveyor.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    from_table,
+    get_schedule,
+    to_table,
+    validate,
+)
 from conveyor.schedules.core import B, F, Pass, dependencies
 from conveyor.schedules.vocab import check_vocab, merged_order, vocab_collectives, with_vocab
 from conveyor.simulate import SimResult, ascii_timeline, normalize_vocab, simulate
@@ -61,7 +69,7 @@ def _index(schedule: Schedule, action: Action) -> tuple[int, int]:
 
 def _slot(schedule: Schedule, kind: str, m: int, rank: int) -> int:
     """Where ``rank`` runs pass ``kind`` of micro-batch ``m``."""
-    return schedule.vocab_slots[rank][schedule.vocab.index(Pass(kind, m))]  # type: ignore[arg-type]
+    return schedule.vocab_slots[rank][schedule.vocab.index(Pass(kind, m))]
 
 
 def _with_slots(schedule: Schedule, rank: int, row: list[int]) -> Schedule:
@@ -277,6 +285,29 @@ def test_vocab_cost_needs_passes_and_valid_numbers() -> None:
     for bad in ((1, 2), -1.0, float("nan"), (1, 2, 3, "x"), True):
         with pytest.raises(ConfigError, match="vocab must be"):
             normalize_vocab(bad)  # type: ignore[arg-type]
+
+
+TABLE = """# conveyor schedule
+name: 1f1b
+ranks: 2
+microbatches: 1
+placement: 0 1
+split_backward: false
+rank 0: E0 F0,0 S0 T0 B0,0 G0
+rank 1: E0 F1,0 S0 T0 B1,0 G0
+"""
+"""A table with passes as the documented format writes it."""
+
+
+def test_a_table_with_passes_reads_and_writes_as_documented() -> None:
+    schedule = from_table(TABLE)
+    assert schedule == with_vocab(get_schedule("1f1b", 2, 1))
+    assert schedule.vocab == tuple(Pass(k, 0) for k in "ESTG") and to_table(schedule) == TABLE
+    # A pass of a kind no stage ends run reads as a pass, and validation names it.
+    with pytest.raises(ScheduleError, match="its pass X0 is of no kind the schedule knows"):
+        from_table(TABLE.replace("G0", "X0"))
+    with pytest.raises(ScheduleError, match="cannot read action 'W0'"):
+        from_table(TABLE.replace("G0", "W0"))
 
 
 def test_json_and_text_timeline_show_the_passes() -> None:
