@@ -25,6 +25,7 @@ from conveyor.errors import ConfigError
 from conveyor.schedules.core import Action, B, F, Kind, Pass, Schedule, W, dependencies
 from conveyor.schedules.costs import (
     A2A,
+    VOCAB_KINDS,
     A2ASpec,
     Cost,
     CostSpec,
@@ -37,7 +38,6 @@ from conveyor.schedules.costs import (
     normalize_vocab,
 )
 from conveyor.schedules.order import Compute, walk
-from conveyor.schedules.vocab import VOCAB_KINDS
 
 __all__ = [
     "A2A",

@@ -38,26 +38,14 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.core import Action, B, F, Pass, Schedule
+from conveyor.schedules.costs import VOCAB_KINDS, VocabKind
 from conveyor.schedules.order import merged_order, walk
 
 __all__ = ["VOCAB_KINDS", "VocabKind", "check_vocab", "merged_order", "vocab_collectives",
            "with_vocab"]  # fmt: skip
-
-VocabKind = Literal["E", "S", "T", "G"]
-"""A vocabulary pass's kind (every pipeline rank takes part):
-``"E"`` the embedding lookup of the rank's rows, summed onto the first stage's rank;
-``"S"`` the output layer's forward: the last stage's hidden states broadcast, the rank's
-logits shard and its softmax statistics, gathered from every rank (the loss);
-``"T"`` the output layer's backward: the logits' gradient, the rank's weight gradient,
-and the input gradient summed onto the last stage's rank;
-``"G"`` the embedding's gradient: the first stage's input gradient broadcast, each rank
-adds its rows'."""
-VOCAB_KINDS: tuple[VocabKind, ...] = ("E", "S", "T", "G")
-"""Every vocabulary pass, in the order they run for one micro-batch."""
 
 _TINY = 1e-6  # the smallest duration an action is simulated with (strict time order)
 

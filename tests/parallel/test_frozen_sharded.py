@@ -1,10 +1,11 @@
 """Frozen parameters (``requires_grad=False``) under the layouts that replace parameters
 with sharded ones, on 2 processes: FSDP (dp 2) and tensor parallelism (tp 2; ``tp_plan``
-on the blocks). A frozen parameter, sharded or not, stays frozen: no ``.grad``, and an
-AdamW step (with weight decay) leaves it as it was; every trainable parameter's gradient
-is the unsplit model's on the whole batch (frozen alike). Expert parallelism's frozen
-experts: tests/parallel/test_expert_shard.py and test_resplit.py; vocabulary rows:
-tests/vocab/test_vocab_frozen.py.
+on the blocks); and replicas that sum their gradients (dp 2, no FSDP, on zb-h1, whose W
+computes weight gradients apart). A frozen parameter, sharded or not, stays frozen: no
+``.grad``, and an AdamW step (with weight decay) leaves it as it was; every trainable
+parameter's gradient is the unsplit model's on the whole batch (frozen alike). Expert
+parallelism's frozen experts: tests/parallel/test_expert_shard.py and test_resplit.py;
+vocabulary rows: tests/vocab/test_vocab_frozen.py.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _world(rank: int) -> dict[str, Any]:
     x, y = batch()
     plan = {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
     layouts: dict[str, Any] = {
+        "dp": (conveyor.init(pp=1, dp=2), {"schedule": "zb-h1"}),  # W apart from B
         "fsdp": (conveyor.init(pp=1, dp=2), {"fsdp": True}),
         "tp": (conveyor.init(pp=1, tp=2), {"tp_plan": plan}),
     }
@@ -79,7 +81,7 @@ def test_frozen_parameters_stay_frozen_under_fsdp_and_tensor_parallelism() -> No
     nn.functional.mse_loss(net(x), y).backward()
     want = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
     assert set(want) == {n for n, _ in net.named_parameters()} - set(FROZEN)
-    sharded = {"fsdp": set(FROZEN), "tp": {n for n in FROZEN if ".fc" in n}}
+    sharded = {"dp": set(), "fsdp": set(FROZEN), "tp": {n for n in FROZEN if ".fc" in n}}
     for rank, result in enumerate(distributed.run(_world, 2, fork=True)):
         for layout, got in result.items():
             what = f"{layout} rank {rank}"
