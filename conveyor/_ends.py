@@ -16,6 +16,7 @@ from conveyor.context import Context
 from conveyor.losses import model_token_loss
 from conveyor.runtime.ends import ModelEnds, StageEnds
 from conveyor.runtime.microbatch import Counter
+from conveyor.runtime.step_loss import RouterLoss
 from conveyor.schedules import Schedule
 
 HOLDER = -1
@@ -54,31 +55,31 @@ def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Sched
         ConfigError: vocabulary layers or a loss that cannot be split (one sentence).
     """
     token_loss = model_token_loss(model) if options.loss_fn is None else None
-    coef = router_coef(model) if token_loss is not None else None
+    router = router_loss(model) if token_loss is not None else None
     counter = token_loss.count if token_loss is not None else None
     if options.vocab_parallel:
         from conveyor.vocab.setup import prepare
 
         setup = prepare(model, options.vocab_parallel, options.loss_fn, ctx, options.autocast,
-                        schedule.placement[0], schedule.placement[-1], coef)  # fmt: skip
+                        schedule.placement[0], schedule.placement[-1], router)  # fmt: skip
         return Ends(
             setup.model,
             setup.runner,
             setup.shards.holder,
             # The shards count the tokens; the router's term is weighted by their count.
-            counter=counter if coef is not None else None,
+            counter=counter if router is not None else None,
             sample=setup.runner.sample,
             split=setup.split,
             note=lambda s: setup.note(s.ranks, len(s.vocab)),
         )
-    return Ends(model, ModelEnds(options.loss_fn, coef), counter=counter)
+    return Ends(model, ModelEnds(options.loss_fn, router), counter=counter)
 
 
-def router_coef(model: Any) -> float | None:
-    """A transformers MoE model's ``router_aux_loss_coef`` where its loss adds the router
-    auxiliary term (``output_router_logits=True``), else None."""
+def router_loss(model: Any) -> RouterLoss | None:
+    """A transformers MoE model's router auxiliary loss, with its ``router_aux_loss_coef``,
+    where its own loss adds it (``output_router_logits=True``), else None."""
     config = getattr(model, "config", None)
     if not getattr(config, "output_router_logits", False):
         return None
     coef = getattr(model, "router_aux_loss_coef", None)
-    return float(coef) if isinstance(coef, (int, float)) else None
+    return RouterLoss(float(coef)) if isinstance(coef, (int, float)) else None

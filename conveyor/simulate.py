@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from conveyor.schedules.core import Action, Schedule, VocabAction
+from conveyor.schedules.core import Action, Pass, Schedule
 from conveyor.schedules.simulation import (
     A2A,
     A2ASpec,
@@ -57,10 +57,10 @@ __all__ = [
 ]
 
 
-def _label(action: Action | VocabAction, schedule: Schedule) -> str:
+def _label(action: Action | Pass, schedule: Schedule) -> str:
     """``F3`` for micro-batch 3; with chunks, a letter for the chunk: ``F3a``, ``F3b``; a
-    vocabulary pass as ``E3``, ``S3``, ``T3`` or ``G3``."""
-    if isinstance(action, VocabAction):
+    pass as its kind and micro-batch: ``E3``, ``S3``, ``T3`` or ``G3``."""
+    if isinstance(action, Pass):
         return str(action)
     label = f"{action.kind}{action.microbatch}"
     if schedule.chunks > 1:
@@ -69,7 +69,7 @@ def _label(action: Action | VocabAction, schedule: Schedule) -> str:
     return label
 
 
-def _box(action: Action | VocabAction, schedule: Schedule, cells: int) -> str:
+def _box(action: Action | Pass, schedule: Schedule, cells: int) -> str:
     """One action's box: its label and a gap when they fit, else its kind letter."""
     label = _label(action, schedule)
     return label.ljust(cells) if len(label) < cells else action.kind * cells

@@ -4,7 +4,8 @@ output becomes.
 :class:`StageEnds` is the interface; :class:`ModelEnds`, the default, is the model's own
 input and ``loss_fn`` (or the model's own loss). Another implementation may put work of
 its own around the stages: passes of the schedule that every pipeline rank runs at the
-same tick (:attr:`~conveyor.runtime.program.Tick.boundary`), a unit of parameters beside
+same tick (:class:`~conveyor.schedules.core.Pass`, whose kinds the implementation
+defines; :attr:`~conveyor.runtime.program.Tick.boundary`), a unit of parameters beside
 the stages. Every method names its micro-batch: two of a rank's actions may run
 interleaved (:mod:`~conveyor.runtime.overlap`), and a recomputed first-stage forward
 runs inside its backward.
@@ -20,8 +21,9 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.losses import output_field
-from conveyor.runtime.step_loss import LossTerm, StepLoss, as_term, counted_term, router_term
+from conveyor.runtime.step_loss import LossTerm, RouterLoss, StepLoss, as_term, counted_term
 from conveyor.runtime.step_state import StepState
+from conveyor.schedules.core import Pass
 
 LossFn = Callable[[Any, Any], Any]
 """``(output, target) -> scalar`` (a mean over the rows) or ``(total, count)``."""
@@ -36,7 +38,11 @@ class StageEnds(Protocol):
 
     routed: bool
     """The loss adds a router auxiliary term weighted per step
-    (:func:`~conveyor.runtime.step_loss.router_weight`)."""
+    (:class:`~conveyor.runtime.step_loss.RouterLoss`)."""
+
+    forward_passes: frozenset[str]
+    """The kinds of this implementation's passes that a forward-only step (eval, predict)
+    runs; a training step runs every pass."""
 
     def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
         """Start a step: its state and this rank's micro-batches (None where not read)."""
@@ -57,8 +63,8 @@ class StageEnds(Protocol):
         """The gradients of :meth:`last_output`'s tensors of ``m`` (None: they are the
         loss, whose gradient is 1)."""
 
-    def run_pass(self, step: Any) -> None:
-        """Run a pass of the schedule (a vocabulary pass of its walk, which no rank's
+    def run_pass(self, step: Pass) -> None:
+        """Run a pass of the schedule (a pipeline-wide step of its walk, which no rank's
         stage computes) on this rank."""
 
 
@@ -110,7 +116,8 @@ def _shape(value: Any) -> str:
 
 
 def add_term(state: StepState, term: LossTerm, m: int) -> None:
-    """Add micro-batch ``m``'s loss ``term`` to the step's loss."""
+    """Add micro-batch ``m``'s loss ``term`` to the step's loss (once per micro-batch, by
+    whichever stage ends score it)."""
     if state.loss is None:
         state.loss = StepLoss()
     state.loss.add(term, state.sizes[m])
@@ -119,14 +126,15 @@ def add_term(state: StepState, term: LossTerm, m: int) -> None:
 class ModelEnds:
     """The default ends: the first stage runs on the micro-batch as given, and the last
     stage's output is scored by ``loss_fn`` (None: the model's own loss, with its router
-    auxiliary term where ``router_coef`` is given)."""
+    auxiliary term where ``router`` is given). No passes."""
 
     every_rank = False
+    forward_passes: frozenset[str] = frozenset()
 
-    def __init__(self, loss_fn: LossFn | None, router_coef: float | None = None) -> None:
+    def __init__(self, loss_fn: LossFn | None, router: RouterLoss | None = None) -> None:
         self.loss_fn = loss_fn
-        self.router_coef = router_coef
-        self.routed = router_coef is not None
+        self.router = router
+        self.routed = router is not None
         self.state = StepState("train")
 
     def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
@@ -157,7 +165,7 @@ class ModelEnds:
         """None: the backward starts from the loss."""
         return None
 
-    def run_pass(self, step: Any) -> None:
+    def run_pass(self, step: Pass) -> None:
         """The default ends have no passes."""
         raise PipelineError(f"the schedule has a pass {step} that nothing runs")
 
@@ -167,13 +175,11 @@ class ModelEnds:
         if self.loss_fn is None:
             result: Any = model_loss(out)
             if state.counts is not None:
-                aux = output_field(out, "aux_loss")
-                if self.router_coef is not None and aux is not None:
-                    assert state.aux_weight is not None
-                    return router_term(
-                        result, aux, self.router_coef, state.counts[m], state.aux_weight
-                    )
-                return counted_term(result, state.counts[m])
+                count = state.counts[m]
+                term = counted_term(result, count)
+                # The model's token mean holds coef * aux: weighted by its count.
+                aux = self.router.term(out, state.aux_weight, count) if self.router else None
+                return term if aux is None else term.plus(aux)
         else:
             assert state.targets is not None
             result = self.loss_fn(out, state.targets[m])

@@ -119,10 +119,12 @@ class Engine:
         rule 4)."""
         program = self._programs.get((train, join))
         if program is None:
+            passes = self.ends.forward_passes  # the kinds a forward-only step runs
             if self.ctx.distributed:
-                program = rank_program(self.schedule, self.ctx.pp_rank, train, join, self.pairs)
+                program = rank_program(self.schedule, self.ctx.pp_rank, train, join, self.pairs,
+                                       passes)  # fmt: skip
             else:
-                program = single_process_program(self.schedule, train)
+                program = single_process_program(self.schedule, train, passes)
             self._programs[train, join] = program
         return program
 

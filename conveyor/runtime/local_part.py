@@ -1,5 +1,5 @@
 """The part of a tensor this rank holds, in one place for every caller (FSDP and
-tensor-parallel parameters, vocabulary rows, expert collections)."""
+tensor-parallel parameters, and whatever the layers above shard as DTensors)."""
 
 from __future__ import annotations
 

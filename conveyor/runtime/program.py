@@ -33,18 +33,20 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    its programs run deadlock-free as units (:func:`~conveyor.schedules.paired`), so the
    ticks exist; the all-to-alls inside a pair are posted in an order fixed by the
    programs (:mod:`~conveyor.runtime.overlap`), the same on every rank of the ep group.
-6. A pass of the stage ends (a :class:`~conveyor.schedules.core.VocabAction` of the
-   schedule's walk, :func:`~conveyor.schedules.order.walk`, that no rank's stage computes)
-   is a tick of every rank: one more than the largest tick any rank reached before it
-   (its slot). It computes no action and posts no point-to-point
-   group; its collectives go, in a fixed order, to a group of their own over the
-   pipeline ranks. A training step runs every pass, an eval or predict step E and S.
+6. A pass of the stage ends (a :class:`~conveyor.schedules.core.Pass` of the schedule's
+   walk, :func:`~conveyor.schedules.order.walk`, that no rank's stage computes) is a tick
+   of every rank: one more than the largest tick any rank reached before it (its slot).
+   It computes no action and posts no point-to-point group; its collectives go, in a
+   fixed order, to a group of their own over the pipeline ranks. A training step runs
+   every pass, a forward-only step (eval, predict) those of the kinds the stage ends name
+   (:attr:`~conveyor.runtime.ends.StageEnds.forward_passes`).
 7. Once every value's description is known (``join=True``), a rank that sends and
    receives at tick ``t`` posts its tick-``t`` receives ahead too, as a group of its own,
    and its sends after the compute, when its action is expected to end no earlier than
    those of the ranks it receives from (an estimate from the schedule: F 1, B 1, or 2
    when B is the whole backward, W 1; latest first, then the longer action, then the
-   lower rank); those ranks never post ahead at ``t`` themselves (:func:`ahead_ranks`).
+   lower rank); those ranks never post ahead at ``t`` themselves
+   (:func:`~conveyor.runtime.lockstep.ahead_ranks`).
    A rank whose data arrives before it is ready gains nothing from posting early, and
    two ranks that receive ahead from each other would deadlock under NCCL: each one's
    receive holds its stream until the other's send, which comes after it.
@@ -77,19 +79,41 @@ at a pass's tick (every rank's tick there is the pass). Collectives
 (data parallel, FSDP, tensor parallel, tied weights) are posted at the same point of the
 same program by every member of their group, so they extend the same order.
 ``tests/parallel/test_nccl.py`` replays what each rank really posts under these rules for
-every schedule and layout.
+every schedule and layout. The ticks themselves (rules 1, 5, 6) and rule 7's choice are
+:mod:`~conveyor.runtime.lockstep`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from conveyor.runtime.lockstep import (
+    ahead_ranks,
+    choose_ahead,
+    consumer_stage,
+    lay_out,
+    producer_of,
+    runs,
+    ticks,
+)
 from conveyor.schedules import Action, B, F, Schedule, W
-from conveyor.schedules.core import VocabAction, requires
+from conveyor.schedules.core import Pass
 from conveyor.schedules.order import Compute, walk
+
+__all__ = [
+    "Message",
+    "RankProgram",
+    "Tick",
+    "ahead_ranks",
+    "consumer_stage",
+    "producer_of",
+    "rank_program",
+    "single_process_program",
+    "ticks",
+]
 
 
 @dataclass(frozen=True)
@@ -119,7 +143,7 @@ class Tick:
     sends: tuple[Message, ...] = ()
     recvs: tuple[Message, ...] = ()
     paired: Action | None = None
-    boundary: VocabAction | None = None
+    boundary: Pass | None = None
     ahead: bool = False
 
     @property
@@ -187,153 +211,21 @@ class RankProgram:
         return [a for t in self.ticks for a in t.computed]
 
 
-def producer_of(action: Action, stages: int) -> Action | None:
-    """The action whose result ``action`` consumes from another stage: F takes the
-    previous stage's F output, B the next stage's input gradient; None for the first F,
-    the last stage's B, and W (the dependency of
-    :func:`~conveyor.schedules.core.requires` that lies on another stage)."""
-    for dependency in requires(action, stages):
-        if dependency.stage != action.stage:
-            return dependency
-    return None
-
-
-def consumer_stage(producer: Action, stages: int) -> int | None:
-    """The stage that consumes ``producer``'s result, or None if nothing is passed on
-    (the neighbouring stage whose action of the same kind and micro-batch it produces
-    for: :func:`producer_of` inverted)."""
-    for stage in (producer.stage + 1, producer.stage - 1):
-        if 0 <= stage < stages:
-            consumer = Action(producer.kind, stage, producer.microbatch)
-            if producer_of(consumer, stages) == producer:
-                return stage
-    return None
-
-
-def runs_pass(kind: str, train: bool) -> bool:
-    """Whether a step of this mode runs a pass of ``kind`` (a training step
-    every pass, an eval or predict step the forward passes E and S)."""
-    return train or kind in ("E", "S")
-
-
-def ticks(schedule: Schedule, train: bool = True, pairs: bool = False) -> dict[Action, int]:
-    """The lock-step tick of every action (forward actions only unless ``train``); with
-    ``pairs`` (training only), both actions of an overlapped pair share one tick, after
-    the producers of both."""
-    return {a: tick for tick, unit in _ticks(schedule, train, pairs)[0] for a in unit.actions}
-
-
-def _ticks(
-    schedule: Schedule, train: bool, pairs: bool
-) -> tuple[list[tuple[int, Compute]], dict[int, VocabAction]]:
-    """The computes of the mode, each with its tick (rule 1; a pair is one unit only with
-    ``pairs`` in training, rule 5), and the pass the mode runs at each of its ticks
-    (rule 6: a pass is one tick of every rank, after every rank's earlier ticks)."""
-    last_tick = [-1] * schedule.ranks
-    at: dict[Action, int] = {}
-    units: list[tuple[int, Compute]] = []
-    passes: dict[int, VocabAction] = {}
-    for step in walk(schedule):
-        if not isinstance(step, Compute):
-            if runs_pass(step.kind, train):
-                tick = max(last_tick) + 1
-                passes[tick] = step
-                last_tick = [tick] * schedule.ranks
-            continue
-        rank = step.rank
-        if not train:  # a forward-only step runs the forwards alone
-            split = [Compute(rank, a) for a in step.actions if a.kind == F]
-        elif pairs or step.paired is None:
-            split = [step]
-        else:
-            split = [Compute(rank, a) for a in step.actions]
-        for unit in split:
-            tick = last_tick[rank]
-            for a in unit.actions:
-                producer = producer_of(a, schedule.stages)
-                tick = max(tick, at[producer] if producer is not None else -1)
-            tick += 1
-            for a in unit.actions:
-                at[a] = tick
-            units.append((tick, unit))
-            last_tick[rank] = tick
-    return units, passes
-
-
-def _cost(action: Action, split_backward: bool) -> int:
-    """An action's expected duration in units of F (rule 7's estimate)."""
-    return 2 if action.kind == B and not split_backward else 1
-
-
-def ahead_ranks(
-    schedule: Schedule, train: bool = True, pairs: bool = False
-) -> dict[int, frozenset[int]]:
-    """Per tick, the ranks that send and receive at that tick and post their receives
-    ahead of the compute (rule 7): those whose action is expected to end no earlier than
-    every action producing what they receive (latest first, then the longer action, then
-    the lower rank), leaving out a rank that sends to or receives from one already
-    chosen."""
-    return _ahead(schedule, *_ticks(schedule, train, pairs))
-
-
-def _ahead(
-    schedule: Schedule, units: list[tuple[int, Compute]], passes: dict[int, VocabAction]
-) -> dict[int, frozenset[int]]:
-    """:func:`ahead_ranks` from the ticks ``_ticks`` laid out (a rank's program has them)."""
-    placement, stages, split = schedule.placement, schedule.stages, schedule.split_backward
-    at = {a: tick for tick, unit in units for a in unit.actions}
-    end: dict[Action, float] = {}
-    free = [0.0] * schedule.ranks
-    pending = sorted(passes)
-    finish: dict[int, dict[int, float]] = {}  # tick -> rank -> expected end of its action
-    spent: dict[int, dict[int, int]] = {}  # tick -> rank -> that action's expected duration
-    links: dict[int, set[tuple[int, int]]] = {}  # tick -> (src, dst) of messages sent then
-    for tick, unit in sorted(units, key=lambda u: u[0]):
-        while pending and pending[0] < tick:  # a pass: every rank waits for every other
-            free = [max(free)] * schedule.ranks
-            pending.pop(0)
-        start = free[unit.rank]
-        for action in unit.actions:
-            producer = producer_of(action, stages)
-            if producer is None:
-                continue
-            start = max(start, end[producer])
-            src = placement[producer.stage]
-            if src != unit.rank:
-                links.setdefault(at[producer], set()).add((src, unit.rank))
-        cost = sum(_cost(a, split) for a in unit.actions)
-        done = start + cost
-        for action in unit.actions:
-            end[action] = done
-        free[unit.rank] = done
-        finish.setdefault(tick, {})[unit.rank] = done
-        spent.setdefault(tick, {})[unit.rank] = cost
-    out: dict[int, frozenset[int]] = {}
-    for tick, sent in links.items():
-        ends, costs = finish[tick], spent[tick]
-        chosen: set[int] = set()
-        receivers = {dst for _, dst in sent}
-        for rank in sorted(receivers, key=lambda r: (-ends.get(r, 0.0), -costs.get(r, 0), r)):
-            srcs = {src for src, dst in sent if dst == rank}
-            dsts = {dst for src, dst in sent if src == rank}
-            # Receives alone are posted ahead by rule 3 already.
-            if not dsts or srcs & chosen or dsts & chosen:
-                continue
-            if all(ends[rank] >= ends[src] for src in srcs):
-                chosen.add(rank)
-        if chosen:
-            out[tick] = frozenset(chosen)
-    return out
-
-
 def rank_program(
-    schedule: Schedule, rank: int, train: bool = True, join: bool = False, pairs: bool = False
+    schedule: Schedule,
+    rank: int,
+    train: bool = True,
+    join: bool = False,
+    pairs: bool = False,
+    forward_passes: Collection[str] = (),
 ) -> RankProgram:
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
     receives alone join the group before them (rule 4) and ranks chosen by rule 7 receive
     ahead (only once every description is known); ``pairs``: the schedule's overlapped
-    pairs run as one tick (rule 5)."""
-    units, passes = _ticks(schedule, train, pairs)
+    pairs run as one tick (rule 5); ``forward_passes``: the kinds of pass a forward-only
+    step runs (rule 6)."""
+    layout = lay_out(schedule, train, pairs, forward_passes)
+    units, passes = layout
     placement, stages = schedule.placement, schedule.stages
     at = {a: tick for tick, unit in units for a in unit.actions}
     mine: dict[int, Compute] = {}
@@ -356,7 +248,7 @@ def rank_program(
                 outgoing.setdefault(sent, []).append(message)
             else:
                 incoming.setdefault(sent, []).append(message)
-    ahead = _ahead(schedule, units, passes) if join else {}
+    ahead = choose_ahead(schedule, layout) if join else {}
     timeline: list[Tick] = []
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:
@@ -385,14 +277,16 @@ def _message_order(message: Message) -> tuple[int, int, str, int, int]:
     return (message.src, message.dst, *message.producer)
 
 
-def single_process_program(schedule: Schedule, train: bool = True) -> RankProgram:
+def single_process_program(
+    schedule: Schedule, train: bool = True, forward_passes: Collection[str] = ()
+) -> RankProgram:
     """Every rank's actions in the order of the walk, one tick each (a pair's two one
     after the other), for the world of one process (every value is handed over in
-    memory)."""
+    memory); ``forward_passes``: the kinds of pass a forward-only step runs."""
     timeline: list[Tick] = []
     for step in walk(schedule):
         if not isinstance(step, Compute):
-            if runs_pass(step.kind, train):
+            if runs(step, train, forward_passes):
                 timeline.append(Tick(len(timeline), -1, None, boundary=step))
             continue
         for action in step.actions:

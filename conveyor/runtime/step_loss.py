@@ -23,6 +23,7 @@ of a step is :func:`combine`'s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from conveyor.context import Context
 from conveyor.errors import ConfigError, PipelineError
+from conveyor.losses import output_field
 from conveyor.runtime.transport import collective
 
 
@@ -48,6 +50,12 @@ class LossTerm(NamedTuple):
     def root(self, scale: float) -> torch.Tensor:
         """What the micro-batch's backward starts from: its total times ``scale``."""
         return self.value * (self.weight * scale)
+
+    def plus(self, other: LossTerm) -> LossTerm:
+        """One term of this one and ``other``: their totals and their counts summed (the
+        kind, pair or scalar, this one's)."""
+        total = self.value * self.weight + other.value * other.weight
+        return LossTerm(total, 1, self.items + other.items, self.pair)
 
 
 def as_term(result: Any, rows: int) -> LossTerm:
@@ -95,28 +103,31 @@ def counted_term(mean: torch.Tensor, count: int) -> LossTerm:
     return LossTerm(torch.nan_to_num(_wide(mean.reshape(())), nan=0.0), count, count, True)
 
 
-def router_term(
-    loss: torch.Tensor, aux: torch.Tensor, coef: float, count: int, aux_weight: float
-) -> LossTerm:
-    """A transformers MoE model's own loss with its router auxiliary term
-    (``output_router_logits=True``): ``loss`` is the micro-batch's token mean plus
-    ``coef * aux``. As a pair its total is the token sum plus ``coef * aux * aux_weight``,
-    where ``aux_weight`` is the step's count over its micro-batches (all replicas'), so that
-    the step's loss is the whole batch's token loss plus ``coef`` times the mean of the
-    micro-batches' auxiliary losses (:func:`router_weight`). A micro-batch without a
-    counted token adds its auxiliary term only."""
-    _check_scalar(loss, "the model's loss must be a scalar tensor")
-    aux = _wide(aux.reshape(()))
-    if count == 0:
-        total = aux * (coef * aux_weight)
-    else:  # count * (token mean + coef * aux) - coef * aux * count + coef * aux * weight
-        total = _wide(loss.reshape(())) * count + aux * (coef * (aux_weight - count))
-    return LossTerm(total, 1, count, True)
+@dataclass(frozen=True)
+class RouterLoss:
+    """A transformers MoE model's router auxiliary loss in the step's loss
+    (``output_router_logits=True``, ``loss_fn=None``): the one place its term is written,
+    for every stage ends. Each micro-batch's ``aux_loss`` (an output field of the last
+    stage) counts ``coef`` times over the step's count per micro-batch
+    (:func:`router_weight`), so that the step's loss is the whole batch's token loss plus
+    ``coef`` times the mean of the micro-batches' auxiliary losses."""
+
+    coef: float
+
+    def term(self, out: Any, aux_weight: float | None, counted: int = 0) -> LossTerm | None:
+        """The term of the micro-batch whose last stage returned ``out`` (None: ``out``
+        has no ``aux_loss``, or the step weighs none: ``aux_weight`` None). ``counted``:
+        the weight the micro-batch's own loss already holds ``coef * aux`` at (a model's
+        token mean adds it: its count), taken out here. A total, without items."""
+        aux = output_field(out, "aux_loss")
+        if aux is None or aux_weight is None:
+            return None
+        return LossTerm(_wide(aux.reshape(())) * (self.coef * (aux_weight - counted)), 1, 0, True)
 
 
 def router_weight(counts: tuple[int, ...], ctx: Context, count: float | None = None) -> float:
     """What a micro-batch's router auxiliary loss is weighted by in the step's total (see
-    :func:`router_term`): the step's token count (``count`` if given, else the counts summed
+    :class:`RouterLoss`): the step's token count (``count`` if given, else the counts summed
     over the data-parallel replicas) over its micro-batches (every replica's). One
     collective over the replicas where there are some."""
     sums = torch.tensor([sum(counts), len(counts)], dtype=torch.int64, device=ctx.device)

@@ -7,7 +7,7 @@ the placement of stages on ranks. :func:`get_schedule` builds a named one
 :func:`zb_late`, :func:`zbv`, :func:`dualpipev`, :func:`v_half`, :func:`v_min`,
 :func:`zero_bubble_auto`) can also be called directly; :func:`validate` checks any
 schedule, :func:`walk` runs its ranks together (typed instructions: a rank's
-:class:`Compute`, a pair grouped as one unit, or a :class:`VocabAction` every rank runs),
+:class:`Compute`, a pair grouped as one unit, or a :class:`Pass` every rank runs),
 :func:`paired` / :func:`unpaired` mark or drop its overlapped forward / backward pairs, and
 :func:`to_table` / :func:`from_table` write and read one as text.
 
@@ -27,8 +27,8 @@ from conveyor.schedules.core import (
     Action,
     B,
     F,
+    Pass,
     Schedule,
-    VocabAction,
     W,
     check_sizes,
     dependencies,
@@ -61,8 +61,8 @@ __all__ = [
     "Compute",
     "F",
     "Instruction",
+    "Pass",
     "Schedule",
-    "VocabAction",
     "W",
     "check_chunks",
     "check_sizes",

@@ -1,7 +1,8 @@
 """Checks of a schedule: complete, well formed, in order, and deadlock free.
 
 :func:`validate` runs them all (every generator, table and ``Pipeline`` schedule passes
-through it); :func:`check_vocab` checks the vocabulary passes alone. Each error names the
+through it); the vocabulary passes' own checks are
+:func:`~conveyor.schedules.vocab.check_vocab`. Each error names the
 rank and the action or pass at fault and how to fix it.
 
 Pure Python (no torch import).
@@ -10,17 +11,9 @@ Pure Python (no torch import).
 from __future__ import annotations
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.core import (
-    VOCAB_KINDS,
-    Action,
-    B,
-    F,
-    Kind,
-    Schedule,
-    W,
-    dependencies,
-)
+from conveyor.schedules.core import Action, B, F, Kind, Schedule, W, dependencies
 from conveyor.schedules.order import walk
+from conveyor.schedules.vocab import check_vocab_places
 
 
 def _check_shape(schedule: Schedule) -> None:
@@ -136,74 +129,6 @@ def _check_local_order(schedule: Schedule) -> None:
                     )
 
 
-def check_vocab(schedule: Schedule) -> None:
-    """Check the vocabulary passes of ``schedule``: each of E, S, T, G once per
-    micro-batch, in an order that keeps each micro-batch's E, S, T, G in that order; one
-    slot per pass on every rank, never decreasing, none inside a pair; each pass where
-    its data is (E before stage 0's forward, S after the last stage's forward, T before
-    the last stage's backward, G after stage 0's backward, on their ranks); and no
-    deadlock (:func:`~conveyor.schedules.order.walk`).
-
-    Raises:
-        ScheduleError: Naming the pass and rank at fault.
-    """
-    _check_vocab_places(schedule)
-    walk(schedule)
-
-
-def _check_vocab_places(schedule: Schedule) -> None:
-    """:func:`check_vocab` but the walk."""
-    name, p = schedule.name, schedule.ranks
-    seen = {(v.kind, v.microbatch) for v in schedule.vocab}
-    wanted = {(k, m) for k in VOCAB_KINDS for m in range(schedule.microbatches)}
-    if len(schedule.vocab) != len(wanted) or seen != wanted:
-        missing = sorted(wanted - seen)
-        what = f"lacks {missing[0][0]}{missing[0][1]}" if missing else "repeats a pass"
-        raise ScheduleError(
-            f"schedule {name!r}: its vocabulary passes {what}; give E, S, T and G of every "
-            f"micro-batch once (conveyor.schedules.vocab.with_vocab places them)"
-        )
-    index = {(v.kind, v.microbatch): k for k, v in enumerate(schedule.vocab)}
-    for m in range(schedule.microbatches):
-        ks = [index[(kind, m)] for kind in VOCAB_KINDS]
-        if ks != sorted(ks):
-            raise ScheduleError(
-                f"schedule {name!r}: micro-batch {m}'s vocabulary passes run out of order; "
-                f"run E, S, T, G of a micro-batch in that order"
-            )
-    if len(schedule.vocab_slots) != p or any(
-        len(row) != len(schedule.vocab) for row in schedule.vocab_slots
-    ):
-        raise ScheduleError(
-            f"schedule {name!r}: vocab_slots needs one slot per pass for each of {p} ranks"
-        )
-    for r, row in enumerate(schedule.vocab_slots):
-        n = len(schedule.actions[r])
-        if any(not 0 <= i <= n for i in row) or list(row) != sorted(row):
-            raise ScheduleError(
-                f"schedule {name!r}: rank {r}'s vocabulary slots {row} must be positions "
-                f"0..{n} of its program, never decreasing"
-            )
-    last = schedule.stages - 1
-    for k, v in enumerate(schedule.vocab):
-        m = v.microbatch
-        rules = {
-            "E": (Action(F, 0, m), False, "before"),
-            "S": (Action(F, last, m), True, "after"),
-            "T": (Action(B, last, m), False, "before"),
-            "G": (Action(B, 0, m), True, "after"),
-        }
-        action, after, word = rules[v.kind]
-        rank = schedule.placement[action.stage]
-        i = schedule.actions[rank].index(action)
-        slot = schedule.vocab_slots[rank][k]
-        if (slot <= i) if after else (slot > i):
-            raise ScheduleError(
-                f"schedule {name!r}: rank {rank} runs {v} {'before' if after else 'after'} "
-                f"{action}; it must run {word} it"
-            )
-
-
 def validate(schedule: Schedule) -> Schedule:
     """Check that ``schedule`` is complete, in dependency order and deadlock free.
 
@@ -211,7 +136,8 @@ def validate(schedule: Schedule) -> Schedule:
     rank's program runs only its own stages, and every F and B (and W with
     ``split_backward``) of every stage and micro-batch appears exactly once. Each
     overlapped pair (:attr:`Schedule.pairs`) is an F followed by a B of another
-    micro-batch. Vocabulary passes, if any, as :func:`check_vocab` says. Deadlock free:
+    micro-batch. Vocabulary passes, if any, as
+    :func:`~conveyor.schedules.vocab.check_vocab` says. Deadlock free:
     the walk (:func:`~conveyor.schedules.order.walk`) runs every instruction.
 
     Args:
@@ -227,7 +153,7 @@ def validate(schedule: Schedule) -> Schedule:
     _check_complete(schedule)
     _check_pairs(schedule)
     if schedule.vocab or schedule.vocab_slots:
-        _check_vocab_places(schedule)
+        check_vocab_places(schedule)
     try:
         walk(schedule)
     except ScheduleError:

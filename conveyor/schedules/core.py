@@ -28,18 +28,6 @@ W: Kind = "W"
 KINDS: tuple[Kind, ...] = (F, B, W)
 """Every kind, in the order an action of each runs for one stage and micro-batch."""
 
-VocabKind = Literal["E", "S", "T", "G"]
-"""A vocabulary pass (vocabulary parallelism, every pipeline rank takes part):
-``"E"`` the embedding lookup of the rank's rows, summed onto the first stage's rank;
-``"S"`` the output layer's forward: the last stage's hidden states broadcast, the rank's
-logits shard and its softmax statistics, gathered from every rank (the loss);
-``"T"`` the output layer's backward: the logits' gradient, the rank's weight gradient,
-and the input gradient summed onto the last stage's rank;
-``"G"`` the embedding's gradient: the first stage's input gradient broadcast, each rank
-adds its rows'."""
-VOCAB_KINDS: tuple[VocabKind, ...] = ("E", "S", "T", "G")
-"""Every vocabulary pass, in the order they run for one micro-batch."""
-
 
 class Action(NamedTuple):
     """One unit of work: ``kind`` of ``stage`` on ``microbatch``.
@@ -63,12 +51,20 @@ class Action(NamedTuple):
         return f"{self.kind}{self.stage},{self.microbatch}"
 
 
-class VocabAction(NamedTuple):
-    """One vocabulary pass (:data:`VocabKind`) of one micro-batch, run by every pipeline
-    rank at once (each on its rows of the vocabulary) with collectives over the pipeline
-    group. Written ``S3`` (the output forward of micro-batch 3)."""
+class Pass(NamedTuple):
+    """A pipeline-wide step of one micro-batch: every pipeline rank runs it at one tick, at
+    the place its program gives it (:attr:`Schedule.vocab_slots`), with collectives over
+    the pipeline group. No stage computes it: the stage ends that implement the kind run
+    it, and say what each kind does and which kinds a forward-only step runs (vocabulary
+    parallelism's ``E``, ``S``, ``T`` and ``G``: :mod:`~conveyor.schedules.vocab`). Written
+    ``S3`` (kind ``S`` of micro-batch 3).
 
-    kind: VocabKind
+    Attributes:
+        kind: One capital letter other than F, B and W.
+        microbatch: The micro-batch index, from 0.
+    """
+
+    kind: str
     microbatch: int
 
     def __str__(self) -> str:
@@ -143,8 +139,9 @@ class Schedule:
             (:func:`~conveyor.schedules.pairs.paired`,
             :func:`~conveyor.schedules.pairs.unpaired`). A value without any pair is
             stored as ``()``.
-        vocab: The vocabulary passes (vocabulary parallelism), in the one order every
-            rank runs them; empty: none (:func:`~conveyor.schedules.vocab.with_vocab`).
+        vocab: The pipeline-wide passes (:class:`Pass`: vocabulary parallelism's), in the
+            one order every rank runs them; empty: none
+            (:func:`~conveyor.schedules.vocab.with_vocab`).
         vocab_slots: Per rank, for each pass of ``vocab``, the index of the rank's
             program it runs before (the program's length: after its last action).
     """
@@ -156,7 +153,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
     pairs: tuple[tuple[int, ...], ...] = ()
-    vocab: tuple[VocabAction, ...] = ()
+    vocab: tuple[Pass, ...] = ()
     vocab_slots: tuple[tuple[int, ...], ...] = ()
     # Each rank's stages, from ``placement``: computed by every construction (a
     # ``dataclasses.replace`` copy too, which may have replaced the placement).

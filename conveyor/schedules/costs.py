@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TypeGuard, cast
+from typing import Literal, TypeGuard, cast
 
 from conveyor.errors import ConfigError
 from conveyor.schedules.core import B, F, Kind, Schedule, W
@@ -23,6 +23,17 @@ A2A = tuple[float, float]
 checked: finite floats >= 0."""
 A2ASpec = float | Sequence[float]
 """One all-to-all time for both F and B, or a pair (F, B)."""
+VocabKind = Literal["E", "S", "T", "G"]
+"""A vocabulary pass's kind (every pipeline rank takes part):
+``"E"`` the embedding lookup of the rank's rows, summed onto the first stage's rank;
+``"S"`` the output layer's forward: the last stage's hidden states broadcast, the rank's
+logits shard and its softmax statistics, gathered from every rank (the loss);
+``"T"`` the output layer's backward: the logits' gradient, the rank's weight gradient,
+and the input gradient summed onto the last stage's rank;
+``"G"`` the embedding's gradient: the first stage's input gradient broadcast, each rank
+adds its rows'."""
+VOCAB_KINDS: tuple[VocabKind, ...] = ("E", "S", "T", "G")
+"""Every vocabulary pass, in the order they run for one micro-batch."""
 VocabCost = tuple[float, float, float, float]
 """Durations (E, S, T, G) of the vocabulary passes of one micro-batch on one rank's share
 of the vocabulary layers, checked: finite floats >= 0."""

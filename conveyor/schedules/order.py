@@ -2,7 +2,7 @@
 
 Each rank's program reads as typed instructions (:func:`instructions`): a
 :class:`Compute` (one action, or an overlapped pair already grouped as one unit) or a
-pipeline-wide pass (a :class:`~conveyor.schedules.core.VocabAction` at its slot).
+pipeline-wide pass (a :class:`~conveyor.schedules.core.Pass` at its slot).
 :func:`walk` runs the ranks' instructions against each other: sends never block and
 receives do, so a rank advances while its next compute's dependencies
 (:func:`~conveyor.schedules.core.requires`) are done, and a pass runs once every rank has
@@ -19,7 +19,7 @@ import functools
 from typing import NamedTuple
 
 from conveyor.errors import ScheduleError
-from conveyor.schedules.core import Action, Schedule, VocabAction, requires
+from conveyor.schedules.core import Action, Pass, Schedule, requires
 
 
 class Compute(NamedTuple):
@@ -48,14 +48,14 @@ class Compute(NamedTuple):
         return "+".join(map(str, self.actions))
 
 
-Instruction = Compute | VocabAction
-"""One instruction of the walk: a rank's :class:`Compute`, or a vocabulary pass that
-every rank runs (a :class:`~conveyor.schedules.core.VocabAction`)."""
+Instruction = Compute | Pass
+"""One instruction of the walk: a rank's :class:`Compute`, or a pipeline-wide pass that
+every rank runs (a :class:`~conveyor.schedules.core.Pass`)."""
 
 
 def instructions(schedule: Schedule, rank: int) -> tuple[Instruction, ...]:
     """``rank``'s program as instructions: its actions in program order, each overlapped
-    pair as one :class:`Compute`, and each vocabulary pass at the rank's slot for it.
+    pair as one :class:`Compute`, and each pass at the rank's slot for it.
 
     Args:
         schedule: A schedule whose pairs and vocabulary slots are well formed (as
@@ -154,7 +154,7 @@ def _advance(schedule: Schedule) -> tuple[tuple[Instruction, ...], tuple[Instruc
         stopped = tuple(
             p[i] if i < len(p) else None for p, i in zip(programs, position, strict=True)
         )
-        if stopped and all(isinstance(step, VocabAction) for step in stopped):
+        if stopped and all(isinstance(step, Pass) for step in stopped):
             # Every rank waits at the same pass (each lists the passes in one order).
             order.append(stopped[0])  # type: ignore[arg-type]
             position = [i + 1 for i in position]
@@ -238,8 +238,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     ]
 
 
-def merged_order(schedule: Schedule) -> list[Action | VocabAction]:
-    """Every action and vocabulary pass once, in the order of :func:`walk` with each
+def merged_order(schedule: Schedule) -> list[Action | Pass]:
+    """Every action and pass once, in the order of :func:`walk` with each
     pair's two actions one after the other: an action runs after its dependencies, a
     pass after everything placed before its slot on every rank and before everything
     placed after it. (The rank of an action is ``schedule.placement[action.stage]``.)

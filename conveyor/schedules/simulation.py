@@ -22,20 +22,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from conveyor.errors import ConfigError
-from conveyor.schedules.core import (
-    VOCAB_KINDS,
-    Action,
-    B,
-    F,
-    Kind,
-    Schedule,
-    VocabAction,
-    VocabKind,
-    W,
-    dependencies,
-)
+from conveyor.schedules.core import Action, B, F, Kind, Pass, Schedule, W, dependencies
 from conveyor.schedules.costs import (
     A2A,
+    VOCAB_KINDS,
     A2ASpec,
     Cost,
     CostSpec,
@@ -91,13 +81,13 @@ class VocabEvent(NamedTuple):
 
     Attributes:
         rank: The pipeline rank.
-        action: The pass (:class:`~conveyor.schedules.core.VocabAction`).
+        action: The pass (:class:`~conveyor.schedules.core.Pass`).
         start: When it started on every rank, in cost units.
         end: When it ended, in cost units.
     """
 
     rank: int
-    action: VocabAction
+    action: Pass
     start: float
     end: float
 
@@ -322,7 +312,7 @@ def simulate(
         B: exchange[1] / schedule.chunks,
         W: 0.0,
     }
-    pass_length: dict[VocabKind, float] = dict(zip(VOCAB_KINDS, passes, strict=True))
+    pass_length: dict[str, float] = dict(zip(VOCAB_KINDS, passes, strict=True))
     placement = schedule.placement
     ranks = range(schedule.ranks)
     free = [0.0] * schedule.ranks

@@ -14,9 +14,11 @@ Format (``#`` starts a comment line; blank lines are ignored)::
 ``placement`` lists the rank of each stage (stage 0 first). Each action is
 ``<kind><stage>,<microbatch>`` with kind F, B or W; an overlapped pair
 (:attr:`~conveyor.schedules.core.Schedule.pairs`) is written ``F0,3+B0,1``, the F then
-the B, joined by ``+``. A vocabulary pass (:attr:`~conveyor.schedules.core.Schedule.vocab`)
-is written ``<kind><microbatch>`` (kind E, S, T or G, e.g. ``S3``) on every rank's line,
-where that rank runs it (its slot); every rank lists the passes in the same order. A
+the B, joined by ``+``. A pipeline-wide pass (:class:`~conveyor.schedules.core.Pass`,
+:attr:`~conveyor.schedules.core.Schedule.vocab`) is written ``<kind><microbatch>`` (a
+capital letter other than F, B and W: vocabulary parallelism's E, S, T or G, e.g. ``S3``)
+on every rank's line, where that rank runs it (its slot); every rank lists the passes in
+the same order. A
 rank's program may be spread over several ``rank N:`` lines; they are joined in order.
 ``name`` (default ``custom``) and ``split_backward`` (default false) may be left out.
 
@@ -33,13 +35,13 @@ from typing import cast
 
 from conveyor.errors import ScheduleError
 from conveyor.schedules.checks import validate
-from conveyor.schedules.core import Action, Kind, Schedule, VocabAction, VocabKind
+from conveyor.schedules.core import Action, Kind, Pass, Schedule
 from conveyor.schedules.order import instructions
 
 _HEADER = "# conveyor schedule"
 _KEYS = ("name", "ranks", "microbatches", "placement", "split_backward")
 _ACTION = re.compile(r"([FBW])(\d+),(\d+)")
-_PASS = re.compile(r"([ESTG])(\d+)")
+_PASS = re.compile(r"(?![FBW])([A-Z])(\d+)")
 _RANK_LINE = re.compile(r"rank\s+(\d+)\s*:(.*)")
 
 
@@ -129,14 +131,14 @@ class _Program:
     def __init__(self) -> None:
         self.actions: list[Action] = []
         self.pairs: list[int] = []
-        self.passes: list[tuple[VocabAction, int]] = []
+        self.passes: list[tuple[Pass, int]] = []
 
     def read(self, text: str, where: str) -> None:
         """Append the actions and passes of one ``rank N:`` line (what follows the colon)."""
         for token in text.split():
             found = _PASS.fullmatch(token)
             if found is not None:
-                step = VocabAction(cast(VocabKind, found[1]), int(found[2]))
+                step = Pass(found[1], int(found[2]))
                 self.passes.append((step, len(self.actions)))
                 continue
             parts = token.split("+")

@@ -34,9 +34,3 @@ class Group:
     last: int
     me: int
     timeout: float
-
-
-def wide(value: torch.Tensor) -> torch.Tensor:
-    """A scalar loss in float32 or wider."""
-    value = value.reshape(())
-    return value if value.dtype in (torch.float32, torch.float64) else value.float()

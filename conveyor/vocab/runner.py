@@ -1,4 +1,4 @@
-"""The vocabulary passes of a step on this rank (:data:`~conveyor.schedules.core.VocabKind`).
+"""The vocabulary passes of a step on this rank (:data:`~conveyor.schedules.vocab.VOCAB_KINDS`).
 
 Every pipeline rank runs every pass, on its rows ``[lo, hi)`` of the vocabulary, with
 collectives on the vocabulary group (a communicator of its own over the pipeline ranks):
@@ -32,15 +32,16 @@ import torch.nn.functional as F
 from conveyor.errors import PipelineError
 from conveyor.losses import output_field
 from conveyor.partition.cuts import rows_per_rank
-from conveyor.runtime.step_loss import LossTerm, StepLoss
+from conveyor.runtime.ends import add_term
+from conveyor.runtime.step_loss import LossTerm, RouterLoss
 from conveyor.runtime.step_state import StepState
-
-__all__ = ["Group", "VocabLoss", "VocabRunner"]
 from conveyor.runtime.transport import collective
-from conveyor.schedules.core import VocabAction
-from conveyor.vocab.config import Group, VocabLoss, wide
+from conveyor.schedules.core import Pass
+from conveyor.vocab.config import Group, VocabLoss
 from conveyor.vocab.cross_entropy import combine, local_targets, shard_grad, shard_stats
 from conveyor.vocab.shards import Takes, VocabShards, with_embedding
+
+__all__ = ["Group", "VocabLoss", "VocabRunner"]
 
 
 class VocabRunner:
@@ -49,6 +50,8 @@ class VocabRunner:
     its input embedding and the last stage's hidden states to the passes."""
 
     every_rank = True  # every rank embeds and scores its rows: it reads the batch
+    # A forward-only step embeds (E) and scores or predicts (S); T and G are the backward.
+    forward_passes = frozenset({"E", "S"})
 
     def __init__(
         self,
@@ -57,7 +60,7 @@ class VocabRunner:
         group: Group,
         device: torch.device,
         autocast: torch.dtype | None,
-        router_coef: float | None = None,
+        router: RouterLoss | None = None,
     ) -> None:
         self.shards = shards
         self.loss = loss
@@ -65,9 +68,10 @@ class VocabRunner:
         self.device = device
         self.autocast = autocast
         # A transformers MoE model's own loss adds its router auxiliary term (loss_fn=None).
-        self.router_coef = router_coef
-        self.routed = router_coef is not None
+        self.router = router
+        self.routed = router is not None
         self._aux: dict[int, torch.Tensor] = {}  # the ones the auxiliary roots start from
+        self._router: dict[int, LossTerm] = {}  # each one's term, added with S's
         # How the first stage takes its embedding (:func:`~conveyor.vocab.shards.first_stage`).
         self.takes: Takes = "inputs_embeds" if shards.layers.transformers else "replace"
         self._state = StepState("train")
@@ -91,7 +95,7 @@ class VocabRunner:
         self._inputs = inputs
         self._targets = targets or []
         for kept in (self._embedded, self._hidden, self._kept, self._hidden_grad,
-                     self._input_grad, self._aux):  # fmt: skip
+                     self._input_grad, self._aux, self._router):  # fmt: skip
             kept.clear()
 
     def _ids(self, m: int) -> torch.Tensor:
@@ -160,18 +164,14 @@ class VocabRunner:
         hidden = self._hidden_of(out)
         if not recomputing:
             self._hidden[m] = hidden
-        coef = self.router_coef
-        aux = output_field(out, "aux_loss") if coef is not None else None
         state = self._state
-        if aux is None or coef is None or state.mode == "predict":
+        router = self.router
+        # The hidden states hold no share of the auxiliary term: none counted in it.
+        term = router.term(out, state.aux_weight) if router and state.mode != "predict" else None
+        if term is None:
             return [hidden]
-        # The router's auxiliary term (runtime/step_loss.py router_term): coef times the
-        # micro-batches' mean, over the step's count; no items, no rows of its own.
-        assert state.aux_weight is not None
-        term = LossTerm(wide(aux) * (coef * state.aux_weight), 1, 0, True)
-        if not recomputing:
-            state.loss = state.loss or StepLoss()
-            state.loss.add(term, 0)
+        if not recomputing:  # added to the step's loss with the micro-batch's S
+            self._router[m] = term._replace(value=term.value.detach())
         root = term.root(state.scale)
         self._aux[m] = torch.ones_like(root)
         return [hidden, root]
@@ -195,19 +195,12 @@ class VocabRunner:
         return hidden
 
     # ------------------------------------------------------------ the passes
-    def run_pass(self, step: Any) -> None:
-        """Run pass ``step`` (a :class:`~conveyor.schedules.core.VocabAction`) on this
-        rank's rows."""
-        action: VocabAction = step
-        m = action.microbatch
-        if action.kind == "E":
-            self._embed(m)
-        elif action.kind == "S":
-            self._output_forward(m)
-        elif action.kind == "T":
-            self._output_backward(m)
-        else:
-            self._embedding_grad(m)
+    def run_pass(self, step: Pass) -> None:
+        """Run pass ``step`` (of a kind of :data:`~conveyor.schedules.vocab.VOCAB_KINDS`)
+        on this rank's rows."""
+        run = {"E": self._embed, "S": self._output_forward, "T": self._output_backward,
+               "G": self._embedding_grad}  # fmt: skip
+        run[step.kind](step.microbatch)
 
     def _collective(self, what: str, m: int, start: Callable[[dist.ProcessGroup], Any]) -> None:
         g = self.group
@@ -276,10 +269,10 @@ class VocabRunner:
         weight_tok = targets.valid.to(torch.float32)
         if g.group is None or g.me == g.last:
             total = (combined.loss * weight_tok).sum()
-            if state.loss is None:
-                state.loss = StepLoss()
             items = loss.counter(labels) if loss.counter is not None else targets.valid.sum()
-            state.loss.add(LossTerm(total, 1, items, True), state.sizes[m])
+            term = LossTerm(total, 1, items, True)
+            router = self._router.pop(m, None)
+            add_term(state, term if router is None else term.plus(router), m)
         if state.train:
             self._kept[m] = (flat, logits, targets, combined.lse)
 

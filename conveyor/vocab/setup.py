@@ -16,6 +16,7 @@ from conveyor.context import Context
 from conveyor.errors import ConfigError
 from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, model_token_loss
 from conveyor.partition.cuts import rows_per_rank
+from conveyor.runtime.step_loss import RouterLoss
 from conveyor.vocab.layers import VocabLayers, VocabSpec, find_vocab_layers
 from conveyor.vocab.runner import Group, VocabLoss, VocabRunner
 from conveyor.vocab.shards import VocabInput, VocabShards, exportable, first_stage, stripped
@@ -94,13 +95,13 @@ def prepare(
     autocast: torch.dtype | None,
     first_rank: int,
     last_rank: int,
-    router_coef: float | None = None,
+    router: RouterLoss | None = None,
 ) -> VocabSetup:
     """Find the layers, shard them over the pipeline ranks and make the runner.
 
     ``first_rank`` / ``last_rank``: the pipeline ranks holding the first and last stages;
-    ``router_coef``: a transformers MoE model's own loss adds its router auxiliary term
-    with this coefficient (``loss_fn=None``).
+    ``router``: a transformers MoE model's own loss adds its router auxiliary term
+    (``loss_fn=None``).
     Collective over the whole world when distributed (every rank makes every vocabulary
     group).
 
@@ -120,7 +121,7 @@ def prepare(
         ctx.rank,
         ctx.timeout,
     )
-    runner = VocabRunner(shards, loss, group, ctx.device, autocast, router_coef)
+    runner = VocabRunner(shards, loss, group, ctx.device, autocast, router)
     # A model only torch.export captures takes its embedding as its first argument (a
     # transformers model has its own: inputs_embeds).
     exported = not layers.transformers and not fx_traces(cut_from)

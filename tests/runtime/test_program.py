@@ -195,6 +195,28 @@ def test_programs_replay_without_deadlock_under_nccl_rules(
     check(_traces(schedule, pairs, join))
 
 
+@pytest.mark.parametrize("forward", [(), ("E", "S"), ("S",)])
+@pytest.mark.parametrize("name", ["1f1b", "v-half"])
+def test_a_forward_only_step_runs_the_passes_its_stage_ends_name(
+    name: str, forward: tuple[str, ...]
+) -> None:
+    """Rule 6: a training step runs every pass, a forward-only one the kinds the stage ends
+    list (``forward_passes``), in the schedule's order, at one tick of every rank."""
+    schedule = with_vocab(get_schedule(name, 2, 3))
+    for train in (True, False):
+        want = [v for v in schedule.vocab if train or v.kind in forward]
+        programs = [single_process_program(schedule, train, forward)] + [
+            rank_program(schedule, r, train, join, forward_passes=forward)
+            for r in range(schedule.ranks)
+            for join in (False, True)
+        ]
+        for program in programs:
+            assert [t.boundary for t in program.ticks if t.boundary is not None] == want
+            assert all(not t.computed for t in program.ticks if t.boundary is not None)
+        ticks_of = [[t.tick for t in p.ticks if t.boundary is not None] for p in programs[1:]]
+        assert all(row == ticks_of[0] for row in ticks_of)
+
+
 def test_receives_go_ahead_of_the_later_action_only() -> None:
     """Rule 7 on 1F1B over 2 ranks, whose steady state exchanges an F output for a B's
     input gradient at every tick: the rank computing the B (longer, ending with the F)
@@ -220,7 +242,7 @@ def test_the_replay_catches_both_ends_of_an_exchange_receiving_ahead(
     schedule = get_schedule("1f1b", 2, 8)
     check(_traces(schedule, join=True))
     both = {tick: frozenset({0, 1}) for tick in ahead_ranks(schedule)}
-    monkeypatch.setattr(program_module, "_ahead", lambda *args: both)
+    monkeypatch.setattr(program_module, "choose_ahead", lambda *args: both)
     with pytest.raises(AssertionError, match="DEADLOCK"):
         check(_traces(schedule, join=True))
 

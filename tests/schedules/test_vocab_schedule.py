@@ -14,8 +14,16 @@ from hypothesis import strategies as st
 
 from conveyor.cli.command import main, parse_vocab
 from conveyor.errors import ConfigError, ScheduleError
-from conveyor.schedules import SCHEDULE_NAMES, Action, Schedule, get_schedule, validate
-from conveyor.schedules.core import B, F, VocabAction, dependencies
+from conveyor.schedules import (
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    from_table,
+    get_schedule,
+    to_table,
+    validate,
+)
+from conveyor.schedules.core import B, F, Pass, dependencies
 from conveyor.schedules.vocab import check_vocab, merged_order, vocab_collectives, with_vocab
 from conveyor.simulate import SimResult, ascii_timeline, normalize_vocab, simulate
 
@@ -61,7 +69,7 @@ def _index(schedule: Schedule, action: Action) -> tuple[int, int]:
 
 def _slot(schedule: Schedule, kind: str, m: int, rank: int) -> int:
     """Where ``rank`` runs pass ``kind`` of micro-batch ``m``."""
-    return schedule.vocab_slots[rank][schedule.vocab.index(VocabAction(kind, m))]  # type: ignore[arg-type]
+    return schedule.vocab_slots[rank][schedule.vocab.index(Pass(kind, m))]
 
 
 def _with_slots(schedule: Schedule, rank: int, row: list[int]) -> Schedule:
@@ -125,7 +133,7 @@ def test_merged_order_runs_everything_once_in_dependency_order(
     _, s, _ = case
     steps = merged_order(s)
     actions = [a for a in steps if isinstance(a, Action)]
-    passes = [v for v in steps if isinstance(v, VocabAction)]
+    passes = [v for v in steps if isinstance(v, Pass)]
     assert sorted(actions) == sorted(a for _, a in s) and len(steps) == len(set(steps))
     assert passes == list(s.vocab) and len(actions) + len(passes) == len(steps)
     at = {step: k for k, step in enumerate(steps)}
@@ -158,7 +166,7 @@ def test_check_vocab_rejects_broken_schedules(
         validate(dropped)
     # A micro-batch's S and T in the wrong order.
     order = list(s.vocab)
-    i, j = order.index(VocabAction("S", m)), order.index(VocabAction("T", m))
+    i, j = order.index(Pass("S", m)), order.index(Pass("T", m))
     order[i], order[j] = order[j], order[i]
     with pytest.raises(ScheduleError, match="out of order"):
         check_vocab(dataclasses.replace(s, vocab=tuple(order)))
@@ -170,13 +178,13 @@ def test_check_vocab_rejects_broken_schedules(
         check_vocab(_with_slots(s, rank, row))
     # S moved before its data (the last stage's forward), earlier passes along with it.
     last_rank, i = _index(s, Action(F, s.stages - 1, m))
-    k = s.vocab.index(VocabAction("S", m))
+    k = s.vocab.index(Pass("S", m))
     row = [min(slot, i) if q <= k else slot for q, slot in enumerate(s.vocab_slots[last_rank])]
     with pytest.raises(ScheduleError, match="must run after"):
         check_vocab(_with_slots(s, last_rank, row))
     # E moved after its consumer (stage 0's forward), later passes along with it.
     rank, i = _index(s, Action(F, 0, m))
-    k = s.vocab.index(VocabAction("E", m))
+    k = s.vocab.index(Pass("E", m))
     row = [max(slot, i + 1) if q >= k else slot for q, slot in enumerate(s.vocab_slots[rank])]
     with pytest.raises(ScheduleError, match="must run before"):
         check_vocab(_with_slots(s, rank, row))
@@ -277,6 +285,29 @@ def test_vocab_cost_needs_passes_and_valid_numbers() -> None:
     for bad in ((1, 2), -1.0, float("nan"), (1, 2, 3, "x"), True):
         with pytest.raises(ConfigError, match="vocab must be"):
             normalize_vocab(bad)  # type: ignore[arg-type]
+
+
+TABLE = """# conveyor schedule
+name: 1f1b
+ranks: 2
+microbatches: 1
+placement: 0 1
+split_backward: false
+rank 0: E0 F0,0 S0 T0 B0,0 G0
+rank 1: E0 F1,0 S0 T0 B1,0 G0
+"""
+"""A table with passes as the documented format writes it."""
+
+
+def test_a_table_with_passes_reads_and_writes_as_documented() -> None:
+    schedule = from_table(TABLE)
+    assert schedule == with_vocab(get_schedule("1f1b", 2, 1))
+    assert schedule.vocab == tuple(Pass(k, 0) for k in "ESTG") and to_table(schedule) == TABLE
+    # A pass of a kind no stage ends run reads as a pass, and validation names it.
+    with pytest.raises(ScheduleError, match="its pass X0 is of no kind the schedule knows"):
+        from_table(TABLE.replace("G0", "X0"))
+    with pytest.raises(ScheduleError, match="cannot read action 'W0'"):
+        from_table(TABLE.replace("G0", "W0"))
 
 
 def test_json_and_text_timeline_show_the_passes() -> None:

@@ -20,8 +20,8 @@ from conveyor.schedules import (
     SCHEDULE_NAMES,
     Action,
     Compute,
+    Pass,
     Schedule,
-    VocabAction,
     default_chunks,
     execution_order,
     from_table,
@@ -65,8 +65,8 @@ def schedules(draw: st.DrawFn) -> Schedule:
     return schedule
 
 
-def _rank_of(step: Compute | VocabAction, schedule: Schedule) -> list[int]:
-    return list(range(schedule.ranks)) if isinstance(step, VocabAction) else [step.rank]
+def _rank_of(step: Compute | Pass, schedule: Schedule) -> list[int]:
+    return list(range(schedule.ranks)) if isinstance(step, Pass) else [step.rank]
 
 
 @FAST
@@ -77,7 +77,7 @@ def test_the_walk_runs_each_program_in_order_pairs_as_units_and_passes_as_barrie
     steps = walk(schedule)
     assert len(steps) == len(set(steps))
     computes = [s for s in steps if isinstance(s, Compute)]
-    assert [s for s in steps if isinstance(s, VocabAction)] == list(schedule.vocab)
+    assert [s for s in steps if isinstance(s, Pass)] == list(schedule.vocab)
     # Each rank's instructions, in its program's order: its actions, a pair grouped.
     for rank in range(schedule.ranks):
         mine = [s for s in steps if rank in _rank_of(s, schedule)]
@@ -159,7 +159,7 @@ def test_a_pass_inside_a_pair_is_refused_by_validate_and_by_the_table() -> None:
     # F0,1+B0,0 would hold S0 inside it.
     schedule = with_vocab(get_schedule("1f1b", 2, 3))
     assert paired(get_schedule("1f1b", 2, 3)).pairs == ((1, 3), ())
-    assert schedule.vocab_slots[0][schedule.vocab.index(VocabAction("S", 0))] == 2
+    assert schedule.vocab_slots[0][schedule.vocab.index(Pass("S", 0))] == 2
     split = dataclasses.replace(schedule, pairs=((1,), ()))
     message = "rank 0 runs the pass S0 inside its pair F0,1\\+B0,0; run the pass before or after"
     with pytest.raises(ScheduleError, match=message):

@@ -150,6 +150,22 @@ def test_one_process_layer_list_llama_eval_and_predict() -> None:
     torch.testing.assert_close(logits, model(ids), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_one_process_eval_and_predict_run_the_forward_passes(tied: bool) -> None:
+    """A forward-only step runs the passes the vocabulary ends name for it (E and S; not
+    T and G): eval_step gives the unsplit model's loss and predict its logits, and
+    nothing gets a gradient."""
+    ids, targets = padded_batch()
+    with torch.no_grad():
+        logits = make("gpt", tied)(ids)
+        total, count = LOSS(logits, targets)
+    pipe = conveyor.Pipeline(make("gpt", tied), loss_fn=LOSS, microbatches=3, schedule="zb-h1",
+                             context=conveyor.init(pp=2), vocab_parallel=True)  # fmt: skip
+    assert abs(float(pipe.eval_step(ids, targets)) - float(total / count)) < TOL
+    torch.testing.assert_close(pipe.predict(ids), logits, rtol=TOL, atol=1e-6)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 def test_label_smoothing_recompute_and_the_names() -> None:
     """Label smoothing (one more sum), recompute of every stage, the vocabulary layers
     under their names in the model, and meta weights initialized like the unsplit model."""
