@@ -94,13 +94,14 @@ def _fold(t: Tensor, groups: int) -> Tensor:
 
 
 _INDEX_MASKS: dict[tuple[Any, ...], Tensor | None] = {}
-"""Masks by index on their device, per layout: the same for every layer and micro-batch
-of a length, so each is made (and copied to the device) once."""
+"""Masks by index on their device, by the indices they mask: the same for every layer and
+micro-batch of a layout, so each is made (and copied to the device) once."""
 
 
-def _index_mask(
-    rule: Rule, queries: Tensor, keys: Tensor, key: tuple[Any, ...], device: torch.device
-) -> Tensor | None:
+def _index_mask(rule: Rule, queries: Tensor, keys: Tensor, device: torch.device) -> Tensor | None:
+    """:func:`~conveyor.context_parallel.masks.by_index` of runs of consecutive indices
+    (``[V, L]`` each), cached by the runs' starts and lengths."""
+    key = (rule, device, queries.shape, keys.shape, *queries[:, 0].tolist(), *keys[:, 0].tolist())
     cached = _INDEX_MASKS.get(key, _INDEX_MASKS)
     if cached is not _INDEX_MASKS:
         return cached  # type: ignore[return-value]
@@ -118,19 +119,18 @@ def _pieces(
 ) -> list[Any]:
     """The (query tile, key chunk) pairs that attend something, as ``(rows, cols, mask,
     salt)`` with ``rows`` / ``cols`` as (start, length). Tiles never span the two chunks a
-    rank holds, so a tile of the early chunk skips the late chunks it cannot see."""
+    rank holds (each a run of consecutive indices), so a tile of the early chunk skips the
+    late chunks it cannot see."""
     out = []
     chunk = length // 2
     starts = [c + t for c in (0, chunk) for t in range(0, chunk, TILE)]
-    layout = (plan.rule, length, plan.rotation.size, plan.rotation.ranks, step, device)
     for n, start in enumerate(starts):
         rows = (start, min(TILE, chunk - start % chunk))
         for k, first in enumerate((0, chunk)):
             cols = (first, chunk)
             index = _index_mask(
-                plan.rule, queries.index.narrow(-1, *rows), keys.index.narrow(-1, *cols),
-                (*layout, rows, cols), device,
-            )  # fmt: skip
+                plan.rule, queries.index.narrow(-1, *rows), keys.index.narrow(-1, *cols), device
+            )
             if index is NOTHING:
                 continue
             mask = both(index, by_data(queries.narrow(*rows), keys.narrow(*cols)))
