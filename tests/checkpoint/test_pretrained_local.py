@@ -151,6 +151,39 @@ def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
     assert published.preferred({"mlp.w": "mlp.w"}) == {"mlp.w": "mlp.w"}
 
 
+def test_a_tie_is_stored_as_transformers_stores_it_whatever_the_models_order(
+    tmp_path: Path,
+) -> None:
+    """The declared copy (``head.weight``) comes first in the model's order here: the name
+    stored is still the one transformers' own save_pretrained keeps."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from conveyor.checkpoint.published import Published
+
+    class Tied(transformers.PreTrainedModel):  # type: ignore[misc]
+        config_class = transformers.PretrainedConfig
+        _tied_weights_keys = {"head.weight": "embed.weight"}  # noqa: RUF012 (transformers')
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.embed = nn.Embedding(6, 4)
+            self.head.weight = self.embed.weight
+            self.post_init()
+
+    model = Tied(transformers.PretrainedConfig())
+    assert list(model.state_dict()) == ["head.weight", "embed.weight"]
+    tied = {"head.weight": "head.weight", "embed.weight": "head.weight"}
+    assert set(Published(model).preferred(tied).values()) == {"embed.weight"}
+    model.save_pretrained(tmp_path / "theirs")
+    with safe_open(tmp_path / "theirs" / "model.safetensors", framework="pt") as f:
+        assert list(f.keys()) == ["embed.weight"]
+    conveyor.save_pretrained(model, tmp_path / "ours")
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert list(index["weight_map"]) == ["embed.weight"]
+
+
 def test_the_training_state_beside_it_holds_no_weights(tmp_path: Path) -> None:
     from conveyor.checkpoint import load_training_state, save_training_state
 
