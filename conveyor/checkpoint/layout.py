@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from conveyor import storage
 from conveyor.storage import LATEST, META, resolve, write_text
+from conveyor.storage import commit as commit_path
 
 __all__ = ["LATEST", "META", "commit", "new_name", "resolve"]
 
@@ -30,10 +30,10 @@ def commit(root: Path, ckpt_name: str, meta: dict[str, Any]) -> None:
     make it the current checkpoint (each step through :func:`conveyor.storage.commit`)."""
     tmp = root / f"{ckpt_name}.tmp"
     write_text(tmp / META, json.dumps(meta, indent=1))
-    storage.commit(tmp, root / ckpt_name)
+    commit_path(tmp, root / ckpt_name)
     pointer = root / f"{LATEST}.{ckpt_name}.tmp"  # its own name: saves never share one
     pointer.write_text(ckpt_name + "\n")
-    storage.commit(pointer, root / LATEST)  # the commit point
+    commit_path(pointer, root / LATEST)  # the commit point
     # Older checkpoints and leftovers of saves that died; only names this module writes.
     for old in root.iterdir():
         if old.name == ckpt_name:
