@@ -1,6 +1,7 @@
-"""A conveyor checkpoint on disk, as read back: the ``latest`` pointer, conveyor.json's
-format and DCP's metadata, and DCP's reads made quiet and their failures
-:class:`~conveyor.errors.CheckpointError`. Below the checkpoints and the pipeline, so that
+"""Checkpoints on disk: the atomic commit every writer uses (:func:`commit`,
+:func:`write_atomically`), and a conveyor checkpoint as read back (the ``latest`` pointer,
+conveyor.json's format and DCP's metadata, DCP's reads made quiet and their failures
+:class:`~conveyor.errors.CheckpointError`). Below the checkpoints and the pipeline, so that
 ``weights=`` reads a checkpoint tensor by tensor while a pipeline is built.
 """
 
@@ -10,7 +11,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,54 @@ FORMAT = "conveyor-checkpoint"
 """The ``format`` entry of every conveyor.json."""
 VERSION = 1
 """The ``version`` entry this conveyor writes; it reads this version and older ones."""
+
+
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush ``path`` (a file's bytes, or a directory's entries) to disk. A directory whose
+    file system cannot flush one (some refuse: EINVAL) is left as it is."""
+    is_dir = os.path.isdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if is_dir:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not is_dir:
+            raise
+    finally:
+        os.close(fd)
+
+
+def commit(partial: str | os.PathLike[str], final: str | os.PathLike[str]) -> None:
+    """Make ``partial`` (a file or a directory, written whole) ``final``, durably: flush it,
+    rename it over ``final`` (atomic on POSIX: a reader sees the old one or the new one),
+    then flush the directory that holds the new name, so that the rename itself survives a
+    crash. Every checkpoint writer (``conveyor.save``, ``save_pretrained``, ``conveyor
+    convert``) ends each file and directory it writes here."""
+    fsync(partial)
+    os.replace(partial, final)
+    fsync(Path(final).parent)
+
+
+def write_atomically(final: str | os.PathLike[str], write: Callable[[Path], object]) -> None:
+    """``write(path)`` into a temporary file beside ``final``, then :func:`commit` it as
+    ``final``; if anything fails, the temporary file is removed and ``final`` is as it was."""
+    target = Path(final)
+    partial = target.with_name(target.name + ".tmp")
+    try:
+        write(partial)
+        commit(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def write_text(final: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` as the file ``final`` atomically (:func:`write_atomically`)."""
+    write_atomically(final, lambda path: path.write_text(text))
 
 
 def exists(path: str | os.PathLike[str]) -> bool:

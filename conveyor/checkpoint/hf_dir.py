@@ -2,11 +2,11 @@
 written: what marks one, new shards beside the current ones, and the commit.
 
 The new shards never take the name of a file the directory holds, and each is written
-under a temporary name and renamed once whole (:class:`Shards`). :func:`commit` then
-writes the configs, replaces the index (``os.replace``: the moment the directory starts
-reading as the new checkpoint) and removes what only the previous checkpoint used. Until
-then the directory reads as the previous checkpoint; files of other kinds (a tokenizer, a
-trainer's runs) are left as they are.
+under a temporary name and renamed once whole (:class:`Shards`, through
+:func:`conveyor.storage.commit`). :func:`commit` then writes the configs, replaces the
+index (the moment the directory starts reading as the new checkpoint) and removes what
+only the previous checkpoint used. Until then the directory reads as the previous
+checkpoint; files of other kinds (a tokenizer, a trainer's runs) are left as they are.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 from torch import Tensor
 
 from conveyor.checkpoint.published import CONFIGS
+from conveyor.storage import write_text
 from conveyor.weights.safetensors_file import (
     INDEX,
     SINGLE,
-    FileWriter,
     TensorInfo,
     read_weight_map,
-    replace_file,
     shard_names,
+    write_file,
     write_index,
 )
 
@@ -53,8 +53,9 @@ def free_names(root: Path, count: int) -> list[str]:
 
 
 class Shards:
-    """New shards of a checkpoint in ``root``, written one tensor at a time: a file is
-    opened when its first tensor comes, and closed (renamed to its name) after its last.
+    """New shards of a checkpoint in ``root``, given one tensor at a time: a file is
+    written (:func:`~conveyor.weights.safetensors_file.write_file`) once its last tensor
+    has come, so only the tensors of the file being filled are held here (on the CPU).
 
     Args:
         root: The directory.
@@ -63,30 +64,37 @@ class Shards:
 
     def __init__(self, root: Path, files: Sequence[tuple[str, Sequence[TensorInfo]]]) -> None:
         self.root = root
-        self._files = {name: list(infos) for name, infos in files}
+        self._infos = {i.name: i for _, infos in files for i in infos}
         self.file_of = {i.name: name for name, infos in files for i in infos}
         self._left = {name: len(infos) for name, infos in files}
-        self._open: dict[str, FileWriter] = {}
+        self._filling: dict[str, dict[str, Tensor]] = {}
         self.done: list[str] = []
 
     def write(self, name: str, value: Tensor) -> None:
-        """Write tensor ``name`` into its file."""
+        """Give tensor ``name`` (as the file's plan says: same dtype and shape); its file is
+        written when it is the last.
+
+        Raises:
+            ValueError: ``value`` is not the tensor the plan says, or came twice.
+            OSError: writing the file failed.
+        """
         file = self.file_of[name]
-        if file not in self._open:
-            self._open[file] = FileWriter(self.root / file, self._files[file])
-        self._open[file].write(name, value)
+        tensors = self._filling.setdefault(file, {})
+        if TensorInfo.of(name, value) != self._infos[name] or name in tensors:
+            info = self._infos[name]
+            raise ValueError(
+                f"{name}: {value.dtype} {tuple(value.shape)} is not the planned "
+                f"{info.dtype} {info.shape}, or was written already"
+            )
+        tensors[name] = value.detach().to("cpu")
         self._left[file] -= 1
         if self._left[file] == 0:
-            self._open.pop(file).close()
+            write_file(self.root / file, self._filling.pop(file))
             self.done.append(file)
 
     def abort(self) -> None:
-        """Remove everything written: partial files and finished ones (which no index
-        lists yet)."""
-        for w in self._open.values():
-            with contextlib.suppress(OSError):
-                w.abort()
-        self._open.clear()
+        """Drop what is held and remove the files written (which no index lists yet)."""
+        self._filling.clear()
         for file in self.done:
             (self.root / file).unlink(missing_ok=True)
         self.done.clear()
@@ -101,7 +109,7 @@ def commit(
     the previous checkpoint's weight files and leftovers of saves that died."""
     old = set(read_weight_map(root).values())
     for name, text in configs.items():
-        replace_file(root / name, text)
+        write_text(root / name, text)
     write_index(root, weight_map, metadata)
     new = set(weight_map.values())
     for p in root.iterdir():

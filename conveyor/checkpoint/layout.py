@@ -7,15 +7,14 @@ and replaces ``latest``, then removes older checkpoints and leftovers of failed 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
-from conveyor.storage import LATEST, META, resolve
+from conveyor.storage import LATEST, META, resolve, write_text
+from conveyor.storage import commit as commit_path
 
 __all__ = ["LATEST", "META", "commit", "new_name", "resolve"]
 
@@ -26,33 +25,15 @@ def new_name(step: int | None) -> str:
     return f"{prefix}-{secrets.token_hex(4)}"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Flush directory ``path``'s entries to disk (best effort)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def commit(root: Path, ckpt_name: str, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank wrote ``root/<ckpt_name>.tmp``: write ``meta`` into it and
-    make it the current checkpoint."""
+    make it the current checkpoint (each step through :func:`conveyor.storage.commit`)."""
     tmp = root / f"{ckpt_name}.tmp"
-    with open(tmp / META, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, root / ckpt_name)
-    _fsync_dir(root)
-    pointer = root / f"{LATEST}.{ckpt_name}.tmp"
-    with open(pointer, "w") as f:
-        f.write(ckpt_name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / LATEST)  # the commit point
-    _fsync_dir(root)
+    write_text(tmp / META, json.dumps(meta, indent=1))
+    commit_path(tmp, root / ckpt_name)
+    pointer = root / f"{LATEST}.{ckpt_name}.tmp"  # its own name: saves never share one
+    pointer.write_text(ckpt_name + "\n")
+    commit_path(pointer, root / LATEST)  # the commit point
     # Older checkpoints and leftovers of saves that died; only names this module writes.
     for old in root.iterdir():
         if old.name == ckpt_name:

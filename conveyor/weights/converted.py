@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from conveyor.weights.safetensors_file import Part
 from conveyor.weights.sources import Safetensors, Source
 
 
@@ -99,6 +100,13 @@ class Converted:
             converted = self._convert(first, meta=False)
             out.update({n: v.contiguous() for n, v in converted.items() if n in wanted})
         return out
+
+    def read_part(self, name: str, part: Part) -> Tensor:
+        if name in self._plain:
+            return self._source.read_part(self._plain[name], part)
+        # A converted tensor is made from whole stored ones (experts stacked, projections
+        # concatenated): read whole, then cut.
+        return self.read([name])[name][part].clone()
 
     def alias(self, name: str) -> str:
         return name

@@ -1,11 +1,13 @@
 """Giving a model's tensors their values, one module at a time: from a checkpoint, or from
 each module's own initialization under a seed made from its name.
 
-A value is always made whole and then cut to what the rank keeps (an FSDP or tensor-
-parallel shard), so the numbers do not depend on the layout: every rank, split and
+An initialized value is always made whole and then cut to what the rank keeps (an FSDP or
+tensor-parallel shard), so the numbers do not depend on the layout: every rank, split and
 process count draws exactly what :func:`conveyor.materialize` draws for the unsplit
-model. Meta tensors become real in place (``torch.utils.swap_tensors``), so tied weights
-stay one object.
+model. A value from a checkpoint is read only as far as the rank keeps it (the box of
+:func:`~conveyor.weights.parts.part_of`), or whole where the source cannot read less.
+Meta tensors become real in place (``torch.utils.swap_tensors``), so tied weights stay
+one object.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from torch import Tensor, nn
 
 from conveyor.errors import CheckpointError, ConfigError
 from conveyor.weights.init import rule_of, seed_of
+from conveyor.weights.parts import part_of, size
 from conveyor.weights.plan import Holders, Slot, Wanted, holders_of, owner
-from conveyor.weights.safetensors_file import runs
+from conveyor.weights.safetensors_file import Part, runs
 from conveyor.weights.sources import Source
 
 READ_BYTES = 256 * 2**20
@@ -84,11 +87,19 @@ def fill(
     holders = holders_of([model, *plan.modules])
     if source is not None:
         loaded = [c for c in plan.slots if c in found]
-        sizes = ((c, _bytes(plan.slots[c][0].get())) for c in loaded)
+        parts = {c: part_of(plan.slots[c]) for c in loaded}
+        sizes = ((c, _bytes(plan.slots[c][0].get(), parts[c])) for c in loaded)
         for batch in runs(sizes, READ_BYTES):
-            values = source.read(found[c] for c in batch)
+            whole = [c for c in batch if parts[c] is None]
+            values = source.read(found[c] for c in whole)
+            placed: set[int] = set()
             for c in batch:
-                _place(rest.pop(c), values[found[c]], device, holders)
+                part = parts[c]
+                value = values[found[c]] if part is None else source.read_part(found[c], part)
+                if id(value) in placed:  # one stored tensor for two untied ones: each its own
+                    value = value.clone()
+                placed.add(id(value))
+                _place(rest.pop(c), value, device, holders, part is not None)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     by_module: dict[str, dict[str, list[Slot]]] = {}
     for c, slots in rest.items():
@@ -148,11 +159,14 @@ def _initialize(
         _place(slots, value.detach(), device, holders)
 
 
-def _place(slots: list[Slot], whole: Tensor, device: torch.device, holders: Holders) -> None:
-    """Put ``whole`` (the tensor's full value) into each slot: a meta tensor becomes real in
-    place (its object kept, so ties hold); a DTensor keeps its shard; a real tensor is
-    overwritten. Where a meta tensor cannot change in place, the real one replaces it in
-    every module of ``holders``."""
+def _place(
+    slots: list[Slot], whole: Tensor, device: torch.device, holders: Holders, cut: bool = False
+) -> None:
+    """Put ``whole`` (the tensor's full value; with ``cut``, already the part every slot, a
+    DTensor, holds) into each slot: a meta tensor becomes real in place (its object kept,
+    so ties hold); a DTensor keeps its shard; a real tensor is overwritten. Where a meta
+    tensor cannot change in place, the real one replaces it in every module of
+    ``holders``."""
     done: set[int] = set()
     for slot in slots:
         target = slot.get()
@@ -165,11 +179,16 @@ def _place(slots: list[Slot], whole: Tensor, device: torch.device, holders: Hold
             from torch.distributed.tensor import DTensor, distribute_tensor
 
             placements = target.placements  # type: ignore[attr-defined]
-            local = distribute_tensor(value, mesh, placements, src_data_rank=None).to_local()
+            local = (
+                value if cut else
+                distribute_tensor(value, mesh, placements, src_data_rank=None).to_local()
+            )  # fmt: skip
             if not target.is_meta:
                 with torch.no_grad():
                     target.to_local().copy_(local)  # type: ignore[attr-defined]
                 continue
+            if local.untyped_storage().nbytes() != local.nbytes:  # a view of the whole value
+                local = local.clone()  # the part only, so that the whole can be freed
             value = DTensor.from_local(
                 local, mesh, placements, run_check=False, shape=target.shape,
                 stride=target.stride(),
@@ -231,5 +250,6 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _bytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+def _bytes(t: Tensor, part: Part | None = None) -> int:
+    """The bytes of ``t``, or of its box ``part``."""
+    return (t.numel() if part is None else size(part)) * t.element_size()

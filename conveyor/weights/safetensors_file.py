@@ -1,215 +1,170 @@
-"""Safetensors files read and written one tensor at a time, and the index of a sharded
+"""Safetensors files through the ``safetensors`` package, and the index of a sharded
 directory.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (each tensor's
-dtype, shape and byte range, and ``__metadata__``), then the tensors' bytes. The header is
-known before any tensor is: :class:`FileWriter` writes it first and then each tensor at
-its offset, so a writer never holds more than the tensor it is writing (the safetensors
-library's own writers take every tensor of a file at once). :class:`FileReader` reads a
-tensor with plain file reads into memory of its own: not through a memory map (the
-safetensors library's way), whose pages count as the process's memory while the file
-stays mapped, so that reading a whole checkpoint that way grows a process by its size.
+Reads (:class:`File`): ``safe_open`` gives a file's tensors from its header; a tensor, or
+the box of it a rank holds (``get_slice``: an FSDP or tensor-parallel shard, vocabulary
+rows, a range of experts), is copied into memory of its own a run of rows at a time, each
+run through a handle of its own. The package maps the file, and the pages of a mapping
+count as the process's memory while it is open: so a read adds no more than a run
+(:data:`CHUNK`) to the tensor it makes, and no value stays backed by a file that a later
+save replaces.
+
+Writes (:func:`write_file`): ``safetensors.torch.save_file`` writes a file from every one
+of its tensors at once, so a writer holds the tensors of one file (at most
+``max_shard_size``, or one larger tensor) while it writes it; each file is committed
+atomically (:func:`conveyor.storage.write_atomically`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import io
+import functools
 import json
 import math
 import os
-import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from conveyor.errors import CheckpointError
+from conveyor.storage import write_atomically, write_text
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+METADATA = {"format": "pt"}
+"""The header metadata transformers' ``save_pretrained`` writes (and its loader checks)."""
 
-_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+    "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+"""The stored dtypes conveyor reads (the safetensors code -> torch's dtype)."""
 
-
-_DTYPES = {code: dtype for dtype, code in _CODES.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> str:
-    """The safetensors name of ``dtype`` (``F32``, ``BF16``, ...).
-
-    Raises:
-        ValueError: for a dtype safetensors cannot store.
-    """
-    if dtype not in _CODES:
-        raise ValueError(f"safetensors cannot store {dtype}")
-    return _CODES[dtype]
+Part = tuple[slice, ...]
+"""A box of a tensor: one ``slice(lo, hi)`` per dimension."""
+CHUNK = 16 * 2**20
+"""The most bytes of a file a read maps at once."""
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """What a file's header says about one tensor."""
+    """A tensor as a file stores it: its name, dtype and shape."""
 
     name: str
-    dtype: str  # the safetensors code
+    dtype: torch.dtype
     shape: tuple[int, ...]
-    itemsize: int
 
     @property
     def nbytes(self) -> int:
         """The tensor's size in the file."""
-        return math.prod(self.shape) * self.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @staticmethod
     def of(name: str, value: Tensor) -> TensorInfo:
         """The entry of ``value`` (any device, meta included) under ``name``."""
-        return TensorInfo(name, dtype_code(value.dtype), tuple(value.shape), value.element_size())
+        return TensorInfo(name, value.dtype, tuple(value.shape))
 
 
-def _header(infos: Sequence[TensorInfo]) -> tuple[bytes, dict[str, int]]:
-    """The encoded header (length prefix included, padded to 8 bytes) and each tensor's
-    absolute offset in the file, tensors in the given order."""
-    table: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    at, starts = 0, {}
-    for info in infos:
-        table[info.name] = {
-            "dtype": info.dtype,
-            "shape": list(info.shape),
-            "data_offsets": [at, at + info.nbytes],
-        }
-        starts[info.name] = at
-        at += info.nbytes
-    text = json.dumps(table, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    head = struct.pack("<Q", len(text)) + text
-    return head, {n: len(head) + s for n, s in starts.items()}
-
-
-class FileWriter:
-    """One safetensors file, its header written first; :meth:`write` each tensor it lists
-    (in any order), then :meth:`close`. It is written under ``path + ".tmp"`` and renamed
-    to ``path`` by :meth:`close` once complete, so a file under its final name is whole.
-
-    Args:
-        path: The file to write.
-        infos: Every tensor of the file, in the order they are laid out.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], infos: Sequence[TensorInfo]) -> None:
-        self.path = Path(path)
-        self.partial = self.path.with_name(self.path.name + ".tmp")
-        self._infos = {i.name: i for i in infos}
-        head, self._offsets = _header(infos)
-        self._left = set(self._infos)
-        self._file = open(self.partial, "wb")  # noqa: SIM115 (closed by close/abort)
-        self._file.write(head)
-
-    def write(self, name: str, value: Tensor) -> None:
-        """Write the tensor ``name`` (as its header says: same dtype and shape)."""
-        info = self._infos[name]
-        if TensorInfo.of(name, value) != info or name not in self._left:
-            raise ValueError(
-                f"{name}: {value.dtype} {tuple(value.shape)} does not match the header's "
-                f"{info.dtype} {info.shape}, or was written already"
-            )
-        self._left.discard(name)
-        if info.nbytes == 0:
-            return
-        flat = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.seek(self._offsets[name])
-        self._file.write(flat.numpy().data)
-
-    def close(self) -> None:
-        """Finish the file: every tensor written, on disk (fsync), under its final name."""
-        if self._left:
-            raise ValueError(f"{self.path}: tensors never written: {sorted(self._left)[:3]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.partial, self.path)
-
-    def abort(self) -> None:
-        """Stop and remove the unfinished file."""
-        self._file.close()
-        self.partial.unlink(missing_ok=True)
-
-
-class FileReader:
-    """One safetensors file: its header read at once, each tensor on demand.
+class File:
+    """One safetensors file: its header read at once, each tensor (or part) on demand.
 
     Args:
         path: The file.
 
     Raises:
-        CheckpointError: an unreadable header, or a dtype torch has no name for.
+        CheckpointError: an unreadable or incomplete file, or a dtype conveyor cannot read.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.entries: dict[str, TensorInfo] = {}  # in stored order
         try:
-            with open(self.path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header: dict[str, Any] = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error) as exc:
+            with safe_open(self.path, framework="pt") as f:
+                for name in f.offset_keys():
+                    stored = f.get_slice(name)
+                    code = stored.get_dtype()
+                    if code not in _DTYPES:
+                        raise CheckpointError(
+                            f"{self.path} stores {name} as {code}, which conveyor cannot "
+                            f"read; convert it to a torch dtype first"
+                        )
+                    shape = tuple(stored.get_shape())
+                    self.entries[name] = TensorInfo(name, _DTYPES[code], shape)
+        except (OSError, SafetensorError) as exc:
             raise CheckpointError(
                 f"cannot read the safetensors header of {self.path}: {exc}; is it damaged?"
             ) from None
-        entries = sorted(
-            ((n, e) for n, e in header.items() if n != "__metadata__"),
-            key=lambda item: int(item[1]["data_offsets"][0]),
-        )
-        # name -> (absolute offset, dtype, shape), in stored order
-        self.entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-        for name, entry in entries:
-            if entry["dtype"] not in _DTYPES:
-                raise CheckpointError(
-                    f"{self.path} stores {name} as {entry['dtype']}, which conveyor cannot "
-                    f"read; convert it to a torch dtype first"
-                )
-            start = 8 + length + int(entry["data_offsets"][0])
-            self.entries[name] = (start, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        self._file: io.BufferedReader | None = None
 
-    def read(self, name: str) -> Tensor:
-        """The stored tensor ``name``, in memory of its own (on the CPU)."""
-        start, dtype, shape = self.entries[name]
-        value = torch.empty(shape, dtype=dtype)
-        # The tensor's memory as a writable buffer through ctypes, not numpy: numpy would
-        # pin the storage's size, which a reader may free by resizing it.
-        raw = (ctypes.c_char * value.nbytes).from_address(value.data_ptr())
-        view = memoryview(raw).cast("B")
-        if self._file is None:
-            self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
-        self._file.seek(start)
-        got = 0
-        while got < len(view):
-            n = self._file.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{self.path} ends inside {name}; it is damaged")
-            got += n
-        return value
+    def read(self, name: str, part: Part | None = None) -> Tensor:
+        """The stored tensor ``name`` (or its box ``part``), in memory of its own on the
+        CPU: copied in runs of rows of at most :data:`CHUNK` bytes, each through a handle
+        of its own, so that no more than a run of the file is ever mapped."""
+        info = self.entries[name]
+        box = part if part is not None else tuple(slice(0, n) for n in info.shape)
+        out = torch.empty(tuple(s.stop - s.start for s in box), dtype=info.dtype)
+        if out.numel() == 0:
+            return out
+        step = max(1, CHUNK // out[0].nbytes) if out.dim() else 1
+        try:
+            for lo in range(0, len(out) if out.dim() else 1, step):
+                with safe_open(self.path, framework="pt") as f:
+                    if not out.dim():
+                        out.copy_(f.get_tensor(name))
+                        continue
+                    hi = min(len(out), lo + step)
+                    index = (slice(box[0].start + lo, box[0].start + hi), *box[1:])
+                    out[lo:hi].copy_(f.get_slice(name)[index])
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"cannot read {name} from {self.path}: {exc}") from None
+        return out
 
-    def close(self) -> None:
-        """Close the file (it is opened again by the next read)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+
+def write_file(path: str | os.PathLike[str], tensors: Mapping[str, Tensor]) -> None:
+    """Write ``tensors`` as the safetensors file ``path``, atomically: under a temporary
+    name, on disk, then renamed (:func:`conveyor.storage.write_atomically`).
+
+    Raises:
+        OSError: writing failed (``path`` is as it was).
+    """
+
+    def save(partial: Path) -> None:
+        try:
+            save_file({n: _alone(v) for n, v in tensors.items()}, partial, metadata=METADATA)
+        except SafetensorError as exc:  # the package's I/O errors, as every other write's
+            raise OSError(f"{exc}") from None
+        # The package writes through a private temporary file (mode 0600): the mode a
+        # file created here would have, so that others who may read the directory can.
+        os.chmod(partial, 0o666 & ~_umask())
+
+    write_atomically(path, save)
+
+
+def _alone(value: Tensor) -> Tensor:
+    """``value`` contiguous and in memory of its own (a copy of a view of a larger tensor,
+    such as one expert of a stacked expert tensor): the package writes only those."""
+    value = value.detach().contiguous()
+    if value.untyped_storage().nbytes() != value.nbytes:
+        value = value.clone()
+    return value
+
+
+@functools.cache
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets one to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def runs(items: Iterable[tuple[Any, int]], limit: int) -> Iterator[list[Any]]:
@@ -243,26 +198,9 @@ def pack(sizes: Iterable[tuple[str, int]], limit: int) -> list[list[str]]:
 def write_index(
     path: str | os.PathLike[str], weight_map: Mapping[str, str], metadata: Mapping[str, Any]
 ) -> None:
-    """Write ``model.safetensors.index.json`` into directory ``path`` atomically (a
-    temporary file, fsynced, then renamed over the old one)."""
-    target = Path(path) / INDEX
+    """Write ``model.safetensors.index.json`` into directory ``path`` atomically."""
     body = {"metadata": dict(metadata), "weight_map": dict(sorted(weight_map.items()))}
-    replace_file(target, json.dumps(body, indent=2) + "\n")
-
-
-def replace_file(target: Path, text: str) -> None:
-    """Write ``text`` as file ``target`` atomically: into a temporary file, on disk
-    (fsync), then renamed over ``target``; nothing is left behind if that fails."""
-    partial = target.with_name(target.name + ".tmp")
-    try:
-        with open(partial, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    write_text(Path(path) / INDEX, json.dumps(body, indent=2) + "\n")
 
 
 def read_weight_map(path: str | os.PathLike[str]) -> dict[str, str]:

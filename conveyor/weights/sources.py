@@ -1,5 +1,6 @@
 """Where ``weights=`` values come from: a conveyor checkpoint or a transformers checkpoint
-directory, read one tensor at a time so that a rank reads only what it holds."""
+directory, read one tensor (or the part of one a rank holds) at a time, so that a rank
+reads only what it holds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from conveyor.errors import CheckpointError
-from conveyor.weights.safetensors_file import INDEX, SINGLE, FileReader
+from conveyor.weights.safetensors_file import INDEX, SINGLE, File, Part
 
 
 class Source(Protocol):
@@ -30,15 +31,20 @@ class Source(Protocol):
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
         """The stored tensors ``names`` (on the CPU, in their stored dtype)."""
 
+    def read_part(self, name: str, part: Part) -> Tensor:
+        """The box ``part`` of the stored tensor ``name`` (a source that cannot read less
+        reads it whole and cuts it)."""
+
     def alias(self, name: str) -> str:
         """The stored name of the model's tensor ``name`` (a tied weight is stored once)."""
 
 
 class Safetensors:
     """A transformers checkpoint: ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``, or one ``.safetensors`` file; each tensor is read on
-    its own, into memory of its own (:class:`~conveyor.weights.safetensors_file.FileReader`:
-    never left backed by a file that may be rewritten while training)."""
+    ``model.safetensors.index.json``, or one ``.safetensors`` file; each tensor, or the box
+    of it that is asked for, is read on its own into memory of its own
+    (:class:`~conveyor.weights.safetensors_file.File`: never left backed by a file that
+    may be rewritten while training)."""
 
     # Not torch's HuggingFaceStorageReader: that is a DCP reader, which loads a whole
     # state dict planned up front, while a rank here asks for tensors one group at a time
@@ -53,29 +59,26 @@ class Safetensors:
             files = [path / f for f in sorted(set(weight_map.values()))]  # shard order
         else:
             files = [path / SINGLE]
-        self._readers = [FileReader(f) for f in files]
-        self._reader_of = {n: r for r in self._readers for n in r.entries}
+        self._file_of = {n: f for f in map(File, files) for n in f.entries}
 
     def names(self) -> list[str]:
-        return list(self._reader_of)
+        return list(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._reader_of[name].entries[name][2]
+        return self._file_of[name].entries[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
         """A stored tensor's dtype."""
-        return self._reader_of[name].entries[name][1]
+        return self._file_of[name].entries[name].dtype
 
     def read(self, names: Iterable[str]) -> dict[str, Tensor]:
-        return {n: self._reader_of[n].read(n) for n in names}
+        return {n: self._file_of[n].read(n) for n in names}
+
+    def read_part(self, name: str, part: Part) -> Tensor:
+        return self._file_of[name].read(name, part)
 
     def alias(self, name: str) -> str:
         return name
-
-    def close(self) -> None:
-        """Close the files read so far."""
-        for r in self._readers:
-            r.close()
 
 
 class ConveyorCheckpoint:
@@ -117,6 +120,9 @@ class ConveyorCheckpoint:
         with quiet(), dcp_errors(f"reading weights from {self.where}", "is it damaged?"):
             dcp_load(state, storage_reader=FileSystemReader(self._dir), no_dist=True)
         return {k[len("model/") :]: v for k, v in state.items()}
+
+    def read_part(self, name: str, part: Part) -> Tensor:
+        return self.read([name])[name][part].clone()  # DCP reads the tensor whole
 
     def alias(self, name: str) -> str:
         return self._aliases.get(name, name)

@@ -145,7 +145,7 @@ def test_the_save_posts_what_nccl_runs(saved: tuple[Path, list[dict[str, Any]]],
 
 
 def _killed(rank: int, root: str) -> None:
-    """Save twice; the second time rank 1 dies at its third tensor."""
+    """Save twice; the second time rank 1 dies writing its second file."""
     from conveyor.weights import safetensors_file
 
     conveyor.init(pp=2, timeout=20)
@@ -157,16 +157,17 @@ def _killed(rank: int, root: str) -> None:
         for p in pipe.parameters():
             p.add_(1.0)
     if rank == 1:
-        write = safetensors_file.FileWriter.write
+        save = safetensors_file.save_file
         count = [0]
 
-        def dying(self: Any, name: str, value: torch.Tensor) -> None:
+        def dying(tensors: dict[str, torch.Tensor], path: Any, metadata: Any = None) -> None:
             count[0] += 1
-            if count[0] == 3:
+            if count[0] == 2:  # dies in its second file, half of it written
+                Path(path).write_bytes(b"cut short")
                 os._exit(3)
-            write(self, name, value)
+            save(tensors, path, metadata=metadata)
 
-        safetensors_file.FileWriter.write = dying  # type: ignore[method-assign]
+        safetensors_file.save_file = dying
     conveyor.save_pretrained(pipe, root, max_shard_size=SHARD)
 
 

@@ -4,13 +4,14 @@ checkpoint stays), and saving twice into one directory."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 import conveyor
@@ -81,18 +82,19 @@ def test_a_failing_write_names_the_file_and_keeps_the_previous_checkpoint(
     with torch.no_grad():
         for p in pipe.parameters():
             p.add_(1)
-    write = safetensors_file.FileWriter.write
+    save = safetensors_file.save_file
     count = [0]
 
-    def full(self: Any, name: str, value: torch.Tensor) -> None:
+    def full(tensors: dict[str, torch.Tensor], path: Any, metadata: Any = None) -> None:
         count[0] += 1
-        if count[0] == 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, name, value)
+        if count[0] == 2:  # the package's own error, half a file written
+            Path(path).write_bytes(b"cut short")
+            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+        save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(safetensors_file.FileWriter, "write", full)
+    monkeypatch.setattr(safetensors_file, "save_file", full)
     with pytest.raises(CheckpointError, match=r"rank 0: writing .*model-.*safetensors failed: "
-                       r"No space left on device; .* keeps its previous checkpoint"):  # fmt: skip
+                       r".*No space left on device.*; .* keeps its previous"):  # fmt: skip
         conveyor.save_pretrained(pipe, tmp_path, max_shard_size=400)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     want = mlp(seed=0).state_dict()
@@ -149,6 +151,39 @@ def test_a_tied_weight_is_stored_under_the_name_transformers_keeps() -> None:
     assert published.preferred({"mlp.w": "mlp.w"}) == {"mlp.w": "mlp.w"}
 
 
+def test_a_tie_is_stored_as_transformers_stores_it_whatever_the_models_order(
+    tmp_path: Path,
+) -> None:
+    """The declared copy (``head.weight``) comes first in the model's order here: the name
+    stored is still the one transformers' own save_pretrained keeps."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    from conveyor.checkpoint.published import Published
+
+    class Tied(transformers.PreTrainedModel):  # type: ignore[misc]
+        config_class = transformers.PretrainedConfig
+        _tied_weights_keys = {"head.weight": "embed.weight"}  # noqa: RUF012 (transformers')
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.head = nn.Linear(4, 6, bias=False)
+            self.embed = nn.Embedding(6, 4)
+            self.head.weight = self.embed.weight
+            self.post_init()
+
+    model = Tied(transformers.PretrainedConfig())
+    assert list(model.state_dict()) == ["head.weight", "embed.weight"]
+    tied = {"head.weight": "head.weight", "embed.weight": "head.weight"}
+    assert set(Published(model).preferred(tied).values()) == {"embed.weight"}
+    model.save_pretrained(tmp_path / "theirs")
+    with safe_open(tmp_path / "theirs" / "model.safetensors", framework="pt") as f:
+        assert list(f.keys()) == ["embed.weight"]
+    conveyor.save_pretrained(model, tmp_path / "ours")
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert list(index["weight_map"]) == ["embed.weight"]
+
+
 def test_the_training_state_beside_it_holds_no_weights(tmp_path: Path) -> None:
     from conveyor.checkpoint import load_training_state, save_training_state
 
@@ -171,3 +206,71 @@ def test_the_training_state_beside_it_holds_no_weights(tmp_path: Path) -> None:
     assert got["param_groups"][0]["lr"] == 0.1
     for i, s in want["state"].items():
         assert all(torch.equal(v, got["state"][i][k]) for k, v in s.items())
+
+
+def test_every_checkpoint_writer_commits_each_file_through_the_one_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_pretrained, conveyor.save and conveyor convert (both ways): each file and
+    directory they make is flushed, renamed, and its directory flushed."""
+    from conveyor.checkpoint.convert import convert
+    from tests.weights.test_safetensors_file import assert_committed, record_commits
+
+    events = record_commits(monkeypatch)
+    pipe = _pipe()
+    with pytest.warns(UserWarning):
+        conveyor.save_pretrained(pipe, tmp_path / "hf", max_shard_size=400)
+    written = sorted((tmp_path / "hf").iterdir())
+    assert len(written) > 3
+    for path in written:
+        assert_committed(events, path)
+
+    events.clear()
+    conveyor.save(pipe, tmp_path / "ckpt")
+    current = conveyor.storage.resolve(tmp_path / "ckpt")
+    partial = current.with_name(current.name + ".tmp")  # conveyor.json goes in first
+    for path in (partial / "conveyor.json", current, tmp_path / "ckpt" / "latest"):
+        assert_committed(events, path)
+
+    for src, out, to in (("ckpt", "hf2", "transformers"), ("hf", "back", "conveyor")):
+        events.clear()
+        with pytest.warns(UserWarning) if to == "transformers" else contextlib.nullcontext():
+            convert(tmp_path / src, tmp_path / out, to=to)
+        if to == "transformers":
+            for path in (tmp_path / out).iterdir():
+                assert_committed(events, path)
+        else:
+            back = conveyor.storage.resolve(tmp_path / out)
+            partial = back.with_name(back.name + ".tmp")
+            for path in (partial / "conveyor.json", back, tmp_path / out / "latest"):
+                assert_committed(events, path)
+
+
+def test_the_keys_a_transformers_model_ignores_on_save_are_left_out_as_it_does(
+    tmp_path: Path,
+) -> None:
+    """Marian declares its sinusoidal position tables ``_keys_to_ignore_on_save``:
+    save_pretrained writes every other tensor, the same names as transformers' own
+    save_pretrained, and from_pretrained reads it back whole."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    config = transformers.MarianConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        max_position_embeddings=16, pad_token_id=0, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config)
+    ignored = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
+    assert set(model._keys_to_ignore_on_save) == ignored
+    conveyor.save_pretrained(model, tmp_path / "ours")
+    model.save_pretrained(tmp_path / "theirs")
+    ours = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    with safe_open(tmp_path / "theirs" / "model.safetensors", framework="pt") as f:
+        theirs = set(f.keys())
+    assert set(ours["weight_map"]) == theirs
+    assert not ignored & theirs and "model.shared.weight" in theirs
+    back = transformers.MarianMTModel.from_pretrained(tmp_path / "ours")
+    want = model.state_dict()
+    assert all(torch.equal(v, want[n]) for n, v in back.state_dict().items())

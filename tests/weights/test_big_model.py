@@ -255,6 +255,29 @@ def test_loaded_weights_do_not_stay_backed_by_the_file(tmp_path: Path) -> None:
     assert all(float(p.detach().abs().sum()) == 0.0 for p in model.parameters())
 
 
+def test_one_stored_tensor_for_two_untied_weights_gives_each_its_own_memory(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint of a tied model (the weight stored once) loaded into the same model
+    untied: both weights get its value, each in memory of its own (sharing it would tie
+    them behind the optimizer's back)."""
+
+    def build(tied: bool) -> nn.Sequential:
+        model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+        if tied:
+            model[1].weight = model[0].weight
+        return model
+
+    torch.manual_seed(0)
+    conveyor.save(build(tied=True), tmp_path)
+    with conveyor.empty_weights():
+        untied = build(tied=False)
+    conveyor.materialize(untied, weights=tmp_path)
+    embedding, output = untied[0].weight, untied[1].weight
+    assert torch.equal(embedding, output)
+    assert embedding.untyped_storage().data_ptr() != output.untyped_storage().data_ptr()
+
+
 def test_weights_from_a_conveyor_checkpoint_of_another_split(tmp_path: Path) -> None:
     conveyor.init(pp=2)
     first = conveyor.Pipeline(conveyor.materialize(_mlp(), init_seed=5), loss_fn=F.mse_loss,

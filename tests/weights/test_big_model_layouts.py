@@ -149,6 +149,73 @@ def test_a_checkpoint_of_one_layout_loads_into_a_meta_pipeline_of_another(tmp_pa
     _check(distributed.run(_layout, 4, layout, path, timeout=240, fork=True), layout)
 
 
+def _reading(rank: int, layout: dict[str, Any], weights: str) -> dict[str, Any]:
+    """:func:`_layout`, counting the bytes this rank reads from the safetensors files, and
+    the bytes of the whole tensors it reads from."""
+    from conveyor.weights.safetensors_file import File
+
+    read = File.read
+    counted = {"read": 0, "whole": 0}
+
+    def counting(self: File, name: str, part: Any = None) -> torch.Tensor:
+        value = read(self, name, part)
+        counted["read"] += value.nbytes
+        counted["whole"] += self.entries[name].nbytes
+        return value
+
+    File.read = counting  # type: ignore[method-assign]
+    return {**_layout(rank, layout, weights), **counted}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[2:])
+def test_a_transformers_directory_is_read_only_as_far_as_each_rank_holds(
+    tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    """FSDP and tensor-parallel shards are read as boxes of the stored tensors
+    (``safe_open``'s ``get_slice``): each rank reads its shards, not the whole tensors."""
+    model = conveyor.materialize(empty_gpt(), init_seed=SEED)
+    with pytest.warns(UserWarning, match="no config.json"):
+        conveyor.save_pretrained(model, tmp_path / "hf", max_shard_size="20KB")
+    world = layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
+    results = distributed.run(_reading, world, layout, str(tmp_path / "hf"), timeout=240,
+                              fork=True)  # fmt: skip
+    _check(results, layout)
+    for r in results:
+        # FSDP: half of every weight; TP: half of the sharded layers' (the rest whole,
+        # small here); whole tensors would be all of it
+        share = 0.51 if layout.get("fsdp") else 0.55
+        assert 0 < r["read"] < share * r["whole"], r
+
+
+def _vocab_rows(rank: int, weights: str) -> dict[str, Any]:
+    from conveyor.weights.safetensors_file import File
+
+    read = File.read
+    boxes = []
+
+    def logging(self: File, name: str, part: Any = None) -> torch.Tensor:
+        boxes.append((name, part))
+        return read(self, name, part)
+
+    File.read = logging  # type: ignore[method-assign]
+    conveyor.init(pp=2)
+    pipe = conveyor.Pipeline(empty_gpt(), loss_fn=TokenCrossEntropy(), microbatches=2,
+                             weights=weights, vocab_parallel=True)  # fmt: skip
+    local = dict(pipe.named_parameters())["tok.weight"].to_local().detach().clone()
+    return {"boxes": [b for b in boxes if b[0] == "tok.weight"], "local": local}
+
+
+def test_vocabulary_rows_are_read_as_each_rank_holds_them(tmp_path: Path) -> None:
+    model = conveyor.materialize(empty_gpt(), init_seed=SEED)
+    with pytest.warns(UserWarning, match="no config.json"):
+        conveyor.save_pretrained(model, tmp_path / "hf")
+    results = distributed.run(_vocab_rows, 2, str(tmp_path / "hf"), fork=True)
+    rows = [(0, 7), (7, 13)]  # torch.chunk's rule: ceil(13 / 2) rows, the rest
+    for (lo, hi), r in zip(rows, results, strict=True):
+        assert r["boxes"] == [("tok.weight", (slice(lo, hi), slice(0, 16)))]
+        assert torch.equal(r["local"], model.tok.weight.detach()[lo:hi])
+
+
 def _norms() -> torch.nn.Sequential:
     with conveyor.empty_weights():
         return torch.nn.Sequential(
