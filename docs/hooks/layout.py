@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("expert parallelism: experts over the ep ranks", ["conveyor.experts"]),
     ("vocabulary parallelism: the vocabulary layers over the pp ranks", ["conveyor.vocab"]),
+    ("context parallelism: each sequence over the cp ranks", ["conveyor.context_parallel"]),
     ("seeing what ran", ["conveyor.observe"]),
     ("running a schedule", ["conveyor.runtime"]),
     ("the model's values: built empty, initialized, loaded", ["conveyor.weights"]),
