@@ -14,7 +14,6 @@ transformers style                          torch ``ParallelStyle``
 ``rowwise_rep``, ``rowwise_split_input``    ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_rowwise``                       ``RowwiseParallel(input_layouts=Replicate())``
 ``embedding_colwise``                       ``ColwiseParallel(output_layouts=Replicate())``
-``sequence_parallel``                       ``SequenceParallel(use_local_output=True)``
 ``replicated_with_grad_allreduce``          ``SequenceParallel(sequence_dim=0,
                                             use_local_output=True)`` (see below)
 ``replicate``                               (left out: nothing to shard)
@@ -30,6 +29,12 @@ Entries for expert collections and what is inside them (``moe_tp_experts``,
 ``packed_colwise`` on their 3-D weights, ``ep_router``, ...) are left out: experts are
 sharded by expert parallelism (``conveyor.init(ep=...)``), not by ``tp_plan``. Any other
 style name has no torch equivalent and is a ``ConfigError``.
+
+``sequence_parallel`` (transformers' ``SequenceParallel(use_local_output=True)``, which no
+transformers model's plan uses) is a ``ConfigError`` too: it takes the module's input as
+this rank's slice of the sequence, but transformers' ``colwise`` / ``rowwise`` neighbours
+pass the whole sequence, so on a norm between them every rank would count every token
+and the parameters' gradients would come out tp times too large.
 """
 
 from __future__ import annotations
@@ -71,7 +76,6 @@ def _styles() -> dict[str, Callable[[], Any]]:
         "rowwise_split_input": rowwise_rep,
         "embedding_rowwise": rowwise_rep,  # torch's default would gather the ids as shards
         "embedding_colwise": colwise_rep,
-        "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
         "replicated_with_grad_allreduce": lambda: SequenceParallel(
             sequence_dim=0, use_local_output=True
         ),
@@ -83,8 +87,8 @@ def resolve(tp_plan: Mapping[str, Any] | str | None, model: Any) -> Mapping[str,
     model's own plan (see the module doc), anything else is returned as it is.
 
     Raises:
-        ConfigError: ``"auto"`` for a model without ``config.base_model_tp_plan``, or a
-            style name with no torch equivalent.
+        ConfigError: ``"auto"`` for a model without ``config.base_model_tp_plan``, a
+            style name with no torch equivalent, or ``sequence_parallel``.
     """
     if not isinstance(tp_plan, str):
         return tp_plan
@@ -109,6 +113,15 @@ def resolve(tp_plan: Mapping[str, Any] | str | None, model: Any) -> Mapping[str,
             continue
         if any(h == e or h.startswith(e + ".") for h in hits for e in experts):
             continue  # inside an expert collection: experts stay under ep
+        if style == "sequence_parallel":
+            raise ConfigError(
+                f"tp_plan='auto': {type(model).__name__}'s plan gives {pattern!r} the "
+                f"transformers style 'sequence_parallel', whose input transformers' "
+                f"colwise/rowwise neighbours pass whole, so its gradients would count every "
+                f"token tp times; in config.base_model_tp_plan give it "
+                f"'replicated_with_grad_allreduce' if it runs on this rank's slice of a "
+                f"split tensor, else leave it out"
+            )
         if style not in styles:
             raise ConfigError(
                 f"tp_plan='auto': {type(model).__name__}'s plan gives {pattern!r} the "

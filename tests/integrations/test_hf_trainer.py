@@ -14,11 +14,19 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
 
 import conveyor
+from conveyor.integrations._hf_data import ReplicaLoader
 from conveyor.integrations._hf_model import without_cache
 from conveyor.integrations.transformers import INIT_KEYS, PipelineTrainer
+from conveyor.runtime.microbatch import Needs
 from tests.support.helpers import reset_context
 from tests.support.trainer_forked import run_forked
 
@@ -81,17 +89,69 @@ def plain(
     return (_curve(history), _curve(history, "grad_norm")), loss, trainer.model.state_dict()
 
 
+def plain_reads(tmp: str, batch: int, passes: int) -> list[list[torch.Tensor]]:
+    """The ``input_ids`` of each batch the plain trainer's loader gives on one process, for
+    ``passes`` passes over it (accelerate's sampler draws the next epoch's permutation on
+    each pass)."""
+    loader = Trainer(model=gpt2(), args=arguments(tmp, batch),
+                     train_dataset=features()).get_train_dataloader()  # fmt: skip
+    return [[b["input_ids"] for b in loader] for _ in range(passes)]
+
+
+def replica_reads(
+    loader: Any, passes: int, dp: int, replica: int, global_batches: list[list[torch.Tensor]]
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """What ``loader`` (replica ``replica`` of ``dp``) gives in ``passes`` passes, and its
+    share of the one-process loader's ``global_batches``: the ``replica``-th of ``dp``
+    contiguous chunks of each, which is what process ``replica`` of the plain trainer on
+    ``dp`` processes reads (batch i of ``per_device_train_batch_size`` goes to process
+    i mod dp)."""
+    got = [[b["input_ids"] for b in loader] for _ in range(passes)]
+    want = [[g.chunk(dp)[replica] for g in epoch] for epoch in global_batches]
+    return got, want
+
+
+def _same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> bool:
+    return len(got) == len(want) and all(
+        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def test_each_replica_reads_its_share_of_the_plain_trainers_batches_epoch_after_epoch(
+    tmp_path: Path,
+) -> None:
+    """The loader of each of 2 replicas, iterated 3 times with no ``set_epoch``: each pass
+    a new permutation (epoch 1 is not epoch 0), each replica its own contiguous half of
+    the plain trainer's global batch, as the plain trainer's processes read them; after
+    ``set_epoch(1)`` the next pass is epoch 1's again."""
+    plain = plain_reads(str(tmp_path), 8, 3)
+    assert not _same(plain[1:2], plain[:1])  # epoch 1 is shuffled otherwise
+    for replica in range(2):
+        loader = ReplicaLoader(features(), default_data_collator, batch_size=8, shuffle=True,
+                               seed=3, drop_last=False, needs=Needs(True, True), replicas=2,
+                               replica=replica, smallest=4)  # fmt: skip
+        got, want = replica_reads(loader, 3, 2, replica, plain)
+        assert _same(got, want), f"replica {replica}"
+        loader.set_epoch(1)
+        assert _same(replica_reads(loader, 1, 2, replica, plain[1:])[0], want[1:2])
+
+
 def _pipelined(rank: int, tmp: str, batch: int, accumulate: int, dp: int) -> dict[str, Any]:
     trainer = PipelineTrainer(
         gpt2(), arguments(tmp, batch, accumulate), train_dataset=features(),
         eval_dataset=features(20, seed=1), pipeline_options={"dp": dp, "microbatches": 2},
     )  # fmt: skip
+    # what this rank's loader gives in two passes (before train(), which makes its own)
+    loader = trainer.get_train_dataloader()
+    reads = [[b.get("input_ids") for b in loader] for _ in range(2)]
     trainer.train()
     loss = trainer.evaluate()["eval_loss"]
     trainer.save_model(f"{tmp}/final")
     history = trainer.state.log_history
     return {"curve": _curve(history), "norms": _curve(history, "grad_norm"), "eval": loss,
-            "pp": trainer.context.pp_size}  # fmt: skip
+            "pp": trainer.context.pp_size, "dp rank": trainer.context.dp_rank,
+            "reads": reads}  # fmt: skip
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
@@ -110,15 +170,20 @@ def test_the_loss_curve_equals_the_plain_trainers(
     world: int, dp: int, batch: int, accumulate: int, tmp_path: Path
 ) -> None:
     """Padded rows of very different lengths, gradient accumulation: the count of tokens
-    spans the accumulated batches and the replicas, as the plain trainer counts it."""
+    spans the accumulated batches and the replicas, as the plain trainer counts it. Each
+    rank's loader gives its replica's share of the plain trainer's batches, epoch 1 in
+    epoch 1's order (the loss curve alone would not tell: swapping what two replicas
+    read sums the same gradients)."""
     # The plain trainer on one process with the global batch: per replica x replicas.
     # Its eval batches are the replicas' together too: eval_loss is a mean of batch means.
     (curve, norms), eval_loss, weights = plain(
         str(tmp_path / "plain"), batch * dp, accumulate, 8 * dp
     )
     results = run_forked(_pipelined, world, str(tmp_path / "pipe"), batch, accumulate, dp)
+    plain_batches = plain_reads(str(tmp_path / "reads"), batch * dp, 2)
     for r in results:
         assert r["pp"] == 2
+        assert _same(r["reads"], [[g.chunk(dp)[r["dp rank"]] for g in e] for e in plain_batches])
         rel, norm_rel = _max_rel(r["curve"], curve), _max_rel(r["norms"], norms)
         print(f"{world} processes, dp {dp}: max relative difference {rel:.2e} (loss), "
               f"{norm_rel:.2e} (grad norm)")  # fmt: skip

@@ -6,8 +6,14 @@ Tiny Llama, Qwen2, Qwen3, Mistral and Mixtral from configs (tests/support/tp_mod
 Mixtral's experts stay whole, replicated over tp), ``loss_fn=None`` with labels padded by
 -100 on rows of different lengths, 3 micro-batches cut unevenly, two steps of other
 sequence lengths: the loss and every gradient, each rank's local shard against the
-matching slice of the unsplit model's gradient. One world (forked, sharing the captures
-made here) also runs, on the Llama:
+matching slice of the unsplit model's gradient. The same for each transformers style
+``tp_plan="auto"`` maps (conveyor/runtime/tp_styles.py) on a two-layer model whose plan
+uses it, in a world of their own: OLMo 2 (``colwise_gather_output``,
+``rowwise_split_input``), Phi-3 (the same on fused projections), Nemotron-H
+(``embedding_rowwise``) and, for the styles no transformers model's plan uses
+(``colwise_rep``, ``rowwise_rep``, ``embedding_colwise``), a Llama whose config's plan is
+rewritten to use them. One world (forked, sharing the captures made here)
+also runs, on the Llama:
 
 - ``pipe.clip_grad_norm_`` on the Qwen3 (its q/k norms' gradients are partial sums);
 - a hand-written plan with the embedding sharded by rows and the output layer column
@@ -40,6 +46,22 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+STYLED = ("olmo2", "phi3", "nemotron_h", "llama rep")  # the other styles of tp_plan="auto"
+
+
+def rep_plan(model: Any) -> Any:
+    """``model`` (a Llama) with its config's plan rewritten to the styles no transformers
+    model's plan uses: the embedding by features, q/k/v gathered, o_proj split again."""
+    attn = "layers.*.self_attn"
+    model.config.base_model_tp_plan = {
+        "embed_tokens": "embedding_colwise",
+        **{f"{attn}.{p}_proj": "colwise_rep" for p in "qkv"},
+        f"{attn}.o_proj": "rowwise_rep",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    return model
 
 
 def hand_plan() -> dict[str, Any]:
@@ -158,6 +180,63 @@ def test_auto_plan_is_exact(results: dict[str, Any], kind: str) -> None:
     got = results["got"][0][kind][0][1]
     local, placement = got["model.layers.0.self_attn.k_proj.weight"]
     assert placement == "tp:S(0)" and local.shape[0] == 64 // 4 * 2 // 2
+
+
+def styled_model(kind: str) -> Any:
+    """A two-layer model of ``kind`` in :data:`STYLED`."""
+    if kind == "llama rep":
+        return rep_plan(M.tiny("llama", layers=2))
+    return M.tiny(kind, layers=2)
+
+
+def styled_world(rank: int, models: dict[str, Any]) -> dict[str, Any]:
+    ctx = conveyor.init(pp=2, tp=2, timeout=120)
+    out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank, "pp": ctx.pp_rank}}
+    for kind in STYLED:
+        pipe = _pipe(models[kind])
+        out[kind] = M.train(pipe)
+        out[f"{kind} cuts"] = {n: (str(p.placements[-1]), tuple(p.to_local().shape))
+                               for n, p in pipe.named_parameters()
+                               if hasattr(p, "placements")}  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def styled() -> dict[str, Any]:
+    """The models of :data:`STYLED` on pp 2 x tp 2 (a world of their own: each world's
+    captures and steps stay within the test time-out)."""
+    want = {kind: M.reference(kind, styled_model(kind)) for kind in STYLED}
+    models = {kind: M.captured(styled_model(kind), "auto", 2) for kind in STYLED}
+    return dict(want=want, got=run_forked(styled_world, 4, models, timeout=600))
+
+
+# per model: parameters and the placement (local shape) tp gives each weight
+STYLED_CUTS = {
+    "olmo2": {"model.layers.0.self_attn.q_proj.weight": ("S(0)", (32, 64)),
+              "model.layers.0.self_attn.o_proj.weight": ("S(1)", (64, 32)),
+              "model.layers.0.mlp.down_proj.weight": ("S(1)", (64, 64))},
+    "phi3": {"model.layers.0.self_attn.qkv_proj.weight": ("S(0)", (64, 64)),
+             "model.layers.0.self_attn.o_proj.weight": ("S(1)", (64, 32)),
+             "model.layers.0.mlp.gate_up_proj.weight": ("S(0)", (128, 64))},
+    "nemotron_h": {"model.embeddings.weight": ("S(0)", (64, 64))},
+    "llama rep": {"model.embed_tokens.weight": ("S(1)", (128, 32)),
+                  "model.layers.0.self_attn.k_proj.weight": ("S(0)", (16, 64)),
+                  "model.layers.0.self_attn.o_proj.weight": ("S(1)", (64, 32))},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", STYLED)
+def test_each_auto_style_is_exact_on_a_model_that_uses_it(
+    styled: dict[str, Any], kind: str
+) -> None:
+    """colwise_gather_output / rowwise_split_input (OLMo 2's q/k/v, whose norms span all
+    heads; Phi-3's fused q/k/v and gate/up, sliced after), embedding_rowwise (Nemotron-H's
+    embedding: vocabulary rows), colwise_rep / rowwise_rep / embedding_colwise (a Llama
+    with a rewritten plan: the embedding's features): exact, and sharded as named."""
+    _exact(styled, kind, kind)
+    cuts = {n: cut for got in styled["got"] for n, cut in got[f"{kind} cuts"].items()}
+    for name, want in STYLED_CUTS[kind].items():
+        assert cuts[name] == want, name
 
 
 def test_clipping_counts_partial_sums_once(results: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """Tiny transformers decoders under tensor parallelism: models, batches, the unsplit
 reference and the comparison of each rank's shards with it.
 
-The models (Llama, Qwen2, Qwen3, Mistral, Mixtral: hidden 64, 4 heads, 2 key/value heads,
-vocabulary 128) are built from configs, the same weights every call. A batch is 5 rows
+The models (Llama, Qwen2, Qwen3, Mistral, Mixtral, OLMo 2, Phi-3, Nemotron-H: hidden 64, 4
+heads, 2 key/value heads, vocabulary 128) are built from configs, the same weights every
+call. A batch is 5 rows
 of one length with labels padded by -100 at other lengths per row; 3 micro-batches cut
 it unevenly (2, 2, 1). Two steps of other lengths, an SGD step between them.
 
@@ -36,7 +37,8 @@ Shards = dict[str, tuple[torch.Tensor, str]]  # name -> (local gradient, placeme
 
 
 def tiny(kind: str, layers: int = 4) -> nn.Module:
-    """A tiny ``kind`` causal LM from its config (llama, qwen2, qwen3, mistral, mixtral)."""
+    """A tiny ``kind`` causal LM from its config (llama, qwen2, qwen3, mistral, mixtral,
+    olmo2, phi3, nemotron_h)."""
     import transformers as T
 
     common: dict[str, Any] = dict(
@@ -57,6 +59,13 @@ def tiny(kind: str, layers: int = 4) -> nn.Module:
         config = T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2,
                                  router_jitter_noise=0.0, **common)  # fmt: skip
         config._attn_implementation = "eager"
+    elif kind == "olmo2":  # q/k norms over all heads: q/k/v outputs gathered
+        config = T.Olmo2Config(**common)
+    elif kind == "phi3":  # fused q/k/v and gate/up projections, sliced: outputs gathered
+        config = T.Phi3Config(**common)
+    elif kind == "nemotron_h":  # attention and MLP blocks (no Mamba): the embedding by rows
+        blocks = ["attention", "mlp"] * (layers // 2) + ["attention"] * (layers % 2)
+        config = T.NemotronHConfig(layers_block_type=blocks, head_dim=16, **common)
     else:
         raise ValueError(kind)
     torch.manual_seed(0)

@@ -13,6 +13,8 @@ pieces as a :class:`~conveyor.integrations._lightning.package.Package`.
 - :mod:`.steps`: the step interceptor that turns ``self.loss_fn(self.model(x), y)`` into a
   pipeline step;
 - :mod:`.checkpoints`: checkpoint directories (conveyor's checkpoint and Lightning's state);
+- :mod:`.saving`: the strategy's checkpoint methods and the weights it hands back after
+  fitting;
 - :mod:`.package`: what the body uses of one Lightning package;
 - :mod:`.strategy`: Lightning's strategy methods over these.
 """
