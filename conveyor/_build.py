@@ -181,7 +181,7 @@ def build(
     if not given:
         shared.make_equal()
     # Data-parallel replicas start from replica 0's parameters (before any sharding).
-    replicas = ctx.distributed and ctx.dp_size > 1
+    replicas = ctx.distributed and ctx.replicas > 1
     if replicas and not given:
         make_replicas_equal(units, ctx)
     # Expert collections over the ep ranks: each rank keeps its experts' share (values
@@ -205,7 +205,7 @@ def build(
         assert ctx.mesh is not None
         ties_for_fsdp(ties, schedule.placement)
         sharded = Sharded(
-            stages, ctx.mesh["dp"], per_action=options.fsdp == "reshard",
+            stages, ctx.replica_mesh, per_action=options.fsdp == "reshard",
             experts=_experts_fsdp(stages, experts, ctx),
             beside={k: v for k, v in units.items() if k not in stages},
         )  # fmt: skip
@@ -235,7 +235,10 @@ def build(
         reductions.append(DataParallel(units, ctx))
     if shared:
         reductions.append(shared)
-    gathers = [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
+    gathers: list[StepSync] = (
+        [] if sharded is None else [ShardedSync(sharded, engine.compute.gathered)]
+    )
+    gathers += ends.syncs
     params = [p for unit in units.values() for p in unit.parameters()]
     stepper = Stepper(
         engine,
@@ -245,7 +248,7 @@ def build(
         reductions=reductions,
         gathers=gathers,
         grads=StepGradients(params),
-        fsdp_replicas=ctx.dp_size if options.fsdp else 1,
+        fsdp_replicas=ctx.replicas if options.fsdp else 1,
     )
     return RankParts(stages, description, shared, stepper, ends)
 
@@ -297,7 +300,8 @@ def _experts_fsdp(
     modules = [
         m for stage in stages.values() for n, m in stage.named_modules() if n in set(experts)
     ]
-    return modules, ctx.mesh["edp"], ctx.dp_size
+    mesh = ctx.mesh["edp_cp"] if ctx.cp_size > 1 else ctx.mesh["edp"]
+    return modules, mesh, ctx.replicas
 
 
 def _to_device(stage: nn.Module, device: torch.device) -> nn.Module:

@@ -5,6 +5,7 @@ they are, is :class:`Ends`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from conveyor.losses import model_token_loss
 from conveyor.runtime.ends import ModelEnds, StageEnds
 from conveyor.runtime.microbatch import Counter
 from conveyor.runtime.step_loss import RouterLoss
+from conveyor.runtime.step_sync import StepSync
 from conveyor.schedules import Schedule
 
 HOLDER = -1
@@ -37,6 +39,8 @@ class Ends:
         sample: A capture sample as the first stage sees it.
         split: Told the stages the model was cut into (every rank's).
         note: Lines for ``print(pipe)``, given the pipeline ranks and the schedule.
+        syncs: What every step runs around its actions for these ends
+            (:class:`~conveyor.runtime.step_sync.StepSync`).
     """
 
     model: nn.Module
@@ -46,14 +50,37 @@ class Ends:
     sample: Callable[[Any], Any] = lambda value: value
     split: Callable[[list[nn.Module]], None] = lambda stages: None
     note: Callable[[Schedule], str] = field(default=lambda schedule: "")
+    syncs: tuple[StepSync, ...] = ()
 
 
 def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Schedule) -> Ends:
-    """The ends ``options`` ask for (see the module doc).
+    """The ends ``options`` ask for (see the module doc); with context parallelism
+    (``ctx.cp_size > 1``) they cut each micro-batch's sequence on the way in
+    (:mod:`conveyor.context_parallel`).
 
     Raises:
         ConfigError: vocabulary layers or a loss that cannot be split (one sentence).
     """
+    if ctx.cp_size == 1:
+        return _ends(model, options, ctx, schedule)
+    from conveyor.context_parallel.setup import sequences, unshifted
+
+    loss_fn, shift_targets = unshifted(options.loss_fn)
+    options = dataclasses.replace(options, loss_fn=loss_fn)
+    token_loss = model_token_loss(model) if options.loss_fn is None else None
+    cp = sequences(model, ctx, options.cp_attention, token_loss, shift_targets)
+    inner = _ends(model, options, ctx, schedule)
+    return dataclasses.replace(
+        inner,
+        runtime=cp.wrap(inner.runtime),
+        counter=cp.cut.count if inner.counter is not None else None,
+        sample=lambda value: inner.sample(cp.cut.inputs(value)),
+        syncs=inner.syncs + cp.syncs,
+    )
+
+
+def _ends(model: nn.Module, options: Options, ctx: Context, schedule: Schedule) -> Ends:
+    """The model's own ends, or vocabulary parallelism's."""
     token_loss = model_token_loss(model) if options.loss_fn is None else None
     router = router_loss(model) if token_loss is not None else None
     counter = token_loss.count if token_loss is not None else None

@@ -18,14 +18,24 @@ if TYPE_CHECKING:
 
 
 def device_mesh(
-    device_type: str, backend: str, dp: int, pp: int, tp: int, seconds: float, ep: int = 1
+    device_type: str,
+    backend: str,
+    dp: int,
+    pp: int,
+    tp: int,
+    seconds: float,
+    ep: int = 1,
+    cp: int = 1,
 ) -> DeviceMesh:
     """The ``(dp, pp, tp)`` mesh: rank = (dp_rank * pp + pp_rank) * tp + tp_rank; its groups
     get our time-out.
 
     With ``ep > 1`` the mesh is ``(edp, ep, pp, tp)`` with ``dp_rank = edp_rank * ep +
     ep_rank`` (the same global ranks), and ``"dp"`` is ``("edp", "ep")`` flattened, so
-    that ``mesh["dp"]`` is the data-parallel sub-mesh as before.
+    that ``mesh["dp"]`` is the data-parallel sub-mesh as before. With ``cp > 1`` a ``"cp"``
+    dimension stands before ``"tp"`` (rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) *
+    tp + tp_rank), and the data- and context-parallel dimensions flattened are
+    ``"dp_cp"`` (with ``ep``, also ``"edp_cp"``: the replicas of an expert shard).
 
     Collective over the whole world (every rank creates every group).
     """
@@ -35,17 +45,23 @@ def device_mesh(
     shape: tuple[int, ...] = (dp, pp, tp)
     if ep > 1:
         names, shape = ("edp", "ep", "pp", "tp"), (dp // ep, ep, pp, tp)
+    if cp > 1:
+        names, shape = (*names[:-1], "cp", "tp"), (*shape[:-1], cp, tp)
     kwargs: dict[str, Any] = {}
-    options = group_options(backend, backend_timeout(backend, seconds), len(names) + 1)
+    options = group_options(backend, backend_timeout(backend, seconds), len(names) + 3)
     if options is not None and "backend_override" in inspect.signature(init_device_mesh).parameters:
         kwargs["backend_override"] = {
             name: (backend, option) for name, option in zip(names, options, strict=False)
         }
     # Without backend_override (torch < 2.6) the groups keep torch's default time-out.
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, **kwargs)
-    if ep > 1:
-        flat = (backend, options[-1]) if options is not None else None
-        mesh["edp", "ep"]._flatten("dp", backend_override=flat)
+    flats: list[tuple[tuple[str, ...], str]] = [(("edp", "ep"), "dp")] if ep > 1 else []
+    if cp > 1:
+        dims: tuple[str, ...] = ("edp", "ep", "cp") if ep > 1 else ("dp", "cp")
+        flats += [(dims, "dp_cp"), *([(("edp", "cp"), "edp_cp")] if ep > 1 else [])]
+    for k, (dims, name) in enumerate(flats):
+        flat = (backend, options[len(names) + k]) if options is not None else None
+        mesh[dims]._flatten(name, backend_override=flat)
     return mesh
 
 

@@ -53,6 +53,7 @@ class Options:
     init_seed: int = 0
     ep_plan: Sequence[str] | None = None
     vocab_parallel: bool | str | Sequence[str] = False
+    cp_attention: str = "ring"
 
     def __post_init__(self) -> None:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -78,6 +79,11 @@ class Options:
                 f"directory) or None, got {type(self.weights).__name__}"
             )
         check_plan(self.ep_plan)
+        if self.cp_attention not in ("ring", "all-gather"):
+            raise ConfigError(
+                f"cp_attention must be 'ring' (keys and values passed round the cp ranks) or "
+                f"'all-gather' (gathered once per attention), got {self.cp_attention!r}"
+            )
         self._check_vocab()
         self._check_sharding()
         sample = self.sample

@@ -105,8 +105,8 @@ def auto_needs_sample(schedule: Any, sample: Any) -> None:
 
 @_rule("fsdp", "init(dp)", says="fsdp needs conveyor.init(dp=D) on P x D processes, D >= 2")
 def fsdp_needs_replicas(options: Options, ctx: Context) -> None:
-    """FSDP shards over the data-parallel replicas."""
-    if options.fsdp and (not ctx.distributed or ctx.dp_size < 2):
+    """FSDP shards over the data-parallel replicas (and the context-parallel ranks)."""
+    if options.fsdp and (not ctx.distributed or ctx.replicas < 2):
         raise ConfigError(
             "fsdp=True shards over the data-parallel replicas; start them with "
             "conveyor.init(pp=P, dp=D) on P x D processes, D >= 2"
@@ -169,8 +169,9 @@ def balance_fits_launch(ctx: Context, balance: Any, chunks: int) -> None:
     if stages % chunks:
         raise ConfigError(f"{head}; give balance {have} entries, one layer count per stage")
     ranks = stages // chunks
-    need = ranks * ctx.dp_size * ctx.tp_size
-    mesh = f" x dp {ctx.dp_size} x tp {ctx.tp_size}" if need != ranks else ""
+    need = ranks * ctx.dp_size * ctx.cp_size * ctx.tp_size
+    cp = f" x cp {ctx.cp_size}" if ctx.cp_size > 1 else ""
+    mesh = f" x dp {ctx.dp_size}{cp} x tp {ctx.tp_size}" if need != ranks else ""
     raise ConfigError(
         f"{head}; launch {need} processes for {ranks} pipeline ranks{mesh} (conveyor launch "
         f"--nproc-per-node {need} script.py), or give balance {have} entries"

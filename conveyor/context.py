@@ -32,9 +32,13 @@ DEFAULT_TIMEOUT = 300.0
 class Context:
     """Where this process sits: its ranks in the world and in the mesh, and its device.
 
-    Made by :func:`init`. Global rank = ``(dp_rank * pp_size + pp_rank) * tp_size +
-    tp_rank``: tensor-parallel groups are consecutive ranks, and with ``tp_size == 1``
-    consecutive ranks form one pipeline replica. With expert parallelism (``ep_size > 1``)
+    Made by :func:`init`. Global rank = ``((dp_rank * pp_size + pp_rank) * cp_size +
+    cp_rank) * tp_size + tp_rank``: tensor-parallel groups are consecutive ranks, then
+    context-parallel groups, and with ``tp_size == cp_size == 1`` consecutive ranks form
+    one pipeline replica. The cp ranks of a pipeline rank hold the same stages and each
+    trains on its share of every sequence: for the gradients they are replicas like the
+    data-parallel ones, and the step's replicas are ``dp_size * cp_size``
+    (:attr:`replica_group`). With expert parallelism (``ep_size > 1``)
     the data-parallel rank splits as ``dp_rank = edp_rank * ep_size + ep_rank``: an
     expert-parallel group is ``ep_size`` consecutive replicas (torchtitan's convention, EP
     borrows from the data-parallel dimension). The process groups (:attr:`pp_group`,
@@ -63,6 +67,10 @@ class Context:
             collection this process holds.
         ep_size: Processes sharing each expert collection (they are data-parallel ranks
             of the same ``pp_rank`` and ``tp_rank``).
+        cp_rank: Context-parallel rank, ``0 .. cp_size - 1``: which share of each
+            sequence this process holds.
+        cp_size: Processes sharing each sequence (context parallelism; in a world of one
+            process, the shares it computes side by side).
     """
 
     rank: int
@@ -82,6 +90,8 @@ class Context:
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
     # The mesh and its groups, through handles that the exit hook releases (_groups.py).
     _mesh: Held[DeviceMesh] | None = field(default=None, repr=False, compare=False)
     _groups: Held[dict[str, dist.ProcessGroup]] | None = field(
@@ -96,6 +106,10 @@ class Context:
         their first two flattened: ``mesh["dp"]``, ``mesh["pp"]``, ``mesh["tp"]`` work
         as without expert parallelism, and ``mesh["ep"]`` is the expert-parallel
         sub-mesh, ``mesh["edp"]`` the replicas holding the same experts.
+
+        With ``cp_size > 1`` a ``"cp"`` dimension stands between ``"pp"`` and ``"tp"``,
+        and ``mesh["dp_cp"]`` is the data- and context-parallel ranks flattened (the
+        step's replicas: FSDP shards over it).
         """
         return self._mesh.get() if self._mesh is not None else None
 
@@ -108,6 +122,39 @@ class Context:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The ranks with this process's ``pp_rank`` and ``tp_rank`` in every replica."""
         return self._group("dp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks sharing this process's sequences (its context-parallel group): the
+        ``cp_size`` ranks with its ``dp_rank``, ``pp_rank`` and ``tp_rank``. None when
+        ``cp_size == 1``."""
+        return self._group("cp") if self.cp_size > 1 else None
+
+    @property
+    def replicas(self) -> int:
+        """The step's replicas: ``dp_size * cp_size`` (module doc of the class)."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This process's index among the step's replicas: ``dp_rank * cp_size +
+        cp_rank``."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose gradients and losses add up with this process's: every
+        data-parallel replica's and context-parallel rank's with its ``pp_rank`` and
+        ``tp_rank`` (:attr:`dp_group` when ``cp_size == 1``)."""
+        return self._group("dp_cp") if self.cp_size > 1 else self.dp_group
+
+    @property
+    def replica_mesh(self) -> DeviceMesh | None:
+        """The sub-mesh of :attr:`replica_group` (what FSDP shards over)."""
+        mesh = self.mesh
+        if mesh is None:
+            return None
+        return mesh["dp_cp"] if self.cp_size > 1 else mesh["dp"]
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -124,8 +171,11 @@ class Context:
     def expert_replica_group(self) -> dist.ProcessGroup | None:
         """The ranks holding the same experts as this process: the ``dp_size / ep_size``
         data-parallel ranks with its ``ep_rank`` (the whole :attr:`dp_group` when
-        ``ep_size == 1``). Expert gradients are summed over it."""
-        return self._group("edp") if self.ep_size > 1 else self.dp_group
+        ``ep_size == 1``), with every context-parallel rank of them. Expert gradients are
+        summed over it."""
+        if self.ep_size == 1:
+            return self.replica_group
+        return self._group("edp_cp") if self.cp_size > 1 else self._group("edp")
 
     def _group(self, name: str) -> dist.ProcessGroup | None:
         """The mesh's ``name`` (``"pp"``, ``"dp"``, ``"tp"``, ``"ep"``, ``"edp"``) process
@@ -139,22 +189,25 @@ class Context:
             pp_rank: A pipeline rank, ``0 .. pp_size - 1``.
 
         Returns:
-            The global rank with this process's ``dp_rank`` and ``tp_rank``.
+            The global rank with this process's ``dp_rank``, ``cp_rank`` and ``tp_rank``.
         """
         return self.rank_at(self.dp_rank, pp_rank, self.tp_rank)
 
-    def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        """Global rank of the process at (``dp_rank``, ``pp_rank``, ``tp_rank``) of the mesh.
+    def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int | None = None) -> int:
+        """Global rank of the process at (``dp_rank``, ``pp_rank``, ``cp_rank``,
+        ``tp_rank``) of the mesh.
 
         Args:
             dp_rank: Data-parallel replica.
             pp_rank: Pipeline rank.
             tp_rank: Tensor-parallel rank.
+            cp_rank: Context-parallel rank (default: this process's).
 
         Returns:
-            ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``.
+            ``((dp_rank * pp_size + pp_rank) * cp_size + cp_rank) * tp_size + tp_rank``.
         """
-        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+        cp = self.cp_rank if cp_rank is None else cp_rank
+        return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp) * self.tp_size + tp_rank
 
 
 _current: Context | None = None
@@ -204,6 +257,7 @@ def init(
     ep: int = 1,
     backend: str | None = None,
     timeout: float | None = None,
+    cp: int = 1,
 ) -> Context:
     """Set up conveyor for this process and return its :class:`Context`.
 
@@ -225,6 +279,11 @@ def init(
             data-parallel ranks of the same pipeline and tensor-parallel rank (``ep``
             divides ``dp``), and tokens reach their experts by all-to-all
             (``Pipeline(ep_plan=...)``).
+        cp: Context-parallel processes per pipeline rank: each micro-batch's sequence is
+            cut into ``2 * cp`` chunks, each of these processes holds two, and attention
+            covers the whole sequence by passing keys and values around them
+            (:mod:`conveyor.context_parallel`). In a world of one process, the process
+            computes every share itself.
         backend: The process-group backend. Default: ``"nccl"`` with CUDA, else
             ``"gloo"``. When a default process group exists, its own; asking for
             another raises.
@@ -243,7 +302,7 @@ def init(
     """
     global _current
     seconds = _timeout_from(timeout)
-    for name, value in (("pp", pp), ("dp", dp), ("tp", tp), ("ep", ep)):
+    for name, value in (("pp", pp), ("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp)):
         bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
         if value is not None and bad:
             raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
@@ -273,6 +332,7 @@ def init(
             False,
             seconds,
             pp_explicit=pp is not None,
+            cp_size=cp,
         )
         return _current
     if dist.is_initialized():
@@ -299,16 +359,20 @@ def init(
         _exit_hook = True
     backend = str(dist.get_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
-    if pp is None and world % (dp * tp):
+    others = dp * cp * tp
+    named = "dp x tp" if cp == 1 else "dp x cp x tp"
+    if pp is None and world % others:
         raise ConfigError(
-            f"dp x tp = {dp * tp} does not divide the world size {world}; launch a multiple of "
-            f"{dp * tp} processes or pick dp and tp whose product divides {world}"
+            f"{named} = {others} does not divide the world size {world}; launch a multiple "
+            f"of {others} processes or pick sizes whose product divides {world}"
         )
-    pp = world // (dp * tp) if pp is None else pp
-    if pp * dp * tp != world:
+    pp = world // others if pp is None else pp
+    if pp * others != world:
+        sizes = f"{pp} x {dp} x {tp}" if cp == 1 else f"{pp} x {dp} x {cp} x {tp}"
+        product = "pp x " + named
         raise ConfigError(
-            f"world size {world} is not pp x dp x tp = {pp} x {dp} x {tp}; launch "
-            f"{pp * dp * tp} processes or change pp/dp/tp so that pp * dp * tp == {world}"
+            f"world size {world} is not {product} = {sizes}; launch {pp * others} processes "
+            f"or change the sizes so that {product.replace(' x ', ' * ')} == {world}"
         )
     if backend == "nccl":
         local = local_rank()
@@ -316,13 +380,14 @@ def init(
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    mesh = device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
-    names = ("dp", "pp", "tp", "ep", "edp") if ep > 1 else ("dp", "pp", "tp")
-    dp_rank = rank // (pp * tp)
+    mesh = device_mesh(device.type, backend, dp, pp, tp, seconds, ep, cp)
+    names = ["dp", "pp", "tp", *(["ep", "edp"] if ep > 1 else [])]
+    names += ["cp", "dp_cp", *(["edp_cp"] if ep > 1 else [])] if cp > 1 else []
+    dp_rank = rank // (pp * cp * tp)
     _current = Context(
         rank,
         world,
-        (rank // tp) % pp,
+        (rank // (cp * tp)) % pp,
         pp,
         dp_rank,
         dp,
@@ -334,6 +399,8 @@ def init(
         tp_size=tp,
         ep_rank=dp_rank % ep,
         ep_size=ep,
+        cp_rank=(rank // tp) % cp,
+        cp_size=cp,
         _mesh=Held(mesh, forget_mesh_groups),
         _groups=Held({name: mesh[name].get_group() for name in names}),
     )

@@ -101,6 +101,11 @@ class Pipeline(LastStep):
             token cross-entropy from the shards (``loss_fn`` a
             :class:`~conveyor.losses.TokenCrossEntropy`, or None for a transformers causal
             LM); the passes run inside the schedule (docs/guide/vocab.md).
+        cp_attention: with ``conveyor.init(cp=C)``, how attention reaches the keys and
+            values of the whole sequence: ``"ring"`` (passed round the cp ranks, each
+            transfer beside a block's compute) or ``"all-gather"`` (gathered once per
+            attention call, their gradients reduce-scattered once; Llama 3's choice)
+            (docs/guide/context-parallel.md).
 
     Raises:
         ConfigError: an option that cannot work, in one sentence that says what to do.
@@ -128,6 +133,7 @@ class Pipeline(LastStep):
         init_seed: int = 0,
         ep_plan: Sequence[str] | None = None,
         vocab_parallel: bool | str | Sequence[str] = False,
+        cp_attention: str = "ring",
     ) -> None:
         self.context = ctx = context if context is not None else current()
         options = Options(
@@ -135,6 +141,7 @@ class Pipeline(LastStep):
             balance=balance, fsdp=fsdp, tp_plan=tp_plan, sample=sample, recompute=recompute,
             autocast=autocast, track_memory=track_memory, compile=compile, weights=weights,
             init_seed=init_seed, ep_plan=ep_plan, vocab_parallel=vocab_parallel,
+            cp_attention=cp_attention,
         )  # fmt: skip
         settled = settle(model, ctx, schedule, options, memory_limit)
         self.plan: Plan | None = settled.plan

@@ -80,10 +80,12 @@ def cp_attention_backward(
         _stacked(q, n), _stacked(k, n), _stacked(v, n), _stacked(out, n),
         lse.view(n, lse.size(0) // n, *lse.shape[1:]), _stacked(dout, n), plan,
     )  # fmt: skip
+    # dk and dv are views of one buffer (they travel round together): an operator's
+    # outputs may not alias each other, so each gets its own memory.
     return (
         dq.to(q.dtype).reshape(q.shape),
-        dk.to(k.dtype).reshape(k.shape),
-        dv.to(v.dtype).reshape(v.shape),
+        dk.to(k.dtype, copy=True).reshape(k.shape),
+        dv.to(v.dtype, copy=True).reshape(v.shape),
     )
 
 

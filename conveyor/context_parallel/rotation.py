@@ -68,7 +68,7 @@ class Stacked:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.ranks = tuple(range(size))
+        self.ranks: tuple[int, ...] = tuple(range(size))
 
     def turn(self) -> Stacked:
         """Itself: a roll needs no state."""
@@ -122,7 +122,7 @@ class Ring:
     ) -> None:
         self.rank, self.members, self.group, self.timeout = rank, members, group, timeout
         self.size = len(members)
-        self.ranks = (rank,)
+        self.ranks: tuple[int, ...] = (rank,)
         self.next = (rank + 1) % self.size
         self.previous = (rank - 1) % self.size
         self.stream_waits = stream_waits
@@ -152,7 +152,8 @@ class Gathered:
 
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
-        self.size, self.ranks = ring.size, ring.ranks
+        self.size = ring.size
+        self.ranks: tuple[int, ...] = ring.ranks
 
     def turn(self) -> _GatheredTurn:
         """A turn that gathers at its first move."""

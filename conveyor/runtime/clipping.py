@@ -49,7 +49,7 @@ def clip_grad_norm(
             f"float('inf')"
         )
     with_grads = [q for q in params if q.grad is not None]
-    holders = ctx.dp_size * ctx.tp_size
+    holders = ctx.replicas * ctx.tp_size  # every replica (dp and cp) holds the same value
     parts = [
         (
             torch.linalg.vector_norm(

@@ -64,8 +64,8 @@ class DataParallel(StepSync):
     def __init__(self, stages: dict[int, nn.Module], ctx: Context) -> None:
         """``stages``: this rank's stages by index, and any units beside them (keys no
         action has: their gradients are summed at the step's end)."""
-        if not ctx.distributed or ctx.dp_group is None:
-            raise ValueError("DataParallel needs a distributed context with dp_size > 1")
+        if not ctx.distributed or ctx.replica_group is None:
+            raise ValueError("DataParallel needs a distributed context with replicas")
         self._ctx = ctx
         users: dict[int, set[int]] = {}
         params: dict[int, nn.Parameter] = {}
@@ -167,9 +167,7 @@ class DataParallel(StepSync):
     ) -> None:
         assert work is not None
         ctx = self._ctx
-        ranks = [ctx.rank_at(r, ctx.pp_rank, ctx.tp_rank) for r in range(ctx.dp_size)]
-        if group is not None and group is not ctx.dp_group:
-            ranks = dist.get_process_group_ranks(group)
+        ranks = dist.get_process_group_ranks(group or ctx.replica_group)
         suspect = f"a rank among {ranks} (or another replica)"
         wait_bounded(work, self._ctx.timeout, f"rank {self._ctx.rank}: {what}", suspect)
 
@@ -188,8 +186,8 @@ def make_replicas_equal(stages: dict[int, nn.Module], ctx: Context) -> None:
             if id(t) not in seen:
                 seen.add(id(t))
                 (experts if is_expert_parameter(t) else tensors).append(t)
-    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank)  # this rank's counterpart in replica 0
-    _broadcast(tensors, src, ctx.dp_group, ctx)
+    src = ctx.rank_at(0, ctx.pp_rank, ctx.tp_rank, 0)  # this rank's counterpart in replica 0
+    _broadcast(tensors, src, ctx.replica_group, ctx)
     group = ctx.expert_replica_group
     if experts and group is not None:
         _broadcast(experts, dist.get_process_group_ranks(group)[0], group, ctx)

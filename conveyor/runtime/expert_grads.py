@@ -31,9 +31,10 @@ def reduction_group(param: torch.Tensor, ctx: Any) -> dist.ProcessGroup | None:
         ctx: the :class:`~conveyor.context.Context`.
 
     Returns:
-        ``ctx.expert_replica_group`` for expert shards, else ``ctx.dp_group``.
+        ``ctx.expert_replica_group`` for expert shards, else ``ctx.replica_group`` (every
+        data-parallel replica and context-parallel rank).
     """
     group: dist.ProcessGroup | None = (
-        ctx.expert_replica_group if is_expert_parameter(param) else ctx.dp_group
+        ctx.expert_replica_group if is_expert_parameter(param) else ctx.replica_group
     )
     return group

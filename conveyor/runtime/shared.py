@@ -52,12 +52,13 @@ class SharedParameters(StepSync):
                 continue
             if ranks not in groups:
                 for replica in range(ctx.dp_size):
-                    for shard in range(ctx.tp_size):
-                        members = [ctx.rank_at(replica, r, shard) for r in ranks]
-                        group = dist.new_group(members, timeout=timeout)
-                        if (replica, shard) == (ctx.dp_rank, ctx.tp_rank):
-                            assert group is not None
-                            groups[ranks] = group
+                    for part in range(ctx.cp_size):
+                        for shard in range(ctx.tp_size):
+                            members = [ctx.rank_at(replica, r, shard, part) for r in ranks]
+                            group = dist.new_group(members, timeout=timeout)
+                            if (replica, part, shard) == (ctx.dp_rank, ctx.cp_rank, ctx.tp_rank):
+                                assert group is not None
+                                groups[ranks] = group
             mine = [s for s in stages if s in local]
             if mine:
                 param = dict(local[mine[0]].named_parameters())[names[mine[0]]]

@@ -149,6 +149,6 @@ class Stepper:
     def _combine(self, record: StepRecord, count: float | None) -> Combined:
         sums = record.sums
         assert sums is not None
-        if self.ctx.distributed and self.ctx.dp_size > 1:
+        if self.ctx.distributed and self.ctx.replicas > 1:
             sum_over_replicas(sums, self.ctx)
         return combine(sums, count)

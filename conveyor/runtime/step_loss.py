@@ -131,9 +131,9 @@ def router_weight(counts: tuple[int, ...], ctx: Context, count: float | None = N
     over the data-parallel replicas) over its micro-batches (every replica's). One
     collective over the replicas where there are some."""
     sums = torch.tensor([sum(counts), len(counts)], dtype=torch.int64, device=ctx.device)
-    if ctx.distributed and ctx.dp_size > 1:
+    if ctx.distributed and ctx.replicas > 1:
         collective(
-            lambda: dist.all_reduce(sums, group=ctx.dp_group, async_op=True),
+            lambda: dist.all_reduce(sums, group=ctx.replica_group, async_op=True),
             ctx.timeout,
             f"rank {ctx.rank}: exchanging the replicas' token counts (router auxiliary loss)",
             "another replica",
@@ -207,12 +207,12 @@ def global_rows(rows: int, ctx: Context) -> int:
     Raises:
         PipelineError: a replica with an empty shard.
     """
-    if not ctx.distributed or ctx.dp_size == 1:
+    if not ctx.distributed or ctx.replicas == 1:
         return rows
-    sizes = torch.zeros(ctx.dp_size, dtype=torch.int64, device=ctx.device)
-    sizes[ctx.dp_rank] = rows
+    sizes = torch.zeros(ctx.replicas, dtype=torch.int64, device=ctx.device)
+    sizes[ctx.replica_rank] = rows
     collective(
-        lambda: dist.all_reduce(sizes, group=ctx.dp_group, async_op=True),
+        lambda: dist.all_reduce(sizes, group=ctx.replica_group, async_op=True),
         ctx.timeout,
         f"rank {ctx.rank}: exchanging the replicas' batch sizes",
         "another replica",
@@ -243,7 +243,7 @@ def sum_over_replicas(sums: torch.Tensor, ctx: Context) -> None:
     """Add up the replicas' :func:`pack` ed sums in place: a collective over the
     data-parallel group, posted by every rank after the step's actions."""
     collective(
-        lambda: dist.all_reduce(sums, group=ctx.dp_group, async_op=True),
+        lambda: dist.all_reduce(sums, group=ctx.replica_group, async_op=True),
         ctx.timeout,
         f"rank {ctx.rank}: combining the replicas' losses",
         "another replica",

@@ -1,0 +1,123 @@
+"""Context parallelism for one pipeline: how its cp ranks talk, where the model's attention
+meets them, and the stage ends that cut each micro-batch (:func:`sequence_ends`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from conveyor.context import Context
+from conveyor.context_parallel import install, op
+from conveyor.context_parallel.cut import Cut
+from conveyor.context_parallel.ends import SequenceEnds, gather_over
+from conveyor.context_parallel.rotation import Gathered, Ring, Rotation, Stacked
+from conveyor.errors import ConfigError
+from conveyor.losses import ModelTokenLoss, TokenCrossEntropy
+from conveyor.runtime.step_sync import StepSync
+
+STRATEGIES = ("ring", "all-gather")
+"""How keys and values reach every cp rank: passed round a ring, or all-gathered."""
+
+
+def rotation(ctx: Context, strategy: str) -> Rotation:
+    """The cp ranks' :class:`~conveyor.context_parallel.rotation.Rotation` for ``ctx``.
+
+    Raises:
+        ConfigError: an unknown ``strategy``.
+    """
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"cp_attention={strategy!r} is not a way to pass keys and values; use one of "
+            f"{', '.join(map(repr, STRATEGIES))}"
+        )
+    if not ctx.distributed:
+        return Stacked(ctx.cp_size)
+    group = ctx.cp_group
+    assert group is not None
+    members = tuple(
+        ctx.rank_at(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, r) for r in range(ctx.cp_size)
+    )
+    ring = Ring(ctx.cp_rank, members, group, ctx.timeout, stream_waits=ctx.device.type == "cuda")
+    return ring if strategy == "ring" else Gathered(ring)
+
+
+def unshifted(loss_fn: Any) -> tuple[Any, int | None]:
+    """A ``loss_fn`` as it runs on a cp rank's share, and the ``ignore_index`` its targets
+    are shifted with before the cut (None: not shifted): a next-token
+    ``TokenCrossEntropy(shift=True)`` runs unshifted on targets shifted over the whole
+    sequence, so the cut between two chunks loses no prediction."""
+    if isinstance(loss_fn, TokenCrossEntropy) and loss_fn.shift:
+        return TokenCrossEntropy(
+            loss_fn.ignore_index, loss_fn.label_smoothing
+        ), loss_fn.ignore_index
+    return loss_fn, None
+
+
+class AttentionSync(StepSync):
+    """Holds :class:`~conveyor.context_parallel.install.SDPAOverWholeSequence` over every
+    step's actions (a model that is not a transformers model)."""
+
+    def __init__(self, key: int) -> None:
+        self.mode = install.SDPAOverWholeSequence(key)
+        self.active = False
+
+    def begin(self, program: Any) -> None:
+        """Take over the step's ``scaled_dot_product_attention`` calls."""
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+        self.active = True
+
+    def finish(self) -> None:
+        """Give them back."""
+        if self.active:
+            self.active = False
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def abort(self) -> None:
+        """Give them back after a failed step."""
+        self.finish()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """What a pipeline's stage ends need for context parallelism (:func:`sequences`)."""
+
+    cut: Cut
+    gather: Any
+    syncs: tuple[StepSync, ...]
+    token_loss: ModelTokenLoss | None
+
+    def wrap(self, inner: Any) -> SequenceEnds:
+        """The stage ends ``inner`` with each micro-batch cut."""
+        return SequenceEnds(inner, self.cut, self.gather)
+
+
+def sequences(
+    model: nn.Module, ctx: Context, strategy: str, token_loss: ModelTokenLoss | None,
+    shift_targets: int | None,
+) -> Sequences:  # fmt: skip
+    """Context parallelism for ``model`` on ``ctx`` (``ctx.cp_size > 1``): its attention
+    installed (transformers' interface, else a function mode during steps), its cut.
+
+    Args:
+        model: The whole model.
+        ctx: The process's context.
+        strategy: ``"ring"`` or ``"all-gather"``.
+        token_loss: The model's own token loss (``loss_fn=None`` on a transformers LM).
+        shift_targets: The ``ignore_index`` a ``loss_fn``'s targets are shifted with.
+    """
+    rotated = rotation(ctx, strategy)
+    key = op.register(rotated)
+    transformers = install.install(model)
+    cut = Cut(
+        ctx.cp_size,
+        tuple(rotated.ranks),
+        key,
+        transformers,
+        shift_labels=token_loss is not None and token_loss.shifts,
+        shift_targets=shift_targets,
+    )
+    gather = gather_over(ctx.cp_group, ctx.cp_size) if ctx.distributed and ctx.cp_group else None
+    syncs: tuple[StepSync, ...] = () if transformers else (AttentionSync(key),)
+    return Sequences(cut, gather, syncs, token_loss)
