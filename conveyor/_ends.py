@@ -75,6 +75,7 @@ def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Sched
         runtime=cp.wrap(inner.runtime),
         counter=cp.cut.count if inner.counter is not None else None,
         sample=lambda value: inner.sample(cp.cut.inputs(value)),
+        split=lambda stages: cp.split(stages, inner.split),
         syncs=inner.syncs + cp.syncs,
     )
 

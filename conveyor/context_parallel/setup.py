@@ -4,6 +4,7 @@ meets them, and the stage ends that cut each micro-batch (:func:`sequence_ends`)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -79,6 +80,31 @@ class AttentionSync(StepSync):
         self.finish()
 
 
+def check_positions(stages: list[nn.Module], transformers: bool) -> None:
+    """Refuse a captured model that makes its positions from its input's length
+    (``torch.arange`` in its graph): under cp that length is this rank's share, so the
+    positions would restart on every rank. transformers models are given their global
+    ``position_ids`` (their own ``arange`` is then unused for positions).
+
+    Raises:
+        ConfigError: such a model, naming the stage and the node.
+    """
+    if transformers:
+        return
+    for s, stage in enumerate(stages):
+        graph = getattr(stage, "graph", None)
+        for node in getattr(graph, "nodes", ()):
+            target = node.target
+            name = getattr(target, "__name__", str(target))
+            if node.op == "call_function" and name.split(".")[0] == "arange":
+                raise ConfigError(
+                    f"with cp > 1 each rank holds a share of every sequence, but stage {s} "
+                    f"makes positions with torch.arange ({node.name}) from its input's length, "
+                    f"which would restart on every rank; pass the positions as an input "
+                    f"([batch, sequence], cut with the rest), or train this model with cp=1"
+                )
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequences:
     """What a pipeline's stage ends need for context parallelism (:func:`sequences`)."""
@@ -87,6 +113,12 @@ class Sequences:
     gather: Any
     syncs: tuple[StepSync, ...]
     token_loss: ModelTokenLoss | None
+
+    def split(self, stages: list[nn.Module], inner: Callable[[list[nn.Module]], None]) -> None:
+        """The model was cut into ``stages``: check it can take its share
+        (:func:`check_positions`), then tell the ``inner`` ends."""
+        check_positions(stages, self.cut.transformers)
+        inner(stages)
 
     def wrap(self, inner: Any) -> SequenceEnds:
         """The stage ends ``inner`` with each micro-batch cut."""
