@@ -128,7 +128,9 @@ class Cut:
             whole[install.VALID] = mask.bool()
         out = self._cut(value, length)
         out[install.KEY] = self.key
-        out.update(whole)
+        # Stacked ranks repeat them on the rows, so every input has the model's batch
+        # size (a capture makes the rows one size); the attention reads the first copy.
+        out.update({k: torch.cat([v] * len(self.ranks)) for k, v in whole.items()})
         return out
 
     def targets(self, value: Any, length: int) -> Any:

@@ -38,6 +38,9 @@ def _plan(
 ) -> Plan:  # fmt: skip
     rotation = _ROTATIONS[key]
     length = q.size(2) * rotation.size
+    rows = q.size(0) // len(rotation.ranks)  # stacked ranks repeat doc and valid
+    doc = None if doc is None else doc[:rows]
+    valid = None if valid is None else valid[:rows]
     rule = Rule(causal, window if window > 0 else None)
     drop = Dropout(dropout_p, int(seed) if dropout_p > 0 else 0)
     return Plan(rotation, Sequence(length, rotation.size, doc, valid), rule, scale, drop)

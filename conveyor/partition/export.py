@@ -62,7 +62,7 @@ def capture_export(
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        with _quiet(), recorded_as_calls(model, kept or {}) as whole:
+        with _quiet(), _named(model, kwargs), recorded_as_calls(model, kept or {}) as whole:
             try:
                 program = torch.export.export(
                     model, traced_args, traced_kwargs, dynamic_shapes=dynamic, strict=False
@@ -112,6 +112,35 @@ def capture_export(
         inputs=layout,
         output_spec=program.call_spec.out_spec,
     )
+
+
+@contextlib.contextmanager
+def _named(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
+    """While exporting: a ``forward`` that names every keyword of the sample, where the
+    model's takes some through ``**kwargs`` (a transformers model given ``shift_labels`` or
+    conveyor's context-parallel keywords). torch.export cannot make the sizes of a
+    ``**kwargs`` tensor dynamic; of a named keyword it can. The instance attribute calls
+    the model's own ``forward`` and is removed afterwards."""
+    import inspect
+
+    signature = inspect.signature(model.forward)
+    params = signature.parameters
+    spread = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not spread or all(k in params for k in kwargs):
+        yield
+        return
+    own = model.forward
+
+    def forward(*args: Any, **given: Any) -> Any:
+        return own(*args, **given)
+
+    named = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in kwargs]
+    forward.__signature__ = inspect.Signature(named)  # type: ignore[attr-defined]
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def _where_parameters_are(on_meta: bool, args: Any, kwargs: Any) -> tuple[Any, Any]:
