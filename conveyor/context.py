@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import gc
 import math
 import numbers
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from conveyor._groups import Held, forget_mesh_groups, release_all
 from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
 from conveyor._mesh import device_mesh, local_rank
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, PipelineError
+from conveyor.runtime import failure
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -319,6 +321,7 @@ def init(
     mesh = device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
     names = ("dp", "pp", "tp", "ep", "edp") if ep > 1 else ("dp", "pp", "tp")
     dp_rank = rank // (pp * tp)
+    groups = Held({name: mesh[name].get_group() for name in names})
     _current = Context(
         rank,
         world,
@@ -335,9 +338,20 @@ def init(
         ep_rank=dp_rank % ep,
         ep_size=ep,
         _mesh=Held(mesh, forget_mesh_groups),
-        _groups=Held({name: mesh[name].get_group() for name in names}),
+        _groups=groups,
     )
+    failure.connect(rank, seconds, functools.partial(_groups_of, groups))
     return _current
+
+
+def _groups_of(held: Held[dict[str, dist.ProcessGroup]]) -> list[dist.ProcessGroup | None]:
+    """The default group and the mesh's (none once released at exit): what the failure
+    board breaks when this process stops for another rank's failure."""
+    try:
+        mesh = list(held.get().values())
+    except PipelineError:
+        mesh = []
+    return [dist.group.WORLD, *mesh]
 
 
 def _check_backend(asked: str | None, existing: str) -> None:
@@ -359,13 +373,19 @@ def _destroy() -> None:
     destroy the groups, so no rank tears its connections down under a peer that still
     uses them, and let go of conveyor's references to them, so that they are freed and
     their worker threads joined now, while the interpreter is alive (``_groups.py`` says
-    why), also when the script destroyed the default group itself."""
+    why), also when the script destroyed the default group itself.
+
+    After a step failed here, or stopped for another rank's failure, no rank waits at
+    the barrier: the groups are broken instead (:func:`conveyor.runtime.failure.close`),
+    so that no worker thread is left blocked on a peer and the process ends at once."""
     global _current
+    failed = failure.close()
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            work = dist.barrier(async_op=True)
-            if work is not None:
-                work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
+        if not failed:
+            with contextlib.suppress(Exception):
+                work = dist.barrier(async_op=True)
+                if work is not None:
+                    work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     release_all()

@@ -24,7 +24,7 @@ from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
 from conveyor.partition.resplit import adopt
 from conveyor.planning.planner import Plan
-from conveyor.runtime import microbatch
+from conveyor.runtime import failure, microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
@@ -226,13 +226,15 @@ class Pipeline(LastStep):
         self, mode: Mode, inputs: Any, targets: Any, cut: Any = None, count: float | None = None
     ) -> StepOutput:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
-        model captured on it, splitting the model."""
-        sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
-        if self._parts is None:
-            sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
-            self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-            adopt(self._model, self._parts.named_parameters(), self.context)
-        step = self._parts.stepper.run(mode, inputs, targets, cut, count)
+        model captured on it, splitting the model. An error here stops every rank
+        (:class:`~conveyor.runtime.failure.Step`)."""
+        with failure.Step():
+            sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
+            if self._parts is None:
+                sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
+                self._parts = build(self._model, self.schedule, self.options, self.context, sample)
+                adopt(self._model, self._parts.named_parameters(), self.context)
+            step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record
         return step
