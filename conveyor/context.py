@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+import conveyor._failure as failure
 from conveyor._groups import Held, forget_mesh_groups, release_all
 from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
 from conveyor._mesh import device_mesh, local_rank
 from conveyor.errors import ConfigError, PipelineError
-from conveyor.runtime import failure
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -376,7 +376,7 @@ def _destroy() -> None:
     why), also when the script destroyed the default group itself.
 
     After a step failed here, or stopped for another rank's failure, no rank waits at
-    the barrier: the groups are broken instead (:func:`conveyor.runtime.failure.close`),
+    the barrier: the groups are broken instead (:func:`conveyor._failure.close`),
     so that no worker thread is left blocked on a peer and the process ends at once."""
     global _current
     failed = failure.close()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import conveyor._failure as failure
 from conveyor._build import RankParts, build, held_stages, shared_sample
 from conveyor._options import Options, check_step_arguments, schedule_chunks
 from conveyor._setup import settle
@@ -24,7 +25,7 @@ from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
 from conveyor.partition.resplit import adopt
 from conveyor.planning.planner import Plan
-from conveyor.runtime import failure, microbatch
+from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import LossFn
@@ -227,7 +228,7 @@ class Pipeline(LastStep):
     ) -> StepOutput:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
         model captured on it, splitting the model. An error here stops every rank
-        (:class:`~conveyor.runtime.failure.Step`)."""
+        (:class:`~conveyor._failure.Step`)."""
         with failure.Step():
             sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
             if self._parts is None:

@@ -11,8 +11,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+import conveyor._failure as failure
 from conveyor.errors import PipelineError, one_line
-from conveyor.runtime import failure
 from conveyor.runtime.watchdog import Watchdog
 
 Work = dist.Work
@@ -27,7 +27,7 @@ class Transport:
     waits are stream-ordered and a :class:`~conveyor.runtime.watchdog.Watchdog` names a
     transfer that does not finish in time. Either way a failure or time-out becomes a
     :class:`PipelineError` that names this rank, the peer and what was awaited, or, where
-    another rank's step failed, that rank and its error (:mod:`conveyor.runtime.failure`).
+    another rank's step failed, that rank and its error (:mod:`conveyor._failure`).
     """
 
     def __init__(
@@ -133,7 +133,7 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
     """Wait for ``work`` at most ``timeout`` seconds; a failure or time-out raises a
     :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died or
     stalled, or, where another rank failed its step, that rank's error
-    (:mod:`~conveyor.runtime.failure`: a wait longer than a second reads the board)."""
+    (:mod:`~conveyor._failure`: a wait longer than a second reads the board)."""
     with failure.board():
         _bounded(work, timeout, doing, suspect)
 

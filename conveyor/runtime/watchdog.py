@@ -12,8 +12,8 @@ thread then raises the named error (:meth:`Watchdog.check`). NCCL's own time-out
 longer than ours (:func:`conveyor.context.init`), so ours speaks first.
 
 Another rank's failure is handled the same way: while a work has been in flight longer
-than :data:`~conveyor.runtime.failure.SLICE`, the thread reads the failure board (at most
-once a slice, :mod:`conveyor.runtime.failure`); a notice there becomes the failure, and
+than :data:`~conveyor._failure.SLICE`, the thread reads the failure board (at most
+once a slice, :mod:`conveyor._failure`); a notice there becomes the failure, and
 the groups are aborted at once instead of at the time-out.
 """
 
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+import conveyor._failure as failure
 from conveyor.errors import PipelineError
-from conveyor.runtime import failure
 
 
 class Watchdog:
@@ -98,7 +98,7 @@ def _claim(doing: str) -> PipelineError | None:
 
 def _abort_groups() -> None:
     """Abort every process group so that blocked NCCL calls and syncs return (gloo's,
-    which cannot abort, are broken: :func:`conveyor.runtime.failure.break_groups`)."""
+    which cannot abort, are broken: :func:`conveyor._failure.break_groups`)."""
     try:
         dist.distributed_c10d._abort_process_group()
     except Exception as exc:

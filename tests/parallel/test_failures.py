@@ -428,10 +428,10 @@ def _run_failing(
 @pytest.fixture
 def fast_board(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Short slices, so that a board reads within a tenth of a second."""
-    from conveyor.runtime import failure
+    import conveyor._failure as failure
 
-    monkeypatch.setattr(failure, "SLICE", 0.1)
-    monkeypatch.setattr(failure, "TICK", 0.02)
+    monkeypatch.setattr(failure, "SLICE", 0.05)
+    monkeypatch.setattr(failure, "TICK", 0.01)
     return failure
 
 
@@ -473,11 +473,11 @@ def test_a_rank_outside_a_step_or_in_a_short_one_reads_nothing(fast_board: Any) 
     _, (zero, one) = _boards(failure)
     try:
         one.post(ValueError("broke"))
-        time.sleep(0.2)  # rank 0 is not in a step: nothing is read
+        time.sleep(0.1)  # rank 0 is not in a step: nothing is read
         assert not zero.broken and zero.seen == ""
         with zero:  # a step shorter than the slice
-            time.sleep(0.05)
-        time.sleep(0.2)
+            time.sleep(0.02)
+        time.sleep(0.1)
         assert not zero.broken and zero.seen == ""
     finally:
         zero.close(leaving=False), one.close(leaving=False)
@@ -494,7 +494,7 @@ def test_an_error_every_rank_raises_alike_is_posted_once_and_the_job_goes_on(
         assert other is not None and str(other).startswith("rank 0 failed: ConfigError: bad")
         assert zero.seen == one.seen  # acknowledged by both
         with zero, one:  # a long step later: the old notice is not news
-            time.sleep(0.3)
+            time.sleep(0.15)
         assert not zero.broken and not one.broken
     finally:
         zero.close(leaving=False), one.close(leaving=False)
@@ -506,15 +506,15 @@ def test_a_notice_read_as_the_rank_leaves_its_step_does_not_break_it(
     # Read a tick before acting: a rank about to raise the same error itself (it left the
     # step meanwhile) is not broken for it.
     failure = fast_board
-    monkeypatch.setattr(failure, "TICK", 0.2)
+    monkeypatch.setattr(failure, "TICK", 0.1)
     _, (zero, one) = _boards(failure)
     try:
         with zero:
-            time.sleep(0.25)  # past the slice: the first tick reads
+            time.sleep(0.12)  # past the slice: the first tick reads
             one.post(ValueError("broke"))
             read = zero._last_read
             assert _until(lambda: zero._last_read != read)  # read, not yet acted on
-        time.sleep(0.3)
+        time.sleep(0.15)
         assert not zero.broken
     finally:
         zero.close(leaving=False), one.close(leaving=False)
@@ -590,7 +590,7 @@ def test_watchdog_stops_for_a_posted_failure(fast_board: Any) -> None:
     start = time.monotonic()
     dog.watch(_Never(), "rank 0: B(0) waiting for rank 1", "rank 1")  # type: ignore[arg-type]
     assert _until(lambda: bool(aborted), 5.0)
-    assert 0.1 <= aborted[0] - start < 1.0  # a slice after the work was posted
+    assert 0.05 <= aborted[0] - start < 1.0  # a slice after the work was posted
     assert asked == ["rank 0: B(0) waiting for rank 1"]
     with pytest.raises(conveyor.PipelineError, match=r"^rank 1 failed: X; rank 0 stopped"):
         dog.check()

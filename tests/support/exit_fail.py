@@ -24,7 +24,7 @@ import conveyor
 def main(how: str) -> None:
     ctx = conveyor.init(pp=2, timeout=60)
     if how == "catch-no-board":
-        from conveyor.runtime import failure
+        import conveyor._failure as failure
 
         failure.board().store = None
     torch.manual_seed(0)
