@@ -311,7 +311,7 @@ def connect(rank: int, timeout: float, groups: Groups) -> None:
                 address,
                 int(port),
                 is_master=False,
-                timeout=datetime.timedelta(seconds=min(timeout, 30.0)),
+                timeout=datetime.timedelta(seconds=min(timeout, 10.0)),
                 wait_for_workers=False,
             )
             store = PrefixStore(f"conveyor/failure/{restart}/", client)

@@ -12,6 +12,7 @@ when (wall clock) its failing step began, its error, and ``returns normally`` if
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,6 +20,13 @@ import torch
 from torch import nn
 
 import conveyor
+
+
+def say(line: str) -> None:
+    """``line`` in one write: the two ranks share the pipe (print's text and newline,
+    written apart, can interleave with the other rank's line)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
 def main(how: str) -> None:
@@ -32,14 +40,14 @@ def main(how: str) -> None:
     pipe = conveyor.Pipeline(model, loss_fn=nn.functional.mse_loss, microbatches=4, context=ctx)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     pipe.train_step(x, y)
-    print(f"rank {ctx.rank}: failing step at {time.time():.3f}", flush=True)
+    say(f"rank {ctx.rank}: failing step at {time.time():.3f}")
     try:
         pipe.train_step(x, None if ctx.rank == 1 else y)
     except conveyor.ConveyorError as error:
-        print(f"rank {ctx.rank}: {type(error).__name__}: {error}", flush=True)
+        say(f"rank {ctx.rank}: {type(error).__name__}: {error}")
         if how == "propagate" or ctx.rank == 0:
             raise
-    print(f"rank {ctx.rank}: returns normally", flush=True)
+    say(f"rank {ctx.rank}: returns normally")
 
 
 if __name__ == "__main__":
