@@ -19,14 +19,15 @@ collective's timed-out wait can be resumed). That closing is the break: a receiv
 rank sends is posted and waited for a millisecond, which fails every operation pending on
 the group and tells its peers (their next operation with this rank fails at once).
 
-An error that every rank raises alike (a bad batch the first stage's holder sends to all)
-is posted by each: the first post wins and the others only acknowledge it, so the job can
-go on. A new notice is acted on only if the main thread is still in the same step a tick
-after it was read, so a rank about to raise that error itself is not broken for it.
+An error every rank raises alike (a bad batch sent to all) is posted by each: the first
+post wins, the others acknowledge it, the job can go on. A notice is acted on only if the
+main thread is still in the same step a tick after it was read, so that a rank about to
+raise that error itself is not broken for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -48,8 +49,7 @@ SLICE = 1.0
 TICK = 0.25
 """How often the listening thread looks at the main thread's state."""
 
-_KEY = "notice"
-_NONE = "\0"  # compare_set's expected value for "no key": never posted
+_KEY, _NONE = "notice", "\0"  # _NONE: compare_set's expected value meaning "no key"
 _BREAK_TAG = 0x3C0F_F1CE  # a receive nobody sends: waited a millisecond, it breaks the group
 
 
@@ -282,9 +282,6 @@ def break_groups(groups: Sequence[dist.ProcessGroup | None]) -> None:
             continue
 
 
-# -- the process's board ----------------------------------------------------------------
-
-
 _QUIET = Board(None, 0, list)  # a world of one: tells and reads nothing
 _board: Board | None = None
 _key: tuple[str, ...] | None = None
@@ -298,10 +295,11 @@ def connect(rank: int, timeout: float, groups: Groups) -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = (str(address), str(port), restart, str(rank))
     if _board is not None and key == _key and _board.store is not None:
-        _board.groups = groups
-        return
-    seen = _board.seen if _board is not None and key == _key else ""
-    # (the same store: what this process acknowledged there stays acknowledged)
+        with contextlib.suppress(Exception):  # still alive (not a destroyed group's)
+            _board.store.check([_KEY])
+            _board.groups = groups
+            return
+    seen = _board.seen if _board is not None and key == _key else ""  # the same store's
     if _board is not None:
         _board.close(leaving=False)
     store: Store | None = None
