@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import functools
 import gc
 import math
 import numbers
@@ -17,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import conveyor._failure as failure
-from conveyor._groups import Held, forget_mesh_groups, release_all
+from conveyor._groups import Held, forget_mesh_groups, held_groups, release_all
 from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
 from conveyor._mesh import device_mesh, local_rank
-from conveyor.errors import ConfigError, PipelineError
+from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -321,7 +320,6 @@ def init(
     mesh = device_mesh(device.type, backend, dp, pp, tp, seconds, ep)
     names = ("dp", "pp", "tp", "ep", "edp") if ep > 1 else ("dp", "pp", "tp")
     dp_rank = rank // (pp * tp)
-    groups = Held({name: mesh[name].get_group() for name in names})
     _current = Context(
         rank,
         world,
@@ -338,20 +336,16 @@ def init(
         ep_rank=dp_rank % ep,
         ep_size=ep,
         _mesh=Held(mesh, forget_mesh_groups),
-        _groups=groups,
+        _groups=Held({name: mesh[name].get_group() for name in names}),
     )
-    failure.connect(rank, seconds, functools.partial(_groups_of, groups))
+    failure.connect(rank, seconds, _all_groups)
     return _current
 
 
-def _groups_of(held: Held[dict[str, dist.ProcessGroup]]) -> list[dist.ProcessGroup | None]:
-    """The default group and the mesh's (none once released at exit): what the failure
-    board breaks when this process stops for another rank's failure."""
-    try:
-        mesh = list(held.get().values())
-    except PipelineError:
-        mesh = []
-    return [dist.group.WORLD, *mesh]
+def _all_groups() -> list[dist.ProcessGroup | None]:
+    """The default group and every group conveyor holds: what the failure board breaks
+    when this process stops for another rank's failure."""
+    return [dist.group.WORLD, *held_groups()]
 
 
 def _check_backend(asked: str | None, existing: str) -> None:
@@ -375,9 +369,9 @@ def _destroy() -> None:
     their worker threads joined now, while the interpreter is alive (``_groups.py`` says
     why), also when the script destroyed the default group itself.
 
-    After a step failed here, or stopped for another rank's failure, no rank waits at
-    the barrier: the groups are broken instead (:func:`conveyor._failure.close`),
-    so that no worker thread is left blocked on a peer and the process ends at once."""
+    After a step failed here, or stopped for another rank's failure, this process skips
+    the barrier and breaks the groups instead (:func:`conveyor._failure.close`), so that
+    no worker thread is left blocked on a peer and the process ends at once."""
     global _current
     failed = failure.close()
     if dist.is_initialized():

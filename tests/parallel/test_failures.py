@@ -331,7 +331,7 @@ RUNS = {
     "pp2xdp2-replica-no-targets": (4, (2, 2, 1), 3, "targets", ""),
     "pp2xdp2-replica-layer-raises-alive": (4, (2, 2, 1), 2, "forward", "stay"),
     "pp4xdp2-middle-rank-short-targets": (8, (4, 2, 1), 1, "sizes", ""),
-    "pp2xdp2xtp2-tp-rank-no-targets": (8, (2, 2, 2), 3, "targets", ""),
+    "pp2xdp2xtp2-tp-rank-no-targets-caught-alive": (8, (2, 2, 2), 3, "targets", "stay"),
 }
 
 
