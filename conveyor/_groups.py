@@ -27,6 +27,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+import torch.distributed as dist
+
 from conveyor.errors import PipelineError
 
 T = TypeVar("T")
@@ -84,6 +86,17 @@ def forget_mesh_groups(mesh: Any) -> None:
         registry = getattr(each, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
+
+
+def held_groups() -> list[dist.ProcessGroup]:
+    """Every process group held (alone or in a dict), once each: the mesh's, the tied
+    weights', the vocabulary's. What a failure breaks (:mod:`conveyor._failure`)."""
+    found: dict[int, dist.ProcessGroup] = {}
+    for value, _ in list(_held.values()):
+        for item in value.values() if isinstance(value, dict) else [value]:
+            if isinstance(item, dist.ProcessGroup):
+                found.setdefault(id(item), item)
+    return list(found.values())
 
 
 def release_all() -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from conveyor._groups import Held, forget_mesh_groups, release_all
+import conveyor._failure as failure
+from conveyor._groups import Held, forget_mesh_groups, held_groups, release_all
 from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
 from conveyor._mesh import device_mesh, local_rank
 from conveyor.errors import ConfigError
@@ -404,7 +405,14 @@ def init(
         _mesh=Held(mesh, forget_mesh_groups),
         _groups=Held({name: mesh[name].get_group() for name in names}),
     )
+    failure.connect(rank, seconds, _all_groups)
     return _current
+
+
+def _all_groups() -> list[dist.ProcessGroup | None]:
+    """The default group and every group conveyor holds: what the failure board breaks
+    when this process stops for another rank's failure."""
+    return [dist.group.WORLD, *held_groups()]
 
 
 def _check_backend(asked: str | None, existing: str) -> None:
@@ -426,13 +434,19 @@ def _destroy() -> None:
     destroy the groups, so no rank tears its connections down under a peer that still
     uses them, and let go of conveyor's references to them, so that they are freed and
     their worker threads joined now, while the interpreter is alive (``_groups.py`` says
-    why), also when the script destroyed the default group itself."""
+    why), also when the script destroyed the default group itself.
+
+    After a step failed here, or stopped for another rank's failure, this process skips
+    the barrier and breaks the groups instead (:func:`conveyor._failure.close`), so that
+    no worker thread is left blocked on a peer and the process ends at once."""
     global _current
+    failed = failure.close()
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            work = dist.barrier(async_op=True)
-            if work is not None:
-                work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
+        if not failed:
+            with contextlib.suppress(Exception):
+                work = dist.barrier(async_op=True)
+                if work is not None:
+                    work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     release_all()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import conveyor._failure as failure
 from conveyor._build import RankParts, build, held_stages, shared_sample
 from conveyor._options import Options, check_step_arguments, schedule_chunks
 from conveyor._setup import settle
@@ -233,13 +234,15 @@ class Pipeline(LastStep):
         self, mode: Mode, inputs: Any, targets: Any, cut: Any = None, count: float | None = None
     ) -> StepOutput:
         """A step of ``mode``, after checking its arguments and, on the first batch of a
-        model captured on it, splitting the model."""
-        sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
-        if self._parts is None:
-            sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
-            self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-            adopt(self._model, self._parts.named_parameters(), self.context)
-        step = self._parts.stepper.run(mode, inputs, targets, cut, count)
+        model captured on it, splitting the model. An error here stops every rank
+        (:class:`~conveyor._failure.Step`)."""
+        with failure.Step():
+            sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
+            if self._parts is None:
+                sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
+                self._parts = build(self._model, self.schedule, self.options, self.context, sample)
+                adopt(self._model, self._parts.named_parameters(), self.context)
+            step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record
         return step

@@ -11,6 +11,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+import conveyor._failure as failure
 from conveyor.errors import PipelineError, one_line
 from conveyor.runtime.watchdog import Watchdog
 
@@ -25,7 +26,8 @@ class Transport:
     held to the same rule). On CPU every wait is bounded by ``timeout`` seconds; on CUDA
     waits are stream-ordered and a :class:`~conveyor.runtime.watchdog.Watchdog` names a
     transfer that does not finish in time. Either way a failure or time-out becomes a
-    :class:`PipelineError` that names this rank, the peer and what was awaited.
+    :class:`PipelineError` that names this rank, the peer and what was awaited, or, where
+    another rank's step failed, that rank and its error (:mod:`conveyor._failure`).
     """
 
     def __init__(
@@ -64,9 +66,10 @@ class Transport:
             works = dist.batch_isend_irecv(batch)
         except Exception as exc:
             peers = ", ".join(sorted({self.name(op.peer) for op in ops}))
+            doing = f"{self.name(self.rank)}: posting transfers with {peers}"
+            failure.reraise(exc, doing)
             raise PipelineError(
-                f"{self.name(self.rank)}: posting transfers with {peers} failed "
-                f"({one_line(exc, 200)}); a peer may have died"
+                f"{doing} failed ({one_line(exc, 200)}); a peer may have died"
             ) from exc
         if len(works) != len(ops):  # NCCL: one work for the whole coalesced group
             works = [works[0]] * len(ops)
@@ -78,14 +81,15 @@ class Transport:
         self._wait(work, f"{self.name(self.rank)}: {what} from {them}", them)
 
     def _wait(self, work: Work, doing: str, suspect: str) -> None:
-        if self.watchdog is None:
-            wait_bounded(work, self.timeout, doing, suspect)
+        if self.watchdog is None:  # in a step, whose region the failure board watches
+            _bounded(work, self.timeout, doing, suspect)
             return
         self.watchdog.watch(work, doing, suspect)
         try:
             work.wait()  # on CUDA: the current stream waits, the CPU does not
         except Exception as exc:
             self.watchdog.check()
+            failure.reraise(exc, doing)
             raise PipelineError(
                 f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled"
             ) from exc
@@ -128,16 +132,25 @@ class Op:
 def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
     """Wait for ``work`` at most ``timeout`` seconds; a failure or time-out raises a
     :class:`PipelineError` saying that ``doing`` failed and ``suspect`` may have died or
-    stalled."""
+    stalled, or, where another rank failed its step, that rank's error
+    (:mod:`~conveyor._failure`: a wait longer than a second reads the board)."""
+    with failure.board():
+        _bounded(work, timeout, doing, suspect)
+
+
+def _bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
+    """:func:`wait_bounded` without entering the board's region (the caller is in one)."""
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout))
     except Exception as exc:
+        failure.reraise(exc, doing)
         raise PipelineError(
             f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled "
             f"(time-out {timeout:g} s, set with conveyor.init(timeout=...) or "
             f"$CONVEYOR_TIMEOUT)"
         ) from exc
     if ok is False:
+        failure.reraise(None, doing)
         raise PipelineError(
             f"{doing} did not finish within {timeout:g} s; {suspect} may have died or stalled"
         )
@@ -159,10 +172,13 @@ T = TypeVar("T")
 def guarded(call: Callable[[], T], doing: str, suspect: str) -> T:
     """Run a blocking collective (the object collectives have no ``async_op``; the process
     group's time-out bounds them): a failure raises a :class:`PipelineError` naming what
-    was done and who may have died, stalled or not called it."""
+    was done and who may have died, stalled or not called it, or another rank's failure
+    (as :func:`wait_bounded`)."""
     try:
-        return call()
+        with failure.board():
+            return call()
     except Exception as exc:
+        failure.reraise(exc, doing)
         raise PipelineError(
             f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died, stalled or not "
             f"reached the same call"

@@ -10,6 +10,11 @@ activations ... from rank 0``): one not finished within the time-out is named in
 aborted so that whatever the main thread is blocked in returns with an error; the main
 thread then raises the named error (:meth:`Watchdog.check`). NCCL's own time-out is set
 longer than ours (:func:`conveyor.context.init`), so ours speaks first.
+
+Another rank's failure is handled the same way: while a work has been in flight longer
+than :data:`~conveyor._failure.SLICE`, the thread reads the failure board (at most
+once a slice, :mod:`conveyor._failure`); a notice there becomes the failure, and
+the groups are aborted at once instead of at the time-out.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+import conveyor._failure as failure
 from conveyor.errors import PipelineError
 
 
@@ -32,10 +38,13 @@ class Watchdog:
         timeout: float,
         on_expire: Callable[[], None] | None = None,
         poll: float | None = None,
+        notices: Callable[[str], PipelineError | None] | None = None,
     ) -> None:
         self.timeout = timeout
         self.failure: PipelineError | None = None
         self._on_expire = on_expire if on_expire is not None else _abort_groups
+        # Another rank's failure, read from the board (given: tests).
+        self._notices = notices if notices is not None else _claim
         self._poll = poll if poll is not None else min(1.0, max(timeout / 20, 0.01))
         self._lock = threading.Lock()
         self._works: list[tuple[float, dist.Work, str, str]] = []
@@ -62,9 +71,12 @@ class Watchdog:
         while self.failure is None:
             time.sleep(self._poll)
             now = time.monotonic()
+            # Watched a slice ago or earlier: deadline - timeout + slice <= now.
+            old = now + self.timeout - failure.SLICE
             with self._lock:
                 self._works = [w for w in self._works if not w[1].is_completed()]
                 late = next((w for w in self._works if w[0] <= now), None)
+                slow = next((w for w in self._works if w[0] <= old), None)
             if late is not None:
                 _, _, doing, suspect = late
                 self.failure = PipelineError(
@@ -72,14 +84,23 @@ class Watchdog:
                     f"died or stalled (time-out set with conveyor.init(timeout=...) or "
                     f"$CONVEYOR_TIMEOUT)"
                 )
+            elif slow is not None:
+                self.failure = self._notices(slow[2])
+            if self.failure is not None:
                 print(f"conveyor: {self.failure}", file=sys.stderr, flush=True)
                 self._on_expire()
                 return
 
 
+def _claim(doing: str) -> PipelineError | None:
+    return failure.board().claim(doing)
+
+
 def _abort_groups() -> None:
-    """Abort every process group so that blocked NCCL calls and syncs return."""
+    """Abort every process group so that blocked NCCL calls and syncs return (gloo's,
+    which cannot abort, are broken: :func:`conveyor._failure.break_groups`)."""
     try:
         dist.distributed_c10d._abort_process_group()
-    except Exception as exc:  # gloo cannot abort; its own time-out ends the wait
+    except Exception as exc:
         print(f"conveyor: could not abort the process groups ({exc})", file=sys.stderr)
+    failure.abort_groups()

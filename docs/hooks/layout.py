@@ -36,7 +36,16 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("running a schedule", ["conveyor.runtime"]),
     ("the model's values: built empty, initialized, loaded", ["conveyor.weights"]),
     ("model to stages", ["conveyor.partition"]),
-    ("processes and losses", ["conveyor.context", "conveyor._groups", "conveyor._mesh", "conveyor.losses"]),
+    (
+        "processes and losses",
+        [
+            "conveyor.context",
+            "conveyor._failure",
+            "conveyor._groups",
+            "conveyor._mesh",
+            "conveyor.losses",
+        ],
+    ),
     ("the simulator's public face", ["conveyor.simulate"]),
     ("schedules as data, and their simulation", ["conveyor.schedules"]),
     ("a checkpoint on disk, as read back", ["conveyor.storage"]),

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +111,39 @@ def test_a_zero_bubble_run_exits_cleanly_every_time(tmp_path: Path) -> None:
         assert done.returncode == 0, out
         assert "terminate called" not in out and "SIGABRT" not in out, out
         assert out.count("done") == 2, out
+
+
+FAIL_SCRIPT = ROOT / "tests" / "support" / "exit_fail.py"
+
+
+@pytest.mark.parametrize("how", ["propagate", "catch", "catch-no-board"])
+def test_a_run_whose_step_fails_on_one_rank_ends_at_once(how: str) -> None:
+    # Rank 1's ConfigError reaches rank 0 within seconds (conveyor's time-out is 60 s), and
+    # no process lingers: before, rank 1 sat in its exit hooks and rank 0 waited for the
+    # time-out, whether rank 1's script let the error propagate or caught it. Without the
+    # board, rank 1 still leaves at once (no exit barrier), which rank 0 sees.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("CONVEYOR_TIMEOUT", None)
+    done = subprocess.run(
+        [*command, str(FAIL_SCRIPT), how], env=env, capture_output=True, text=True, timeout=240
+    )
+    ended = time.time()
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    began = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
+             if "failing step at" in line]  # fmt: skip
+    assert len(began) == 2, out
+    assert ended - max(began) < 15, (ended - max(began), out)
+    assert "rank 1: ConfigError: this rank holds a stage that needs targets" in done.stdout, out
+    if how == "catch":  # rank 1 ended normally: rank 0 heard of its error from the board
+        assert "rank 1: returns normally" in done.stdout, out
+        assert (
+            "rank 0: PipelineError: rank 1 failed: ConfigError: this rank holds a stage that "
+            "needs targets"
+        ) in done.stdout, out
+    if how == "catch-no-board":
+        assert "rank 1: returns normally" in done.stdout, out
+        assert "rank 0: PipelineError: rank 0: B(stage 0, micro-batch 0) waiting" in out, out
+        assert "rank 1 may have died or stalled" in out, out
+    assert "terminate called" not in out, out

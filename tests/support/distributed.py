@@ -15,6 +15,7 @@ import io
 import os
 import queue as queues
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +95,7 @@ def run(
     allow_errors: bool = False,
     expect: list[int] | None = None,
     fork: bool = False,
+    exit_within: float | None = None,
 ) -> list[Any]:
     """``fn(rank, *args)`` on ``world`` processes; returns results by rank.
 
@@ -107,7 +109,9 @@ def run(
     or, naming the silent ranks and the others' errors, when a rank gives no answer within
     ``timeout`` seconds (keep it above the workers' conveyor time-out, so that conveyor's
     named error comes first). With ``expect``, only those ranks are waited for (others are
-    killed afterwards).
+    killed afterwards). With ``exit_within``, a waited-for process still running that many
+    seconds after the last answer is an AssertionError (it lingers, e.g. in exit hooks)
+    instead of being killed silently.
     """
     waiting = list(range(world)) if expect is None else expect
     ctx = mp.get_context("fork" if fork and not dist.is_initialized() else "spawn")
@@ -122,18 +126,27 @@ def run(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        for _ in waiting:
+        while any(r not in results and r not in errors for r in waiting):
             rank, status, value = answer(queue, timeout, waiting, results, errors)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors[rank] = value
     finally:
+        answered = time.monotonic()
+        lingering = []
         for r, p in enumerate(procs):
-            p.join(timeout=10 if r in waiting else 0)
+            limit = 10.0 if exit_within is None else answered + exit_within - time.monotonic()
+            p.join(timeout=max(limit, 0) if r in waiting else 0)
             if p.is_alive():
+                lingering += [r] if r in waiting else []
                 p.kill()
                 p.join()
-    if errors and not allow_errors:
-        raise AssertionError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+    if exit_within is not None and lingering:
+        raise AssertionError(
+            f"rank(s) {lingering} still running {exit_within:g} s after the last answer"
+        )
+    failed = {r: e for r, e in errors.items() if r in waiting}  # of the ranks waited for
+    if failed and not allow_errors:
+        raise AssertionError("\n".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
     return [results.get(r, errors.get(r)) for r in waiting]
