@@ -23,16 +23,8 @@ STRATEGIES = ("ring", "all-gather")
 
 
 def rotation(ctx: Context, strategy: str) -> Rotation:
-    """The cp ranks' :class:`~conveyor.context_parallel.rotation.Rotation` for ``ctx``.
-
-    Raises:
-        ConfigError: an unknown ``strategy``.
-    """
-    if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"cp_attention={strategy!r} is not a way to pass keys and values; use one of "
-            f"{', '.join(map(repr, STRATEGIES))}"
-        )
+    """The cp ranks' :class:`~conveyor.context_parallel.rotation.Rotation` for ``ctx``
+    and ``strategy`` (one of :data:`STRATEGIES`, checked with the Pipeline's keywords)."""
     if not ctx.distributed:
         return Stacked(ctx.cp_size)
     group = ctx.cp_group

@@ -39,6 +39,8 @@ loader = [(x, y)] * 2
 SETUP: dict[str, str] = {
     "import torch, conveyor\nfrom torch import nn": "",
     "import torch, conveyor\nfrom transformers": "",
+    "import torch, conveyor\nfrom transformers import LlamaConfig, LlamaForCausalLM\n\nctx = "
+    "conveyor.init(pp=2, cp=2)": "",
     "import torch, lightning as L": "",
     "from conveyor.schedules import": "",
     "from transformers import LlamaConfig": "",
