@@ -6,7 +6,10 @@ rank of a transformers Llama at a long sequence, with the sequence cut over cp =
     python benchmarks/context_parallel.py --quick      # a short sequence: a smoke run
 
 The model: a ``LlamaForCausalLM`` built from its config (hidden 64, 4 layers, 4 heads of
-16 with 2 key/value heads, intermediate 128, vocabulary 512), its own token loss
+16, intermediate 128, vocabulary 512; as many key/value heads as heads, so that without
+cp transformers' ``sdpa`` runs torch's CPU flash kernel, which keeps no scores: with
+grouped-query heads it falls back to the math kernel, which keeps ``S x S`` scores per
+head), its own token loss
 (``loss_fn=None``), AdamW; a batch of 2 sequences of ``--seq`` tokens in 2 micro-batches,
 1F1B over pp = 2. Each layout runs in fresh processes of its own (forked from this one:
 gloo, one thread each): pp 2 (2 processes), pp 2 x cp 2 (4), pp 2 x cp 4 (8).
@@ -41,7 +44,7 @@ def llama(seq: int) -> Any:
     torch.manual_seed(0)
     config = T.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=seq, use_cache=False,
+        num_key_value_heads=4, vocab_size=512, max_position_embeddings=seq, use_cache=False,
     )  # fmt: skip
     return T.LlamaForCausalLM(config)
 
