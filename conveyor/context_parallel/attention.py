@@ -11,6 +11,7 @@ skipped, which is what the chunk layout balances.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,15 +46,23 @@ class Sequence:
     def tokens(self, ranks: list[int]) -> Tokens:
         """The tokens of cp ranks ``ranks`` (stacked in that order); indices on the CPU,
         documents and padding on their device."""
+        key = (self.length, self.cp, tuple(ranks))
         index = torch.stack([held_index(self.length, self.cp, r) for r in ranks])
 
         def pick(t: Tensor | None) -> Tensor | None:
             if t is None:
                 return None
-            on = index.to(t.device)
+            on = _on_device(key, t.device)
             return torch.stack([t[:, i] for i in on])
 
         return Tokens(index, pick(self.doc), pick(self.valid))
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(key: tuple[int, int, tuple[int, ...]], device: torch.device) -> Tensor:
+    """The indices of a layout's ranks on ``device``, copied there once."""
+    length, cp, ranks = key
+    return torch.stack([held_index(length, cp, r) for r in ranks]).to(device)
 
 
 @dataclass(frozen=True)
