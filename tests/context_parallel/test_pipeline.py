@@ -95,6 +95,7 @@ def check(got: list[Any], want: list[Any], what: str) -> None:
         assert_close(grads, {n: ref_grads[n] for n in grads}, f"{what} step {step}")
 
 
+@pytest.mark.slow  # 5 s each (torch.export of the model)
 @pytest.mark.parametrize(
     ("schedule", "cp", "data"),
     [("1f1b", 2, "padded"), ("zbv", 2, "packed"), ("zb-h1", 4, "packed")],
@@ -108,6 +109,7 @@ def test_a_transformers_model_in_one_process(schedule: str, cp: int, data: str) 
     check(pipelined(pipe, batches), want, f"{schedule} cp {cp} {data}")
 
 
+@pytest.mark.slow  # 5 s (torch.export of the model)
 def test_predict_gives_whole_sequences() -> None:
     reset_context()
     batch = padded_batches(1)[0]
