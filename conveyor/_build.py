@@ -10,7 +10,7 @@ hands the first stage's to every rank.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from conveyor.experts import apply_ep, check_tp_plan, chosen
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
+from conveyor.partition.owned import Modes, own_modules
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import CompileStats, compile_stages
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
@@ -53,6 +54,7 @@ class RankParts:
         shared: weights tied across stages, with the groups that sum their gradients.
         stepper: runs this process's steps (:class:`~conveyor.runtime.step.Stepper`).
         ends: the stage ends (:class:`~conveyor._ends.Ends`: their unit beside the stages).
+        modes: the user's modules the stages hold copies of (their modes followed).
     """
 
     stages: dict[int, nn.Module]
@@ -60,6 +62,7 @@ class RankParts:
     shared: SharedParameters
     stepper: Stepper
     ends: Ends
+    modes: Modes = field(default_factory=Modes)
 
     @property
     def compiled(self) -> CompileStats | None:
@@ -81,6 +84,15 @@ class RankParts:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield name, p
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stages' buffers by their names in the model, each once."""
+        seen: set[int] = set()
+        for module in self._modules():
+            for name, b in module.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield name, b
 
     def _modules(self) -> list[nn.Module]:
         """The stages in order, then the unit of the stage ends (if they have one)."""
@@ -157,6 +169,9 @@ def build(
     # Decided on the whole model, so that every rank takes the same collectives below.
     meta = has_meta(all_stages)
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
+    # What the build changes on modules (sharding, compiling) lands on the stages' own
+    # copies of the user's modules: the model keeps its modules as they were.
+    modes = own_modules(stages.values(), model)
     sharding = options.tp_plan is not None or bool(options.fsdp) or ctx.ep_size > 1
     given = meta or options.weights is not None
     # The ends' unit is one more beside the stages (initialized, reduced, sharded alike).
@@ -247,7 +262,7 @@ def build(
         grads=StepGradients(params),
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
-    return RankParts(stages, description, shared, stepper, ends)
+    return RankParts(stages, description, shared, stepper, ends, modes)
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

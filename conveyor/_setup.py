@@ -14,7 +14,7 @@ from torch import nn
 from conveyor._options import Options, pipeline_ranks, pipeline_schedule
 from conveyor._rules import auto_needs_sample, memory_limit_needs_auto
 from conveyor.context import Context
-from conveyor.partition.resplit import make_whole
+from conveyor.partition.resplit import Before, make_whole
 from conveyor.planning.planner import Plan, plan
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.pairs import paired_with_vocab
@@ -29,11 +29,14 @@ class Settled:
         plan: the planner's choice (``schedule="auto"``), else None.
         schedule: the validated schedule, vocabulary passes placed.
         options: the options, with what the plan chose filled in.
+        before: what an earlier pipeline over the model held on this process (None: none
+            did), for the new one's check of moved values.
     """
 
     plan: Plan | None
     schedule: Schedule
     options: Options
+    before: Before | None = None
 
 
 def settle(
@@ -52,7 +55,7 @@ def settle(
     memory_limit_needs_auto(schedule, memory_limit)
     auto_needs_sample(schedule, options.sample)
     options.check_context(ctx)  # before a plan's collective profiling run
-    make_whole(model)  # what an earlier pipeline sharded of it (collective)
+    before = make_whole(model)  # what an earlier pipeline sharded of it (collective)
     chosen: Plan | None = None
     if schedule == "auto":
         chosen = plan_pipeline(model, ctx, options, memory_limit)
@@ -71,7 +74,7 @@ def settle(
         # run as units around them (expert parallelism's paired F/B).
         built = validate(paired_with_vocab(with_vocab(built), built.pairs))
     options.check_schedule(built)
-    return Settled(chosen, built, options)
+    return Settled(chosen, built, options, before)
 
 
 def plan_pipeline(

@@ -24,6 +24,7 @@ from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
 from conveyor.partition.resplit import adopt
 from conveyor.planning.planner import Plan
+from conveyor.replaced import record, snapshot
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
@@ -136,7 +137,11 @@ class Pipeline(LastStep):
             autocast=autocast, track_memory=track_memory, compile=compile, weights=weights,
             init_seed=init_seed, ep_plan=ep_plan, vocab_parallel=vocab_parallel,
         )  # fmt: skip
+        # The model's parameter objects before anything replaces one (a re-split's
+        # gathers included): an optimizer built over them steps their replacements.
+        self._originals: dict[str, torch.Tensor] | None = snapshot(model)
         settled = settle(model, ctx, schedule, options, memory_limit)
+        self._before = settled.before
         self.plan: Plan | None = settled.plan
         self.schedule = settled.schedule
         options = settled.options
@@ -147,8 +152,17 @@ class Pipeline(LastStep):
         first = None if sample is None else microbatch.first(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
-            self._parts = build(model, self.schedule, options, ctx, first)
-            adopt(model, self._parts.named_parameters(), ctx)
+            self._build(options, first)
+
+    def _build(self, options: Options, sample: Any) -> None:
+        """Split the model (on ``sample`` where it is captured with torch.export), point
+        it at this rank's parameters and buffers, and note the parameters replaced."""
+        parts = build(self._model, self.schedule, options, self.context, sample)
+        adopt(self._model, parts.named_parameters(), parts.named_buffers(), self.context,
+              self._before)  # fmt: skip
+        assert self._originals is not None
+        record(self._originals, self._model)
+        self._parts, self._originals, self._before = parts, None, None
 
     @property
     def model(self) -> nn.Module:
@@ -230,8 +244,9 @@ class Pipeline(LastStep):
         sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
         if self._parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
-            self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-            adopt(self._model, self._parts.named_parameters(), self.context)
+            self._build(self.options, sample)
+        assert self._parts is not None
+        self._parts.modes.follow()  # the stages' copies of modules in the model's modes
         step = self._parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record
