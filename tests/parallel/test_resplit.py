@@ -279,6 +279,11 @@ def test_rows_and_tensor_parallel_shards_are_split_again_exactly() -> None:
     for rank, got in enumerate(results):
         assert got["moved"] is not None, rank
         assert "differs from the one the rank that held it has" in got["moved"]
+        # rank 1 trained stage 0 under tp and would get stage 1: 34 parameters (2 blocks of
+        # 16, the final norm's 2; the head is the embedding it held), of which all but
+        # the key biases (no gradient: softmax ignores them) changed in training; the
+        # tensor-parallel ones (gathered whole before the new split) counted too
+        assert "gives rank 1 model." in got["moved"] and "(and 31 more)" in got["moved"]
         assert got["moved"] == results[0]["moved"]  # the same sentence on every rank
     trace = _gpt_reference()
     aliases = tied_names(_gpt_model())  # the GPT example ties its embedding and head

@@ -72,3 +72,24 @@ def test_the_stages_follow_model_train_and_eval() -> None:
     model.train()
     losses = {float(pipe.eval_step(x, y)) for _ in range(3)}
     assert len(losses) == 3  # dropout acts again
+
+
+def test_adopt_points_the_model_at_the_stages_tensors_and_marks_what_is_held() -> None:
+    from conveyor.partition.resplit import HELD, adopt, make_whole
+
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.Linear(3, 3))
+    model[2].weight = model[1].weight  # tied
+    assert make_whole(model) is None  # no pipeline marked it yet
+    weight = nn.Parameter(model[1].weight.detach().clone())  # as a sharding made it
+    mean = torch.ones(3)
+    ctx = conveyor.init()
+    adopt(model, [("1.weight", weight), ("1.bias", model[1].bias)], [("0.running_mean", mean)],
+          ctx)  # fmt: skip
+    assert model[1].weight is weight and model[2].weight is weight  # every slot of a tie
+    assert model[0].running_mean is mean
+    marks = {n: getattr(p, HELD) for n, p in model.named_parameters(remove_duplicate=False)}
+    assert marks == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True,
+                     "2.weight": True, "2.bias": False}  # fmt: skip
+    before = make_whole(model)
+    assert before is not None and before.names == {"1.weight", "1.bias"} and not before.whole
+    assert set(before.prints) == {"0.weight", "0.bias", "1.weight", "1.bias", "2.bias"}
