@@ -9,7 +9,7 @@ hands the first stage's to every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +78,7 @@ class RankParts:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters by their names in the model, a tied one once."""
-        seen: set[int] = set()
-        for module in self._modules():
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+        return _named(self._modules())
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stages' buffers by their names in the model, each once."""
@@ -125,6 +120,16 @@ class RankParts:
             )
 
 
+def _named(modules: Iterable[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of ``modules`` by their names in the model, a tied one once."""
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+
 def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
     """The global indices of the stages this process runs: its rank's, or every stage in
     a one-process world."""
@@ -134,7 +139,12 @@ def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
 
 
 def build(
-    model: nn.Module, schedule: Schedule, options: Options, ctx: Context, sample: Any
+    model: nn.Module,
+    schedule: Schedule,
+    options: Options,
+    ctx: Context,
+    sample: Any,
+    check: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
 ) -> RankParts:
     """Split ``model`` and set up this process's share of the pipeline.
 
@@ -144,6 +154,9 @@ def build(
         options: the pipeline's checked options.
         ctx: the process's context.
         sample: a first micro-batch of inputs for a graph capture, or None.
+        check: told this process's parameters (by their names in the model) once the
+            split is known, before any value is written to one (made equal over replicas
+            or ties, given, sharded); it may raise.
 
     Returns:
         This process's :class:`RankParts`.
@@ -177,6 +190,8 @@ def build(
     # The ends' unit is one more beside the stages (initialized, reduced, sharded alike).
     units = stages if ends.holder is None else {**stages, HOLDER: ends.holder}
     own = list(units.values())
+    if check is not None:
+        check(list(_named(own)))
     pending = Pending(model, own, options.weights, options.init_seed) if given else None
     # Tied weights on several ranks: copies start equal and their gradients are summed.
     # Found by identity, so before any value is given (giving a meta parameter its value

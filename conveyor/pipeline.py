@@ -22,7 +22,7 @@ from conveyor.context import Context, current
 from conveyor.observe.last_step import LastStep
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt
+from conveyor.partition.resplit import adopt, check_moves
 from conveyor.planning.planner import Plan
 from conveyor.replaced import record, snapshot
 from conveyor.runtime import microbatch
@@ -157,9 +157,12 @@ class Pipeline(LastStep):
     def _build(self, options: Options, sample: Any) -> None:
         """Split the model (on ``sample`` where it is captured with torch.export), point
         it at this rank's parameters and buffers, and note the parameters replaced."""
-        parts = build(self._model, self.schedule, options, self.context, sample)
-        adopt(self._model, parts.named_parameters(), parts.named_buffers(), self.context,
-              self._before)  # fmt: skip
+        model, ctx, before = self._model, self.context, self._before
+        # A split that would move trained values between processes is refused before
+        # any value is written.
+        parts = build(model, self.schedule, options, ctx, sample,
+                      check=lambda named: check_moves(model, named, ctx, before))  # fmt: skip
+        adopt(model, parts.named_parameters(), parts.named_buffers())
         assert self._originals is not None
         record(self._originals, self._model)
         self._parts, self._originals, self._before = parts, None, None

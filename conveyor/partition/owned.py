@@ -66,6 +66,12 @@ def own_modules(stages: Iterable[nn.Module], model: Any) -> Modes:
     return Modes(tuple((originals[i], made[i]) for i in originals if i in made))
 
 
+def own_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` of its own (see the module doc): its submodules copied too,
+    its parameters and buffers the same objects."""
+    return _copied(module, {})
+
+
 def _copied(module: nn.Module, made: dict[int, nn.Module]) -> nn.Module:
     """``module``'s copy (made once), its submodules copied likewise."""
     done = made.get(id(module))

@@ -25,7 +25,7 @@ values): such a move goes through :func:`conveyor.save` / :func:`conveyor.load`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,27 +63,18 @@ def adopt(
     model: Any,
     named: Iterable[tuple[str, torch.Tensor]],
     buffers: Iterable[tuple[str, torch.Tensor]],
-    ctx: Any,
-    before: Before | None = None,
 ) -> None:
     """Make ``model`` hold a new pipeline's parameters and buffers under their original
-    names (every slot of a tied weight), after refusing a split that moves trained values
-    between processes (:func:`check_moves`); mark its parameters with :data:`HELD`.
+    names (every slot of a tied weight); mark its parameters with :data:`HELD`.
 
     Args:
         model: The user's model (a module or a list of layers).
         named: The pipeline's ``(name, parameter)`` pairs on this process.
         buffers: The pipeline's ``(name, buffer)`` pairs on this process.
-        ctx: Its :class:`~conveyor.context.Context`.
-        before: What :func:`make_whole` found of an earlier pipeline over ``model``.
-
-    Raises:
-        ConfigError: see :func:`check_moves`.
     """
     model = _layers(model)
     named = list(named)
     aliases = _alias_groups(model)
-    check_moves(model, named, ctx, before, aliases)
     _point(model, named, aliases, parameters=True)
     _point(model, list(buffers), _alias_groups(model, buffers=True), parameters=False)
     held = {n for name, _ in named for n in aliases.get(name, (name,))}
@@ -135,30 +126,27 @@ def _same(a: Fingerprint, b: Fingerprint) -> bool:
 
 
 def check_moves(
-    model: nn.Module,
-    named: list[tuple[str, torch.Tensor]],
-    ctx: Any,
-    before: Before | None,
-    aliases: dict[str, tuple[str, ...]],
+    model: Any, named: Sequence[tuple[str, torch.Tensor]], ctx: Any, before: Before | None
 ) -> None:
     """Refuse, on every rank, a split that gives a process a parameter of ``model`` whose
     value there differs from the one the process that held it before has (trained there,
     or loaded). A collective when an earlier pipeline trained ``model`` (``before`` is
-    given on every rank then: every rank built that pipeline and marked the model).
+    given on every rank then: every rank built that pipeline and marked the model). Made
+    once the split is known, before any value is written (a refused split leaves the
+    model as it was).
 
     Args:
         model: The user's model.
         named: The new pipeline's ``(name, parameter)`` pairs on this process.
         ctx: Its :class:`~conveyor.context.Context`.
         before: What :func:`make_whole` found of the earlier pipeline, or None.
-        aliases: Each parameter name of ``model`` -> every name of that parameter.
 
     Raises:
         ConfigError: such a parameter, on some rank.
     """
     if before is None:
         return
-    canon = {name: group[0] for name, group in aliases.items()}
+    canon = {name: group[0] for name, group in _alias_groups(_layers(model)).items()}
     held = frozenset(canon.get(n, n) for n, _ in named)
     # Each process: the fingerprints of what it held (the values it may have changed),
     # and of what it now holds that it did not hold before (the values it starts from).

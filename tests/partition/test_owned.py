@@ -82,9 +82,7 @@ def test_adopt_points_the_model_at_the_stages_tensors_and_marks_what_is_held() -
     assert make_whole(model) is None  # no pipeline marked it yet
     weight = nn.Parameter(model[1].weight.detach().clone())  # as a sharding made it
     mean = torch.ones(3)
-    ctx = conveyor.init()
-    adopt(model, [("1.weight", weight), ("1.bias", model[1].bias)], [("0.running_mean", mean)],
-          ctx)  # fmt: skip
+    adopt(model, [("1.weight", weight), ("1.bias", model[1].bias)], [("0.running_mean", mean)])
     assert model[1].weight is weight and model[2].weight is weight  # every slot of a tie
     assert model[0].running_mean is mean
     marks = {n: getattr(p, HELD) for n, p in model.named_parameters(remove_duplicate=False)}
