@@ -40,8 +40,10 @@ class Pipeline(LastStep):
 
     Build it the same way on every rank; ``train_step`` leaves in each local parameter's
     ``.grad`` the gradient the unsplit model would have; step your optimizer over
-    ``pipe.parameters()``. With ``conveyor.init(pp=P, dp=D)`` each replica passes its own
-    shard of the global batch (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
+    ``pipe.parameters()``, built before or after the first step (or over the model's
+    parameters before the pipeline: its first step puts in what a sharding replaced).
+    With ``conveyor.init(pp=P, dp=D)`` each replica passes its own shard of the global
+    batch (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
 
     Args:
         model: the whole model, built the same on every rank. A layer list or
@@ -169,8 +171,10 @@ class Pipeline(LastStep):
 
     @property
     def model(self) -> nn.Module:
-        """The model the pipeline was built from (other ranks' parts of it stay as given:
-        on the meta device for a model built under ``conveyor.empty_weights()``)."""
+        """The model the pipeline was built from: it holds this rank's parameters (DTensors
+        where sharded; each marked ``conveyor_held``) and its modules are as given, the
+        stages running copies of them; other ranks' parts of it stay as given (on the
+        meta device for a model built under ``conveyor.empty_weights()``)."""
         return self._model
 
     @property
