@@ -9,6 +9,7 @@ hands the first stage's to every rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
 from conveyor.partition.owned import Modes, own_modules
+from conveyor.partition.replaced import record
+from conveyor.partition.resplit import Before, adopt, check_moves
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import CompileStats, compile_stages
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
@@ -278,6 +281,28 @@ def build(
         fsdp_replicas=ctx.dp_size if options.fsdp else 1,
     )
     return RankParts(stages, description, shared, stepper, ends, modes)
+
+
+def build_over(
+    model: nn.Module,
+    schedule: Schedule,
+    options: Options,
+    ctx: Context,
+    sample: Any,
+    before: Before | None,
+    originals: Mapping[str, torch.Tensor],
+) -> RankParts:
+    """:func:`build` for a :class:`~conveyor.Pipeline` over the user's ``model``: a split
+    that would move trained values between processes is refused before any value is
+    written (``before``: what :func:`~conveyor.partition.resplit.make_whole` found); then
+    the model is pointed at this rank's parameters and buffers, and each of its parameter
+    objects (``originals``, before the pipeline) that the split replaced is noted, for
+    optimizers built over them (:mod:`conveyor.partition.replaced`)."""
+    check = functools.partial(check_moves, model, ctx=ctx, before=before)
+    parts = build(model, schedule, options, ctx, sample, check=check)
+    adopt(model, parts.named_parameters(), parts.named_buffers())
+    record(originals, model)
+    return parts
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

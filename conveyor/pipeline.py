@@ -15,16 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor._build import RankParts, build, held_stages, shared_sample
+from conveyor._build import RankParts, build_over, held_stages, shared_sample
 from conveyor._options import Options, check_step_arguments, schedule_chunks
-from conveyor._setup import settle
+from conveyor._setup import Settled, settle
 from conveyor.context import Context, current
 from conveyor.observe.last_step import LastStep
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt, check_moves
 from conveyor.planning.planner import Plan
-from conveyor.replaced import record, snapshot
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
 from conveyor.runtime.compiled import CompileStats
@@ -39,11 +37,10 @@ class Pipeline(LastStep):
     """A model cut into stages and trained by a pipeline schedule.
 
     Build it the same way on every rank; ``train_step`` leaves in each local parameter's
-    ``.grad`` the gradient the unsplit model would have; step your optimizer over
-    ``pipe.parameters()``, built before or after the first step (or over the model's
-    parameters before the pipeline: its first step puts in what a sharding replaced).
-    With ``conveyor.init(pp=P, dp=D)`` each replica passes its own shard of the global
-    batch (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
+    ``.grad`` the gradient the unsplit model would have; step an optimizer built over
+    ``pipe.parameters()`` (or the model's), before or after the first step. With
+    ``conveyor.init(pp=P, dp=D)`` each replica passes its own shard of the global batch
+    (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
 
     Args:
         model: the whole model, built the same on every rank. A layer list or
@@ -139,42 +136,31 @@ class Pipeline(LastStep):
             autocast=autocast, track_memory=track_memory, compile=compile, weights=weights,
             init_seed=init_seed, ep_plan=ep_plan, vocab_parallel=vocab_parallel,
         )  # fmt: skip
-        # The model's parameter objects before anything replaces one (a re-split's
-        # gathers included): an optimizer built over them steps their replacements.
-        self._originals: dict[str, torch.Tensor] | None = snapshot(model)
         settled = settle(model, ctx, schedule, options, memory_limit)
-        self._before = settled.before
+        self._settled: Settled | None = settled  # until the split, what it starts from
         self.plan: Plan | None = settled.plan
         self.schedule = settled.schedule
-        options = settled.options
-        self.options: Options = dataclasses.replace(options, sample=None)  # the planner's
+        self.options: Options = dataclasses.replace(settled.options, sample=None)  # planner's
         self._model = model
         self._parts: RankParts | None = None
         self._last_train: StepRecord | None = None  # what traces and measurements show
         first = None if sample is None else microbatch.first(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
-            self._build(options, first)
+            self._build(settled.options, first)
 
-    def _build(self, options: Options, sample: Any) -> None:
-        """Split the model (on ``sample`` where it is captured with torch.export), point
-        it at this rank's parameters and buffers, and note the parameters replaced."""
-        model, ctx, before = self._model, self.context, self._before
-        # A split that would move trained values between processes is refused before
-        # any value is written.
-        parts = build(model, self.schedule, options, ctx, sample,
-                      check=lambda named: check_moves(model, named, ctx, before))  # fmt: skip
-        adopt(model, parts.named_parameters(), parts.named_buffers())
-        assert self._originals is not None
-        record(self._originals, self._model)
-        self._parts, self._originals, self._before = parts, None, None
+    def _build(self, options: Options, sample: Any) -> RankParts:
+        """Split the model (on ``sample`` where it is captured with torch.export)."""
+        assert self._settled is not None
+        parts = build_over(self._model, self.schedule, options, self.context, sample,
+                           self._settled.before, self._settled.originals)  # fmt: skip
+        self._parts, self._settled = parts, None
+        return parts
 
     @property
     def model(self) -> nn.Module:
-        """The model the pipeline was built from: it holds this rank's parameters (DTensors
-        where sharded; each marked ``conveyor_held``) and its modules are as given, the
-        stages running copies of them; other ranks' parts of it stay as given (on the
-        meta device for a model built under ``conveyor.empty_weights()``)."""
+        """The model it was built from: its modules as given (the stages run copies), with
+        this rank's parameters; others' stay as given (meta under ``empty_weights()``)."""
         return self._model
 
     @property
@@ -249,12 +235,12 @@ class Pipeline(LastStep):
         """A step of ``mode``, after checking its arguments and, on the first batch of a
         model captured on it, splitting the model."""
         sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
-        if self._parts is None:
+        parts = self._parts
+        if parts is None:
             sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
-            self._build(self.options, sample)
-        assert self._parts is not None
-        self._parts.modes.follow()  # the stages' copies of modules in the model's modes
-        step = self._parts.stepper.run(mode, inputs, targets, cut, count)
+            parts = self._build(self.options, sample)
+        parts.modes.follow()  # the stages' copies of modules in the model's modes
+        step = parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record
         return step

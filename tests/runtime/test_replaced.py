@@ -1,6 +1,6 @@
 """Optimizers built before a split step what replaced their parameters
-(conveyor/replaced.py), in one process: the registry and the optimizer step hook on their
-own, and a model built on the meta device and captured by torch.export whose parameters
+(conveyor/partition/replaced.py), in one process: the registry and the optimizer step hook
+on their own, and a model built on the meta device and captured by torch.export whose parameters
 keep their objects when they get their values. The layouts that replace parameters
 (FSDP, TP, EP, vocabulary rows) run in tests/parallel/test_held_parameters.py."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor import replaced
+from conveyor.partition import replaced
 
 
 def _replace(model: nn.Module, name: str) -> nn.Parameter:
