@@ -9,20 +9,21 @@ split (over ``pipe.parameters()`` of a pipeline that splits on its first batch, 
 the model's parameters before the ``Pipeline``, as nanoGPT's and transformers' scripts
 build it) would then hold objects nothing trains, and step nothing.
 
-:func:`record` notes, after a split, each parameter object of the model that the split
-replaced, and by what (weakly: an entry goes when either object does). A hook every
-optimizer runs before its step (:func:`torch.optim.optimizer.register_optimizer_step_pre_hook`,
-registered once) then puts the replacement in its place, once per optimizer, where the
-optimizer holds no state for it yet; an optimizer that does (it stepped the old object,
-or loaded a state for it) is refused in one sentence before it changes anything. When
-nothing was replaced the hook returns at once.
+:func:`record` marks, after a split, each parameter object of the model that the split
+replaced with its replacement (:data:`REPLACED_BY`, an attribute of the old tensor: no
+table, and no weak reference, which would stop torch from swapping a tensor in place).
+A hook every optimizer runs before its step
+(:func:`torch.optim.optimizer.register_optimizer_step_pre_hook`, registered once) then
+puts the replacement in its place, once per optimizer and split, where the optimizer
+holds no state for it yet; an optimizer that does (it stepped the old object, or loaded
+a state for it) is refused in one sentence before it changes anything. Until something
+is replaced the hook returns at once.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,24 +31,15 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 
+REPLACED_BY = "conveyor_replaced_by"
+"""The attribute :func:`record` sets on a parameter a split replaced: ``(name, the
+replacement)``."""
 
-@dataclass(frozen=True)
-class _Entry:
-    """One replaced parameter: the old object, its replacement, and its name."""
-
-    old: weakref.ref[torch.Tensor]
-    new: weakref.ref[torch.Tensor]
-    name: str
-
-
-_REPLACED: dict[int, _Entry] = {}
-"""id(old object) -> its entry, while both objects live."""
 _generation = 0  # counts the records that replaced something
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = (
     weakref.WeakKeyDictionary()
 )
 """Per optimizer: the generation and parameter count it was last checked at."""
-_hooked = False
 
 
 def snapshot(model: Any) -> dict[str, torch.Tensor]:
@@ -57,63 +49,43 @@ def snapshot(model: Any) -> dict[str, torch.Tensor]:
 
 
 def record(before: Mapping[str, torch.Tensor], model: Any) -> int:
-    """Note each parameter of ``model`` (after a split, pointed at the pipeline's) whose
-    object differs from the one ``before`` (:func:`snapshot`) has under its name.
+    """Mark each parameter object ``before`` (:func:`snapshot`) has under a name where
+    ``model`` (after a split, pointed at the pipeline's) now has another.
 
     Returns:
         How many objects were replaced.
     """
-    global _generation, _hooked
+    global _generation
     now = snapshot(model)
-    pairs: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}
+    replaced: dict[int, torch.Tensor] = {}
     for name, old in before.items():
-        now_held = now.get(name)
-        if now_held is not None and now_held is not old:
-            pairs[id(old)] = (old, now_held, name)
-    if not pairs:
-        return 0
-    # An object an earlier split put in, replaced now: its own old object maps to the new
-    # one too (chains stay one step long, and live while their two ends do).
-    for entry in list(_REPLACED.values()):
-        first, mid = entry.old(), entry.new()
-        again = pairs.get(id(mid)) if mid is not None else None
-        if first is not None and again is not None and again[0] is mid:
-            _put(first, again[1], entry.name)
-    for old, new, name in pairs.values():
-        _put(old, new, name)
-    _generation += 1
-    if not _hooked:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        new = now.get(name)
+        if new is not None and new is not old and id(old) not in replaced:
+            setattr(old, REPLACED_BY, (name, new))
+            replaced[id(old)] = old
+    if replaced:
+        if _generation == 0:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(_before_step)
-        _hooked = True
-    return len(pairs)
-
-
-def _put(old: torch.Tensor, new: torch.Tensor, name: str) -> None:
-    key = id(old)
-
-    def drop(_: Any) -> None:  # either object gone: so is the entry (not a newer one)
-        if _REPLACED.get(key) is entry:
-            del _REPLACED[key]
-
-    entry = _Entry(weakref.ref(old, drop), weakref.ref(new, drop), name)
-    _REPLACED[key] = entry
+            register_optimizer_step_pre_hook(_before_step)
+        _generation += 1
+    return len(replaced)
 
 
 def _latest(p: torch.Tensor) -> torch.Tensor | None:
-    """What a split replaced ``p`` by; None where none did, or the replacement is gone."""
-    entry = _REPLACED.get(id(p))
-    if entry is None or entry.old() is not p:
-        return None
-    return entry.new()
+    """What splits last replaced ``p`` by (a replacement replaced again followed); None
+    where none did."""
+    found = None
+    for _ in range(64):  # one step per split of the same model: never a cycle
+        mark = getattr(p, REPLACED_BY, None)
+        if mark is None:
+            break
+        found = p = mark[1]
+    return found
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The optimizer step pre-hook (module doc): at most one check per optimizer and
-    record."""
-    if not _REPLACED:
-        return None
+    """The optimizer step pre-hook (module doc): one check per optimizer and split."""
     key = (_generation, sum(len(g["params"]) for g in optimizer.param_groups))
     if _checked.get(optimizer) == key:
         return None
@@ -133,7 +105,7 @@ def point_at_replacements(optimizer: torch.optim.Optimizer) -> int:
         ConfigError: the optimizer holds state for a replaced parameter (nothing changed).
     """
     stale = [
-        _REPLACED[id(p)].name
+        getattr(p, REPLACED_BY)[0]
         for group in optimizer.param_groups
         for p in group["params"]
         if optimizer.state.get(p) and _latest(p) is not None

@@ -5,10 +5,10 @@ A pipeline runs copies of the user's modules (:mod:`conveyor.partition.owned`): 
 (FSDP, ``tp_plan``, experts over ``ep``, vocabulary rows) replaces parameters in the
 copies, never changes the user's modules. :func:`adopt` then points the model's parameter
 and buffer slots at the pipeline's (DTensors where sharded), so that the model holds the
-very tensors the optimizer steps, and marks every parameter of the model with
-:data:`HELD`: True where this process's pipeline holds it, False elsewhere. That mark,
-on the tensors themselves, is all :func:`conveyor.save` of the model reads to know what
-this process trained (:func:`trained_here`).
+very tensors the optimizer steps, and sets the model's :data:`HELD` attribute: the names
+of the parameters this process's pipeline holds. That attribute of the model itself is
+all :func:`conveyor.save` of the model reads to know what this process trained
+(:func:`trained_here`); it is on every rank's model once a pipeline was built over it.
 
 :func:`make_whole` turns each DTensor parameter (or buffer) of the model back into a
 plain one holding the whole trained value, gathered one tensor at a time over the
@@ -35,8 +35,8 @@ from torch import nn
 from conveyor.errors import ConfigError
 
 HELD = "conveyor_held"
-"""The attribute :func:`adopt` sets on each parameter of the user's model: True where
-this process's pipeline holds (trains) it, False where another process's does."""
+"""The attribute :func:`adopt` sets on the user's model: a frozenset of the names (every
+name of a tied one) of the parameters this process's pipeline holds and trains."""
 
 Fingerprint = tuple[float, float] | None
 """Two sums of a tensor's values (plain and position-weighted, in float64); None for a
@@ -46,7 +46,7 @@ tensor without values (on the meta device)."""
 @dataclass(frozen=True)
 class Before:
     """What an earlier pipeline over a model held on this process (canonical names, from
-    the :data:`HELD` marks), and a fingerprint of each of the model's parameters here,
+    the model's :data:`HELD`), and a fingerprint of each of the model's parameters here,
     taken whole before a new split writes to them."""
 
     names: frozenset[str]
@@ -65,7 +65,7 @@ def adopt(
     buffers: Iterable[tuple[str, torch.Tensor]],
 ) -> None:
     """Make ``model`` hold a new pipeline's parameters and buffers under their original
-    names (every slot of a tied weight); mark its parameters with :data:`HELD`.
+    names (every slot of a tied weight), and name them in its :data:`HELD`.
 
     Args:
         model: The user's model (a module or a list of layers).
@@ -77,9 +77,8 @@ def adopt(
     aliases = _alias_groups(model)
     _point(model, named, aliases, parameters=True)
     _point(model, list(buffers), _alias_groups(model, buffers=True), parameters=False)
-    held = {n for name, _ in named for n in aliases.get(name, (name,))}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        setattr(p, HELD, name in held)
+    # (in its __dict__, past any __setattr__ of the model's class)
+    model.__dict__[HELD] = frozenset(n for name, _ in named for n in aliases.get(name, (name,)))
 
 
 def _point(
@@ -131,7 +130,7 @@ def check_moves(
     """Refuse, on every rank, a split that gives a process a parameter of ``model`` whose
     value there differs from the one the process that held it before has (trained there,
     or loaded). A collective when an earlier pipeline trained ``model`` (``before`` is
-    given on every rank then: every rank built that pipeline and marked the model). Made
+    given on every rank then: every rank built that pipeline over its model). Made
     once the split is known, before any value is written (a refused split leaves the
     model as it was).
 
@@ -182,24 +181,26 @@ def check_moves(
 def trained_here(model: nn.Module) -> set[str] | None:
     """For :func:`conveyor.save` of the user's model in a distributed world after
     pipelines trained it: the names of its state dict whose values this process holds
-    as trained (the parameters marked :data:`HELD`, and the buffers of their modules or
-    of modules without parameters; DTensors where sharded). None for a model no pipeline
-    marked, or a world of one process: it is saved as one process saves a module.
+    as trained (the parameters its :data:`HELD` names, and the buffers of their modules
+    or of modules without parameters; DTensors where sharded). None for a model no
+    pipeline was built over, or a world of one process: it is saved as one process saves
+    a module.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    marks = {n: getattr(p, HELD, None) for n, p in model.named_parameters(remove_duplicate=False)}
-    if not any(m is not None for m in marks.values()):
+    held: frozenset[str] | None = model.__dict__.get(HELD)
+    if held is None:
         return None
     names = set(model.state_dict(keep_vars=True))
-    keep = {n for n in names if marks.get(n)}
-    for name in names - set(marks):  # a buffer: kept with its module's parameters
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    keep = names & held
+    for name in names - params:  # a buffer: kept with its module's parameters
         prefix = name.rpartition(".")[0]
         own = model.get_submodule(prefix) if prefix else model
         mine = [f"{prefix}.{f}" if prefix else f for f, _ in own.named_parameters(recurse=False)]
-        if not mine or any(marks.get(n) for n in mine):
+        if not mine or any(n in held for n in mine):
             keep.add(name)
     return keep
 
@@ -223,7 +224,7 @@ def make_whole(model: Any) -> Before | None:
 
     Returns:
         What an earlier pipeline held here, with fingerprints of every parameter's value
-        (for :func:`check_moves`); None for a model no pipeline marked.
+        (for :func:`check_moves`); None for a model no pipeline was built over.
     """
     model = _layers(model)
     whole: dict[int, torch.Tensor] = {}
@@ -233,17 +234,15 @@ def make_whole(model: Any) -> Before | None:
                 value = t.full_tensor().detach()  # type: ignore[attr-defined]
             if param:
                 value = nn.Parameter(value, requires_grad=t.requires_grad)
-                if hasattr(t, HELD):
-                    setattr(value, HELD, getattr(t, HELD))
             whole[id(t)] = value
         store: dict[str, Any] = module._parameters if param else module._buffers
         store[name] = whole[id(t)]
-    marks = {n: getattr(p, HELD, None) for n, p in model.named_parameters()}
-    if not any(m is not None for m in marks.values()):
+    held: frozenset[str] | None = model.__dict__.get(HELD)
+    if held is None:
         return None
-    names = frozenset(n for n, m in marks.items() if m)
-    prints = {n: _fingerprint(p) for n, p in model.named_parameters()}
-    return Before(names, names == set(marks), prints)
+    prints = {n: _fingerprint(p) for n, p in model.named_parameters()}  # canonical names
+    names = frozenset(n for n in prints if n in held)
+    return Before(names, names == set(prints), prints)
 
 
 def _sharded_slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
