@@ -32,6 +32,7 @@ from torch import nn
 
 import conveyor
 from conveyor.losses import TokenCrossEntropy
+from conveyor.partition.resplit import HELD
 from tests.support import distributed
 from tests.support.captures import captured
 from tests.support.helpers import assert_close, mse, tied_names
@@ -178,12 +179,13 @@ def _train(case: Case, model: nn.Module, variant: str, ctx: Any) -> dict[str, An
 
 
 def _shape(model: nn.Module) -> dict[str, Any]:
-    """Per module of the user's model: its class, attribute names and the sizes of its
-    tables (hooks, parameters, buffers): what FSDP, tensor parallelism, the expert routing
-    or compiling would change, if done on the user's module."""
+    """Per module of the user's model: its class, attribute names (but the one the
+    pipeline documents, ``conveyor_held``) and the sizes of its tables (hooks, parameters,
+    buffers): what FSDP, tensor parallelism, the expert routing or compiling would
+    change, if done on the user's module."""
     return {
-        name: (type(m), sorted(vars(m)), [len(v) for _, v in sorted(vars(m).items())
-                                          if isinstance(v, (dict, set))])
+        name: (type(m), sorted(set(vars(m)) - {HELD}),
+               [len(v) for _, v in sorted(vars(m).items()) if isinstance(v, (dict, set))])
         for name, m in model.named_modules()
     }  # fmt: skip
 
