@@ -9,8 +9,9 @@ hands the first stage's to every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ from conveyor.experts import apply_ep, check_tp_plan, chosen
 from conveyor.partition import shared_parameters, split_model
 from conveyor.partition.annotations import annotated_stages
 from conveyor.partition.describe import SplitInfo, describe_split
+from conveyor.partition.owned import Modes, own_modules
+from conveyor.partition.replaced import record
+from conveyor.partition.resplit import Before, adopt, check_moves
 from conveyor.runtime import microbatch
 from conveyor.runtime.compiled import CompileStats, compile_stages
 from conveyor.runtime.data_parallel import DataParallel, make_replicas_equal
@@ -53,6 +57,7 @@ class RankParts:
         shared: weights tied across stages, with the groups that sum their gradients.
         stepper: runs this process's steps (:class:`~conveyor.runtime.step.Stepper`).
         ends: the stage ends (:class:`~conveyor._ends.Ends`: their unit beside the stages).
+        modes: the user's modules the stages hold copies of (their modes followed).
     """
 
     stages: dict[int, nn.Module]
@@ -60,6 +65,7 @@ class RankParts:
     shared: SharedParameters
     stepper: Stepper
     ends: Ends
+    modes: Modes = field(default_factory=Modes)
 
     @property
     def compiled(self) -> CompileStats | None:
@@ -75,12 +81,16 @@ class RankParts:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The stages' parameters by their names in the model, a tied one once."""
+        return _named(self._modules())
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stages' buffers by their names in the model, each once."""
         seen: set[int] = set()
         for module in self._modules():
-            for name, p in module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+            for name, b in module.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield name, b
 
     def _modules(self) -> list[nn.Module]:
         """The stages in order, then the unit of the stage ends (if they have one)."""
@@ -113,6 +123,16 @@ class RankParts:
             )
 
 
+def _named(modules: Iterable[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of ``modules`` by their names in the model, a tied one once."""
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+
 def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
     """The global indices of the stages this process runs: its rank's, or every stage in
     a one-process world."""
@@ -122,7 +142,12 @@ def held_stages(schedule: Schedule, ctx: Context) -> tuple[int, ...]:
 
 
 def build(
-    model: nn.Module, schedule: Schedule, options: Options, ctx: Context, sample: Any
+    model: nn.Module,
+    schedule: Schedule,
+    options: Options,
+    ctx: Context,
+    sample: Any,
+    check: Callable[[list[tuple[str, nn.Parameter]]], None] | None = None,
 ) -> RankParts:
     """Split ``model`` and set up this process's share of the pipeline.
 
@@ -132,6 +157,9 @@ def build(
         options: the pipeline's checked options.
         ctx: the process's context.
         sample: a first micro-batch of inputs for a graph capture, or None.
+        check: told this process's parameters (by their names in the model) once the
+            split is known, before any value is written to one (made equal over replicas
+            or ties, given, sharded); it may raise.
 
     Returns:
         This process's :class:`RankParts`.
@@ -157,11 +185,16 @@ def build(
     # Decided on the whole model, so that every rank takes the same collectives below.
     meta = has_meta(all_stages)
     stages: dict[int, nn.Module] = {s: _to_device(all_stages[s], ctx.device) for s in held}
+    # What the build changes on modules (sharding, compiling) lands on the stages' own
+    # copies of the user's modules: the model keeps its modules as they were.
+    modes = own_modules(stages.values(), model)
     sharding = options.tp_plan is not None or bool(options.fsdp) or ctx.ep_size > 1
     given = meta or options.weights is not None
     # The ends' unit is one more beside the stages (initialized, reduced, sharded alike).
     units = stages if ends.holder is None else {**stages, HOLDER: ends.holder}
     own = list(units.values())
+    if check is not None:
+        check(list(_named(own)))
     pending = Pending(model, own, options.weights, options.init_seed) if given else None
     # Tied weights on several ranks: copies start equal and their gradients are summed.
     # Found by identity, so before any value is given (giving a meta parameter its value
@@ -250,7 +283,29 @@ def build(
         grads=StepGradients(params),
         fsdp_replicas=ctx.replicas if options.fsdp else 1,
     )
-    return RankParts(stages, description, shared, stepper, ends)
+    return RankParts(stages, description, shared, stepper, ends, modes)
+
+
+def build_over(
+    model: nn.Module,
+    schedule: Schedule,
+    options: Options,
+    ctx: Context,
+    sample: Any,
+    before: Before | None,
+    originals: Mapping[str, torch.Tensor],
+) -> RankParts:
+    """:func:`build` for a :class:`~conveyor.Pipeline` over the user's ``model``: a split
+    that would move trained values between processes is refused before any value is
+    written (``before``: what :func:`~conveyor.partition.resplit.make_whole` found); then
+    the model is pointed at this rank's parameters and buffers, and each of its parameter
+    objects (``originals``, before the pipeline) that the split replaced is noted, for
+    optimizers built over them (:mod:`conveyor.partition.replaced`)."""
+    check = functools.partial(check_moves, model, ctx=ctx, before=before)
+    parts = build(model, schedule, options, ctx, sample, check=check)
+    adopt(model, parts.named_parameters(), parts.named_buffers())
+    record(originals, model)
+    return parts
 
 
 def shared_sample(ctx: Context, schedule: Schedule, microbatches: int, inputs: Any) -> Any:

@@ -6,15 +6,17 @@ and the options the plan fills in. Every rule between the keywords is checked on
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from conveyor._options import Options, pipeline_ranks, pipeline_schedule
 from conveyor._rules import auto_needs_sample, memory_limit_needs_auto
 from conveyor.context import Context
-from conveyor.partition.resplit import make_whole
+from conveyor.partition.replaced import snapshot
+from conveyor.partition.resplit import Before, make_whole
 from conveyor.planning.planner import Plan, plan
 from conveyor.schedules import Schedule, validate
 from conveyor.schedules.pairs import paired_with_vocab
@@ -29,11 +31,18 @@ class Settled:
         plan: the planner's choice (``schedule="auto"``), else None.
         schedule: the validated schedule, vocabulary passes placed.
         options: the options, with what the plan chose filled in.
+        before: what an earlier pipeline over the model held on this process (None: none
+            did), for the new one's check of moved values.
+        originals: the model's parameter objects by name before anything replaced one
+            (an earlier pipeline's gathered included): an optimizer built over them steps
+            their replacements (:mod:`conveyor.partition.replaced`).
     """
 
     plan: Plan | None
     schedule: Schedule
     options: Options
+    before: Before | None = None
+    originals: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 def settle(
@@ -52,7 +61,8 @@ def settle(
     memory_limit_needs_auto(schedule, memory_limit)
     auto_needs_sample(schedule, options.sample)
     options.check_context(ctx)  # before a plan's collective profiling run
-    make_whole(model)  # what an earlier pipeline sharded of it (collective)
+    originals = snapshot(model)
+    before = make_whole(model)  # what an earlier pipeline sharded of it (collective)
     chosen: Plan | None = None
     if schedule == "auto":
         chosen = plan_pipeline(model, ctx, options, memory_limit)
@@ -71,7 +81,7 @@ def settle(
         # run as units around them (expert parallelism's paired F/B).
         built = validate(paired_with_vocab(with_vocab(built), built.pairs))
     options.check_schedule(built)
-    return Settled(chosen, built, options)
+    return Settled(chosen, built, options, before, originals)
 
 
 def plan_pipeline(

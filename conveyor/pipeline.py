@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import conveyor._failure as failure
-from conveyor._build import RankParts, build, held_stages, shared_sample
+from conveyor._build import RankParts, build_over, held_stages, shared_sample
 from conveyor._options import Options, check_step_arguments, schedule_chunks
-from conveyor._setup import settle
+from conveyor._setup import Settled, settle
 from conveyor.context import Context, current
+from conveyor.module_state import ModuleState
 from conveyor.observe.last_step import LastStep
 from conveyor.partition.capture import NeedsSample, not_split_yet
 from conveyor.partition.describe import SplitInfo
-from conveyor.partition.resplit import adopt
 from conveyor.planning.planner import Plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.clipping import clip_grad_norm
@@ -35,13 +35,14 @@ from conveyor.schedules import Schedule
 from conveyor.weights import Weights
 
 
-class Pipeline(LastStep):
+class Pipeline(LastStep, ModuleState):
     """A model cut into stages and trained by a pipeline schedule.
 
     Build it the same way on every rank; ``train_step`` leaves in each local parameter's
-    ``.grad`` the gradient the unsplit model would have; step your optimizer over
-    ``pipe.parameters()``. With ``conveyor.init(pp=P, dp=D)`` each replica passes its own
-    shard of the global batch (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
+    ``.grad`` the gradient the unsplit model would have; step an optimizer built over
+    ``pipe.parameters()`` (or the model's), before or after the first step. With
+    ``conveyor.init(pp=P, dp=D)`` each replica passes its own shard of the global batch
+    (``ctx.dp_rank`` / ``ctx.dp_size``; sizes may differ).
 
     Args:
         model: the whole model, built the same on every rank. A layer list or
@@ -145,23 +146,30 @@ class Pipeline(LastStep):
             cp_attention=cp_attention,
         )  # fmt: skip
         settled = settle(model, ctx, schedule, options, memory_limit)
+        self._settled: Settled | None = settled  # until the split, what it starts from
         self.plan: Plan | None = settled.plan
         self.schedule = settled.schedule
-        options = settled.options
-        self.options: Options = dataclasses.replace(options, sample=None)  # the planner's
+        self.options: Options = dataclasses.replace(settled.options, sample=None)  # planner's
         self._model = model
         self._parts: RankParts | None = None
         self._last_train: StepRecord | None = None  # what traces and measurements show
         first = None if sample is None else microbatch.first(sample[0], microbatches)
         # A model fx cannot trace is captured with torch.export on the first batch.
         with contextlib.suppress(NeedsSample):
-            self._parts = build(model, self.schedule, options, ctx, first)
-            adopt(model, self._parts.named_parameters(), ctx)
+            self._build(settled.options, first)
+
+    def _build(self, options: Options, sample: Any) -> RankParts:
+        """Split the model (on ``sample`` where it is captured with torch.export)."""
+        assert self._settled is not None
+        parts = build_over(self._model, self.schedule, options, self.context, sample,
+                           self._settled.before, self._settled.originals)  # fmt: skip
+        self._parts, self._settled = parts, None
+        return parts
 
     @property
     def model(self) -> nn.Module:
-        """The model the pipeline was built from (other ranks' parts of it stay as given:
-        on the meta device for a model built under ``conveyor.empty_weights()``)."""
+        """The model it was built from: its modules as given (the stages run copies), with
+        this rank's parameters; others' stay as given (meta under ``empty_weights()``)."""
         return self._model
 
     @property
@@ -196,11 +204,8 @@ class Pipeline(LastStep):
         )
         if self._parts is None:
             return head + "\nnot split yet: the model is captured on the first batch"
-        return head + "\n" + str(self.describe()) + self._vocab_note() + self._parts.compile_note()
-
-    def _vocab_note(self) -> str:
-        """With ``vocab_parallel``: which layers are split over the ranks, and how."""
-        return self._parts.ends.note(self.schedule) if self._parts is not None else ""
+        notes = self._parts.ends.note(self.schedule) + self._parts.compile_note()
+        return head + "\n" + str(self.describe()) + notes
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -238,11 +243,12 @@ class Pipeline(LastStep):
         (:class:`~conveyor._failure.Step`)."""
         with failure.Step():
             sample = check_step_arguments(mode, self.loss_fn, inputs, targets, cut)
-            if self._parts is None:
+            parts = self._parts
+            if parts is None:
                 sample = shared_sample(self.context, self.schedule, self.microbatches, sample)
-                self._parts = build(self._model, self.schedule, self.options, self.context, sample)
-                adopt(self._model, self._parts.named_parameters(), self.context)
-            step = self._parts.stepper.run(mode, inputs, targets, cut, count)
+                parts = self._build(self.options, sample)
+            parts.modes.follow()  # the stages' copies of modules in the model's modes
+            step = parts.stepper.run(mode, inputs, targets, cut, count)
         if mode == "train":
             self._last_train = step.record
         return step
@@ -341,61 +347,3 @@ class Pipeline(LastStep):
         parts = self._split("pipe.clip_grad_norm_()")
         copies = parts.shared.copies()  # tied copies counted on another rank
         return clip_grad_norm(self.parameters(), copies, self.context, max_norm, norm_type)
-
-    # ------------------------------------------------------------------ module-like state
-    @property
-    def training(self) -> bool:
-        """Whether dropout and batch norm run in training mode (see :meth:`train`)."""
-        return self._model.training
-
-    def train(self, mode: bool = True) -> Pipeline:
-        """Set training (or evaluation) mode on the model and this rank's stages.
-
-        Args:
-            mode: True: training (dropout on, batch norm updating its statistics); False: eval.
-
-        Returns:
-            The pipeline, like :meth:`torch.nn.Module.train` returns the module."""
-        self._model.train(mode)
-        for stage in self.stages if self._parts is not None else []:
-            stage.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        """Evaluation mode (dropout off, batch norm's running statistics): ``train(False)``."""
-        return self.train(False)
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, with their names in the original model; a weight tied
-        across this rank's stages comes once (before a split made on the first batch: the
-        whole model's)."""
-        if self._parts is None:
-            return self._model.named_parameters()
-        return self._parts.named_parameters()
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters (pass them to the optimizer)."""
-        return (p for _, p in self.named_parameters())
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model's state dict, keyed by the original names (the
-        whole model's before a split made on the first batch)."""
-        if self._parts is None:
-            return dict(self._model.state_dict())
-        return self._parts.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Load this rank's entries from a full or partial model state dict.
-
-        Args:
-            state: name -> tensor, names as in the original model; keys of stages on other
-                ranks are ignored.
-            strict: raise when a key of a local stage is missing.
-
-        Raises:
-            ConfigError: ``strict`` and keys this rank needs are missing.
-        """
-        if self._parts is None:
-            self._model.load_state_dict(state, strict=strict)
-        else:
-            self._parts.load_state_dict(state, strict)

@@ -6,7 +6,8 @@ DTensor ``Shard(0)`` over the ``ep`` mesh, under its original name, so that
 ``state_dict()`` and checkpoints see whole experts. The module's class is swapped for a
 subclass (as FSDP2 does) whose forward routes tokens by all-to-all
 (:func:`~conveyor.experts.dispatch.routed_forward`) and runs the class's own forward on the
-local experts.
+local experts. The swap happens on the stage's own copy of the module
+(:mod:`conveyor.partition.owned`): the user's module keeps its class.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from torch import nn
 from conveyor.errors import ConfigError
 from conveyor.experts.collections import find_experts, num_experts
 from conveyor.experts.dispatch import ExpertShard, routed_forward
-from conveyor.partition.resplit import INSTANCE_STATE, ORIGINAL_CLASS
 
 SHARD_ATTR = "_conveyor_expert_shard"
 """The attribute of a sharded collection holding its :class:`ExpertShard`."""
@@ -58,9 +58,6 @@ def _routed_class(cls: type[nn.Module]) -> type[nn.Module]:
             {
                 "_conveyor_base_forward": cls.forward,
                 "__module__": __name__,
-                # what a later split undoes (conveyor/partition/resplit.py)
-                ORIGINAL_CLASS: cls,
-                INSTANCE_STATE: (SHARD_ATTR,),
             },
         )
     return _classes[cls]

@@ -50,6 +50,46 @@ def capture_export(
     Raises:
         ConfigError: export failed too, or the model returns a key/value cache.
     """
+    with _meta_stand_ins(model):
+        return _capture(model, sample, fx_error, kept)
+
+
+@contextlib.contextmanager
+def _meta_stand_ins(model: nn.Module) -> Iterator[None]:
+    """The model's meta tensors replaced, while it is captured, by stand-ins of the same
+    shapes (the same stand-in for a tensor held under several names).
+
+    export's caches keep weak references to every tensor it traced, past the capture, and
+    a tensor with a weak reference cannot become real in place
+    (:func:`torch.utils.swap_tensors`): the model's own meta parameters must keep their
+    objects when they get their values, so that an optimizer built over them before the
+    first step trains them. Stand-ins take the references instead."""
+    made: dict[int, torch.Tensor] = {}
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in model.modules():
+        stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for store in stores:
+            for key, value in store.items():
+                if value is None or not value.is_meta:
+                    continue
+                if id(value) not in made:
+                    like = torch.empty_like(value)
+                    made[id(value)] = (
+                        nn.Parameter(like, value.requires_grad)
+                        if isinstance(value, nn.Parameter)
+                        else like
+                    )
+                slots.append((store, key, value))
+                store[key] = made[id(value)]
+    try:
+        yield
+    finally:
+        for store, key, value in slots:
+            store[key] = value
+
+
+def _capture(model: nn.Module, sample: Any, fx_error: Exception, kept: Kept | None) -> Captured:
+    """:func:`capture_export` on ``model`` as it is."""
     from torch.export import Dim, ShapesCollection
 
     args, kwargs = _call_arguments(_at_least_two(sample))

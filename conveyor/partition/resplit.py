@@ -1,31 +1,31 @@
-"""A model an earlier pipeline sharded, made whole again for a new split.
+"""The user's model after a pipeline: pointed at the pipeline's parameters, and made whole
+again for a new split.
 
-A pipeline shards parts of the user's model in place, on the modules the user holds:
-expert collections over ``ep`` (class swapped, each parameter a DTensor), the vocabulary
-layers' rows over the pipeline ranks, ``tp_plan`` modules (DTensor parameters and torch's
-input / output hooks) and FSDP units (DTensor parameters, class, hooks and state). So a
-DTensor parameter of a model means "an earlier pipeline sharded this".
+A pipeline runs copies of the user's modules (:mod:`conveyor.partition.owned`): sharding
+(FSDP, ``tp_plan``, experts over ``ep``, vocabulary rows) replaces parameters in the
+copies, never changes the user's modules. :func:`adopt` then points the model's parameter
+and buffer slots at the pipeline's (DTensors where sharded), so that the model holds the
+very tensors the optimizer steps, and sets the model's :data:`HELD` attribute: the names
+of the parameters this process's pipeline holds. That attribute of the model itself is
+all :func:`conveyor.save` of the model reads to know what this process trained
+(:func:`trained_here`); it is on every rank's model once a pipeline was built over it.
 
-:func:`make_whole` turns each such parameter back into a plain one holding the whole
-trained value, gathered one tensor at a time over the DTensor's own mesh, and undoes the
-swapped classes, hooks and state. A new :class:`~conveyor.Pipeline` (any layout: with or
-without ``ep``, ``tp_plan``, ``fsdp``, ``vocab_parallel``) then splits the trained model
-as it splits a fresh one, and shards again what its own layout shards.
+:func:`make_whole` turns each DTensor parameter (or buffer) of the model back into a
+plain one holding the whole trained value, gathered one tensor at a time over the
+DTensor's own mesh: a new :class:`~conveyor.Pipeline` (any layout) then splits the trained
+model as it splits a fresh one, and shards again what its own layout shards.
 
-What a rank holds of the trained model is what its pipeline rank held (the other
-stages' parameters there keep the values they had before training): the new split starts
-from the trained values where each process keeps the stages it trained. A split that
-gives a process a parameter whose value there differs from its earlier holder's (trained
-or loaded there) is refused on every rank (:func:`check_moves`, by fingerprints of the
+What a rank holds of the trained model is what its pipeline rank held (the other stages'
+parameters there keep the values they had before training): the new split starts from
+the trained values where each process keeps the stages it trained. A split that gives a
+process a parameter whose value there differs from its earlier holder's (trained or
+loaded there) is refused on every rank (:func:`check_moves`, by fingerprints of the
 values): such a move goes through :func:`conveyor.save` / :func:`conveyor.load`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,54 +34,9 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 
-ORIGINAL_CLASS = "_conveyor_original_class"
-"""In the class dict of a class conveyor swapped a user's module to (the expert
-routing): the module's own class, which :func:`make_whole` gives it back."""
-INSTANCE_STATE = "_conveyor_instance_state"
-"""In the same class dict: the names of the per-module attributes the swap added."""
-
-_HOOK_LIBRARIES = ("torch.distributed.", "conveyor.")
-"""Where the forward hooks an earlier pipeline left on the user's modules come from:
-torch's tensor parallel styles and FSDP, and conveyor's FSDP units' own-storage hook."""
-
-
-def adopt(model: Any, named: Iterable[tuple[str, torch.Tensor]], ctx: Any) -> None:
-    """Make ``model`` hold a new pipeline's parameters under their original names, after
-    refusing a split that moves trained values between processes (:func:`check_moves`).
-
-    A split whose stages hold their own copies of the parameter slots (a graph
-    ``torch.export`` captured, which FSDP then shards) would otherwise leave the user's
-    model with the values from before training; now the model holds the very parameters
-    the optimizer steps (DTensors where sharded), so that a later split, ``state_dict()``
-    or save of the model sees the trained values. Every slot of a tied weight follows.
-
-    Args:
-        model: The user's model (a module or a list of layers).
-        named: Its ``(name, parameter)`` pairs on this process, names as in ``model``.
-        ctx: Its :class:`~conveyor.context.Context`.
-
-    Raises:
-        ConfigError: see :func:`check_moves`.
-    """
-    if not isinstance(model, nn.Module):
-        model = nn.ModuleList(model)  # a list of layers: the same names, not remembered
-    named = list(named)
-    check_moves(model, named, ctx)
-    # A tied weight's slots as they were before the build (sharding replaces the slot of
-    # the module a stage holds, not its alias in a module another rank's stage holds).
-    aliases = _ALIASES.get(model) or _alias_groups(model)
-    for name, p in named:
-        if not isinstance(p, nn.Parameter):
-            continue
-        for alias in aliases.get(name, (name,)):
-            prefix, _, field = alias.rpartition(".")
-            try:
-                owner = model.get_submodule(prefix)
-            except AttributeError:
-                continue
-            if owner._parameters.get(field) is not None:
-                owner._parameters[field] = p
-
+HELD = "conveyor_held"
+"""The attribute :func:`adopt` sets on the user's model: a frozenset of the names (every
+name of a tied one) of the parameters this process's pipeline holds and trains."""
 
 Fingerprint = tuple[float, float] | None
 """Two sums of a tensor's values (plain and position-weighted, in float64); None for a
@@ -89,14 +44,68 @@ tensor without values (on the meta device)."""
 
 
 @dataclass(frozen=True)
-class _Held:
-    """What a pipeline over a model held on this process: its parameters (canonical
-    names), whether that was all of them, and (once :func:`make_whole` read them before
-    a new split) a fingerprint of each of the model's parameters here."""
+class Before:
+    """What an earlier pipeline over a model held on this process (canonical names, from
+    the model's :data:`HELD`), and a fingerprint of each of the model's parameters here,
+    taken whole before a new split writes to them."""
 
     names: frozenset[str]
     whole: bool
-    prints: dict[str, Fingerprint] | None = None
+    prints: dict[str, Fingerprint]
+
+
+def _layers(model: Any) -> nn.Module:
+    """A model given as a list of layers, as a module with the same names."""
+    return model if isinstance(model, nn.Module) else nn.ModuleList(model)
+
+
+def adopt(
+    model: Any,
+    named: Iterable[tuple[str, torch.Tensor]],
+    buffers: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """Make ``model`` hold a new pipeline's parameters and buffers under their original
+    names (every slot of a tied weight), and name them in its :data:`HELD`.
+
+    Args:
+        model: The user's model (a module or a list of layers).
+        named: The pipeline's ``(name, parameter)`` pairs on this process.
+        buffers: The pipeline's ``(name, buffer)`` pairs on this process.
+    """
+    model = _layers(model)
+    named = list(named)
+    aliases = _alias_groups(model)
+    _point(model, named, aliases, parameters=True)
+    _point(model, list(buffers), _alias_groups(model, buffers=True), parameters=False)
+    # (in its __dict__, past any __setattr__ of the model's class)
+    model.__dict__[HELD] = frozenset(n for name, _ in named for n in aliases.get(name, (name,)))
+
+
+def _point(
+    model: nn.Module,
+    named: list[tuple[str, torch.Tensor]],
+    aliases: dict[str, tuple[str, ...]],
+    parameters: bool,
+) -> None:
+    """Each slot of ``model`` named by ``named`` (or an alias of it) holds its tensor."""
+    for name, t in named:
+        if parameters and not isinstance(t, nn.Parameter):
+            continue
+        for alias in aliases.get(name, ()):
+            prefix, _, field = alias.rpartition(".")
+            owner = model.get_submodule(prefix)
+            store: dict[str, Any] = owner._parameters if parameters else owner._buffers
+            if store.get(field) is not None and store[field] is not t:
+                store[field] = t
+
+
+def _alias_groups(model: nn.Module, buffers: bool = False) -> dict[str, tuple[str, ...]]:
+    """Each parameter (or buffer) name of ``model`` -> all names of that tensor object."""
+    named = model.named_buffers if buffers else model.named_parameters
+    by_id: dict[int, list[str]] = {}
+    for name, t in named(remove_duplicate=False):
+        by_id.setdefault(id(t), []).append(name)
+    return {name: tuple(names) for names in by_id.values() for name in names}
 
 
 def _fingerprint(t: torch.Tensor) -> Fingerprint:
@@ -115,44 +124,29 @@ def _same(a: Fingerprint, b: Fingerprint) -> bool:
     return all(abs(x - y) <= 1e-9 * max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True))
 
 
-_HELD: weakref.WeakKeyDictionary[nn.Module, _Held] = weakref.WeakKeyDictionary()
-_ALIASES: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[str, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per model, when a Pipeline was built over it: each parameter name -> every name of
-that parameter (its ties), taken before the build shards anything."""
-
-
-def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Each parameter name of ``model`` -> all names of that parameter object."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return {name: tuple(names) for names in by_id.values() for name in names}
-
-
-def check_moves(model: nn.Module, named: list[tuple[str, torch.Tensor]], ctx: Any) -> None:
+def check_moves(
+    model: Any, named: Sequence[tuple[str, torch.Tensor]], ctx: Any, before: Before | None
+) -> None:
     """Refuse, on every rank, a split that gives a process a parameter of ``model`` whose
     value there differs from the one the process that held it before has (trained there,
-    or loaded), and remember what the new pipeline holds here. A collective when an
-    earlier pipeline was built over ``model`` (which every rank then did).
+    or loaded). A collective when an earlier pipeline trained ``model`` (``before`` is
+    given on every rank then: every rank built that pipeline over its model). Made
+    once the split is known, before any value is written (a refused split leaves the
+    model as it was).
 
     Args:
         model: The user's model.
         named: The new pipeline's ``(name, parameter)`` pairs on this process.
         ctx: Its :class:`~conveyor.context.Context`.
+        before: What :func:`make_whole` found of the earlier pipeline, or None.
 
     Raises:
         ConfigError: such a parameter, on some rank.
     """
-    # ties as before the build (sharding may have replaced one slot of a tied weight)
-    aliases = _ALIASES.get(model) or _alias_groups(model)
-    canon = {name: group[0] for name, group in aliases.items()}
-    held = frozenset(canon.get(n, n) for n, _ in named)
-    before = _HELD.get(model)
-    _HELD[model] = _Held(held, held >= set(canon.values()))
-    if before is None or before.prints is None:
+    if before is None:
         return
+    canon = {name: group[0] for name, group in _alias_groups(_layers(model)).items()}
+    held = frozenset(canon.get(n, n) for n, _ in named)
     # Each process: the fingerprints of what it held (the values it may have changed),
     # and of what it now holds that it did not hold before (the values it starts from).
     prints = before.prints
@@ -187,28 +181,26 @@ def check_moves(model: nn.Module, named: list[tuple[str, torch.Tensor]], ctx: An
 def trained_here(model: nn.Module) -> set[str] | None:
     """For :func:`conveyor.save` of the user's model in a distributed world after
     pipelines trained it: the names of its state dict whose values this process holds
-    as trained (its last pipeline's parameters, and the buffers of their modules or of
-    modules without parameters; DTensors where sharded). None for any other model or a
-    world of one process: it is saved as one process saves a module.
+    as trained (the parameters its :data:`HELD` names, and the buffers of their modules
+    or of modules without parameters; DTensors where sharded). None for a model no
+    pipeline was built over, or a world of one process: it is saved as one process saves
+    a module.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    held = _HELD.get(model)
-    if held is None and not has_sharded(model):
+    held: frozenset[str] | None = model.__dict__.get(HELD)
+    if held is None:
         return None
     names = set(model.state_dict(keep_vars=True))
-    if held is None or held.whole:
-        return names
-    aliases = _ALIASES.get(model) or _alias_groups(model)
-    canon = {name: group[0] for name, group in aliases.items()}
-    keep = {n for n in names if n in canon and canon[n] in held.names}
-    for name in names - set(canon):  # a buffer: kept with its module's parameters
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    keep = names & held
+    for name in names - params:  # a buffer: kept with its module's parameters
         prefix = name.rpartition(".")[0]
-        own = model.get_submodule(prefix)._parameters if prefix else model._parameters
-        mine = [f"{prefix}.{f}" if prefix else f for f, p in own.items() if p is not None]
-        if not mine or any(canon.get(n, n) in held.names for n in mine):
+        own = model.get_submodule(prefix) if prefix else model
+        mine = [f"{prefix}.{f}" if prefix else f for f, _ in own.named_parameters(recurse=False)]
+        if not mine or any(n in held for n in mine):
             keep.add(name)
     return keep
 
@@ -220,116 +212,52 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def has_sharded(model: nn.Module) -> bool:
-    """Whether an earlier pipeline left DTensor parameters in ``model``."""
-    return any(is_sharded(p) for p in model.parameters())
+def make_whole(model: Any) -> Before | None:
+    """Gather, in place, the DTensor parameters and buffers earlier pipelines left in
+    ``model`` into plain ones holding their whole values (see the module doc).
 
-
-def make_whole(model: Any) -> bool:
-    """Undo, in place, what earlier pipelines sharded of ``model`` (see the module doc).
-
-    A collective where the model has DTensor parameters: each is gathered over its
-    mesh's ranks, so every rank of the world calls it (a :class:`~conveyor.Pipeline`
-    does, on every rank). The gathers go mesh by mesh, in the same order on every rank
-    (by mesh dimension names, then the model's order), and the ranks of one mesh hold the
-    same modules, so they post the same gathers.
+    A collective where the model has DTensors: each is gathered over its mesh's ranks, so
+    every rank of the world calls it (a :class:`~conveyor.Pipeline` does, on every rank).
+    The gathers go mesh by mesh, in the same order on every rank (by mesh dimension
+    names, then the model's order), and the ranks of one mesh hold the same modules, so
+    they post the same gathers.
 
     Returns:
-        Whether anything was sharded.
+        What an earlier pipeline held here, with fingerprints of every parameter's value
+        (for :func:`check_moves`); None for a model no pipeline was built over.
     """
-    if not isinstance(model, nn.Module):
-        model = nn.ModuleList(model)  # a list of layers
-    sharded = _sharded_slots(model)
-    whole: dict[int, nn.Parameter] = {}
-    for module, name, param in sharded:
-        if id(param) not in whole:
+    model = _layers(model)
+    whole: dict[int, torch.Tensor] = {}
+    for module, name, t, param in _sharded_slots(model):
+        if id(t) not in whole:
             with torch.no_grad():
-                value = param.full_tensor().detach()  # type: ignore[attr-defined]
-            whole[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)
-        module._parameters[name] = whole[id(param)]
-    changed = bool(sharded)
-    for module in model.modules():
-        changed |= _unwrap(module)
-    _ALIASES[model] = _alias_groups(model)
-    held = _HELD.get(model)
-    if held is not None:  # the values here, whole, before a new build writes to them
-        prints = {n: _fingerprint(p) for n, p in model.named_parameters()}
-        _HELD[model] = dataclasses.replace(held, prints=prints)
-    return changed
+                value = t.full_tensor().detach()  # type: ignore[attr-defined]
+            if param:
+                value = nn.Parameter(value, requires_grad=t.requires_grad)
+            whole[id(t)] = value
+        store: dict[str, Any] = module._parameters if param else module._buffers
+        store[name] = whole[id(t)]
+    held: frozenset[str] | None = model.__dict__.get(HELD)
+    if held is None:
+        return None
+    prints = {n: _fingerprint(p) for n, p in model.named_parameters()}  # canonical names
+    names = frozenset(n for n in prints if n in held)
+    return Before(names, names == set(prints), prints)
 
 
-def _sharded_slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(module, name, parameter)`` for each DTensor parameter slot of ``model`` (a tied
-    one in each module holding it), ordered by mesh, then as the model lists them."""
+def _sharded_slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """``(module, name, tensor, is a parameter)`` for each DTensor slot of ``model`` (a
+    tied one in each module holding it), ordered by mesh, then as the model lists them."""
     slots = [
-        (module, name, p)
+        (module, name, t, param)
         for module in model.modules()
-        for name, p in module._parameters.items()
-        if p is not None and is_sharded(p)
+        for param, store in ((True, module._parameters), (False, module._buffers))
+        for name, t in store.items()
+        if t is not None and is_sharded(t)
     ]
 
-    def mesh_key(slot: tuple[nn.Module, str, torch.Tensor]) -> tuple[str, ...]:
+    def mesh_key(slot: tuple[nn.Module, str, torch.Tensor, bool]) -> tuple[str, ...]:
         mesh = slot[2].device_mesh  # type: ignore[attr-defined]
         return tuple(mesh.mesh_dim_names or ())
 
     return sorted(slots, key=mesh_key)  # stable: the model's order within a mesh
-
-
-def _unwrap(module: nn.Module) -> bool:
-    """Take off ``module`` what an earlier pipeline put on it besides its parameters:
-    FSDP's class, state and hooks, the expert routing, tensor parallelism's hooks."""
-    changed = _unwrap_fsdp(module)
-    changed |= _unswap(module)
-    for hooks in (
-        module._forward_pre_hooks,
-        module._forward_hooks,
-    ):
-        for key, hook in list(hooks.items()):
-            if _origin(hook).startswith(_HOOK_LIBRARIES):
-                del hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
-                changed = True
-    return changed
-
-
-def _unswap(module: nn.Module) -> bool:
-    """``module``'s own class again, where conveyor swapped it (:data:`ORIGINAL_CLASS`)."""
-    cls = type(module)
-    original = cls.__dict__.get(ORIGINAL_CLASS)
-    if original is None:
-        return False
-    for name in cls.__dict__.get(INSTANCE_STATE, ()):
-        module.__dict__.pop(name, None)
-    module.__class__ = original
-    return True
-
-
-def _origin(hook: Any) -> str:
-    """The module a hook function (or bound method, or lambda) was defined in."""
-    func = getattr(hook, "__func__", hook)
-    return str(getattr(func, "__module__", "") or "")
-
-
-def _unwrap_fsdp(module: nn.Module) -> bool:
-    """``module``'s class and state as before ``fully_shard``; its hooks go with the
-    others (:func:`_unwrap`). These are torch internals: FSDP2 has no public undo."""
-    # the module, not the function torch.distributed._composable exports by that name
-    contract = importlib.import_module("torch.distributed._composable.contract")
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp import FSDPModule
-
-    flags = [
-        f for f in ("_is_fsdp_managed_module", "_fsdp_use_orig_params") if f in module.__dict__
-    ]
-    for flag in flags:  # on every module a unit manages
-        del module.__dict__[flag]
-    cls = type(module)
-    if not (issubclass(cls, FSDPModule) and cls.__bases__[0] is FSDPModule):
-        return bool(flags)
-    module.__class__ = cls.__bases__[1]  # fully_shard's class is (FSDPModule, original)
-    module.__dict__.pop(contract.STATE_KEY, None)
-    module.__dict__.pop(contract.REGISTRY_KEY, None)
-    _module_state_mapping.pop(module, None)
-    return True

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from conveyor.errors import ConfigError, PipelineError
 from conveyor.partition.cuts import rows_per_rank
+from conveyor.partition.owned import own_copy
 from conveyor.runtime.local_part import local_shard
 from conveyor.vocab.layers import VocabLayers
 
@@ -183,8 +184,12 @@ class VocabShards:
 
     def __init__(self, model: nn.Module, layers: VocabLayers, mesh: Any | None) -> None:
         self.layers = layers
-        self.embedding: nn.Embedding = model.get_submodule(layers.input)  # type: ignore[assignment]
-        self.output: nn.Linear = model.get_submodule(layers.output)  # type: ignore[assignment]
+        # copies of their own: the rows (and FSDP) replace their weights, not the model's
+        embedding, output = (
+            own_copy(model.get_submodule(n)) for n in (layers.input, layers.output)
+        )
+        self.embedding: nn.Embedding = embedding  # type: ignore[assignment]
+        self.output: nn.Linear = output  # type: ignore[assignment]
         ranks, rank = (mesh.size(), mesh.get_local_rank()) if mesh is not None else (1, 0)
         self.lo, self.hi = chunk_rows(layers.rows, ranks, rank)
         self.mesh = mesh

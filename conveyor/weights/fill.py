@@ -203,7 +203,11 @@ def _place(
         real = kind(value, requires_grad=target.requires_grad) if slot.param else value
         try:
             torch.utils.swap_tensors(target, real)  # type: ignore[no-untyped-call]
-        except RuntimeError:  # a weak reference to it (torch.export's caches keep some)
+        except RuntimeError:
+            # Something holds a weak reference to it (a capture's are given to stand-ins:
+            # conveyor/partition/export.py): a new object then, which the model is pointed
+            # at and an optimizer built over the old one gets at its first step
+            # (conveyor/partition/replaced.py).
             for holder, key, param in holders.get(id(target), []):
                 store: Any = holder._parameters if param else holder._buffers
                 store[key] = real

@@ -23,7 +23,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("other libraries' loops", ["conveyor.integrations"]),
     ("the training loop", ["conveyor.training"]),
     ("checkpoints", ["conveyor.checkpoint"]),
-    ("the pipeline users touch, and what its keywords settle", ["conveyor.pipeline", "conveyor._setup"]),
+    (
+        "the pipeline users touch, and what its keywords settle",
+        ["conveyor.pipeline", "conveyor.module_state", "conveyor._setup"],
+    ),
     ("the planner", ["conveyor.planning"]),
     (
         "what one rank runs, built from the options",
