@@ -76,6 +76,7 @@ def stage_ends(model: nn.Module, options: Options, ctx: Context, schedule: Sched
         counter=cp.cut.count if inner.counter is not None else None,
         sample=lambda value: inner.sample(cp.cut.inputs(value)),
         split=lambda stages: cp.split(stages, inner.split),
+        note=lambda schedule: inner.note(schedule) + cp.note,
         syncs=inner.syncs + cp.syncs,
     )
 

@@ -91,7 +91,7 @@ def plan_pipeline(
     micro-batch count (on ``options.sample``, which :func:`settle` checked is given)."""
     sample: Any = options.sample
     assert sample is not None
-    shards = (ctx.dp_size if options.fsdp else 1) * (ctx.tp_size if options.tp_plan else 1)
+    shards = (ctx.replicas if options.fsdp else 1) * (ctx.tp_size if options.tp_plan else 1)
     return plan(
         model,
         sample[0],

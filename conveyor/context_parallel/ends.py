@@ -36,15 +36,20 @@ class SequenceEnds:
         self.every_rank = inner.every_rank
         self.routed = inner.routed
         self.forward_passes: frozenset[str] = getattr(inner, "forward_passes", frozenset())
-        self._lengths: dict[int, int] = {}
+        self._inputs: list[Any] | None = None
 
     def begin(self, state: StepState, inputs: list[Any] | None, targets: list[Any] | None) -> None:
-        """Cut the targets a ``loss_fn`` reads, then start the inner ends' step."""
+        """Cut the micro-batches (the inner ends read this process's share: vocabulary
+        parallelism embeds and scores it on every rank) and the targets a ``loss_fn``
+        reads, then start the inner ends' step; a predict step's outputs are joined into
+        whole sequences as the inner ends keep them."""
         if state.targets is not None:
             state.targets = [self._targets(m, t) for m, t in enumerate(state.targets)]
+        if state.mode == "predict":
+            state.outputs = _Joined(self._join)
         self.state = state
-        self._lengths = {}
-        self.inner.begin(state, inputs, state.targets)
+        self._inputs = None if inputs is None else [self.cut.inputs(v) for v in inputs]
+        self.inner.begin(state, self._inputs, state.targets)
 
     def _targets(self, m: int, value: Any) -> Any:
         length = next(
@@ -59,17 +64,15 @@ class SequenceEnds:
 
     def first_input(self, m: int, value: Any) -> Any:
         """The inner ends' first input of this process's share of micro-batch ``m``."""
-        return self.inner.first_input(m, self.cut.inputs(value))
+        cut = self._inputs[m] if self._inputs is not None else self.cut.inputs(value)
+        return self.inner.first_input(m, cut)
 
     def input_grad(self, m: int, leaves: list[Tensor], grads: list[Any]) -> None:
         """The inner ends'."""
         self.inner.input_grad(m, leaves, grads)
 
     def last_output(self, m: int, out: Any, recomputing: bool = False) -> list[Tensor]:
-        """The inner ends'; a predict step keeps whole sequences (every cp rank's share,
-        joined)."""
-        if self.state.mode == "predict":
-            out = pytree.tree_map(self._join, out)
+        """The inner ends'."""
         return self.inner.last_output(m, out, recomputing)
 
     def _join(self, value: Any) -> Any:
@@ -87,6 +90,18 @@ class SequenceEnds:
     def run_pass(self, step: Any) -> None:
         """The inner ends'."""
         self.inner.run_pass(step)
+
+
+class _Joined(dict[int, Any]):
+    """A predict step's outputs by micro-batch: each kept as whole sequences, joined from
+    every cp rank's share (by ``join``) as the inner ends keep it."""
+
+    def __init__(self, join: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.join = join
+
+    def __setitem__(self, m: int, value: Any) -> None:
+        super().__setitem__(m, pytree.tree_map(self.join, value))
 
 
 def gather_over(group: dist.ProcessGroup, size: int) -> Gather:

@@ -105,6 +105,8 @@ class Sequences:
     gather: Any
     syncs: tuple[StepSync, ...]
     token_loss: ModelTokenLoss | None
+    note: str = ""
+    """A line for ``print(pipe)``: how the sequences are cut and attention moves."""
 
     def split(self, stages: list[nn.Module], inner: Callable[[list[nn.Module]], None]) -> None:
         """The model was cut into ``stages``: check it can take its share
@@ -144,4 +146,19 @@ def sequences(
     )
     gather = gather_over(ctx.cp_group, ctx.cp_size) if ctx.distributed and ctx.cp_group else None
     syncs: tuple[StepSync, ...] = () if transformers else (AttentionSync(key),)
-    return Sequences(cut, gather, syncs, token_loss)
+    return Sequences(cut, gather, syncs, token_loss, describe(ctx, strategy))
+
+
+def describe(ctx: Context, strategy: str) -> str:
+    """:attr:`Sequences.note` for ``ctx`` and ``strategy``."""
+    cp = ctx.cp_size
+    where = (
+        f"dp {ctx.dp_size} x cp {cp} replicas for gradients and losses"
+        if ctx.distributed
+        else "every share side by side in this process"
+    )
+    moves = "passed round a ring" if strategy == "ring" else "all-gathered"
+    return (
+        f"\ncontext parallel: cp {cp} ({where}); each sequence cut into {2 * cp} chunks, cp "
+        f"rank i holding chunks i and {2 * cp - 1} - i; keys and values {moves}"
+    )

@@ -26,7 +26,8 @@ def clip_grad_norm(
     """Clip gradients by the norm of the whole model's gradient, a collective.
 
     Every rank adds its own shard of each gradient, divided by how many ranks hold that
-    same shard (data-parallel replicas, and tensor-parallel ranks of an unsharded weight),
+    same shard (data-parallel replicas and context-parallel ranks, and tensor-parallel
+    ranks of an unsharded weight),
     so the sum over the world counts each number once; in float64, the same on all ranks.
 
     Args:
@@ -49,7 +50,9 @@ def clip_grad_norm(
             f"float('inf')"
         )
     with_grads = [q for q in params if q.grad is not None]
-    holders = ctx.replicas * ctx.tp_size  # every replica (dp and cp) holds the same value
+    # Every replica (dp and cp) holds the same value; one process holds its cp ranks'
+    # shares side by side, with one gradient.
+    holders = ctx.replicas * ctx.tp_size if ctx.distributed else 1
     parts = [
         (
             torch.linalg.vector_norm(
@@ -91,13 +94,17 @@ def clip_grad_norm(
 
 
 def _shards(t: torch.Tensor) -> int:
-    """Into how many pieces a DTensor's placements cut it (1 for a plain tensor)."""
+    """Into how many pieces a DTensor's placements cut it among the ranks of one pipeline
+    rank (1 for a plain tensor): the vocabulary layers' rows over the pipeline ranks
+    (a ``"pp"`` mesh dimension) are pieces that no other rank holds."""
     placements = getattr(t, "placements", ())
     mesh = getattr(t, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
     count = 1
     for dim, placement in enumerate(placements):
         # Not is_shard(): FSDP over a tensor-parallel weight shards it "strided", which is
         # a shard too. Partial sums were summed (sharding.summed) before.
-        if mesh is not None and not placement.is_replicate():
+        over_pp = dim < len(names) and names[dim] == "pp"
+        if mesh is not None and not placement.is_replicate() and not over_pp:
             count *= mesh.size(dim)
     return count

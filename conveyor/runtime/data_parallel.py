@@ -117,7 +117,7 @@ class DataParallel(StepSync):
                 if p.grad is None:
                     part.zero_()
                 else:
-                    part.copy_(_local(p.grad).reshape(-1))
+                    part.copy_(_local(_placed_as(p.grad, p)).reshape(-1))
                 offset += _numel(p)
             # Set on the device: a host tensor copied in would sync per bucket on CUDA.
             flat[n:].fill_(1.0)
@@ -219,6 +219,16 @@ def _summed_over(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 def _numel(t: torch.Tensor) -> int:
     return _local(t).numel()
+
+
+def _placed_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` placed as ``param`` is: tensor parallelism of an embedding sharded by
+    rows gives it a replicated gradient (a local slice then, no transfer)."""
+    placements = getattr(param, "placements", None)
+    if placements is None or getattr(grad, "placements", placements) == placements:
+        return grad
+    placed: torch.Tensor = grad.redistribute(param.device_mesh, placements)  # type: ignore[attr-defined]
+    return placed
 
 
 def _like(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conveyor._groups import on_release
@@ -259,6 +260,10 @@ class Sharded:
         for module in collections:  # their own units first, as torchtitan does
             unit: Any = fully_shard(module, mesh=edp, reshard_after_forward=per_action)
             unit.set_gradient_divide_factor(float(divide))
+            if divide != edp.size() and dist.get_backend(edp.get_group()) == "gloo":
+                # FSDP reduces by another factor than its mesh's size with PREMUL_SUM,
+                # which gloo lacks: a sum, then the division.
+                unit.set_force_sum_reduction_for_comms(True)
         for stage in stages.values():
             if per_action:
                 for block in blocks_of(stage):

@@ -101,22 +101,28 @@ class VocabRunner:
     def _ids(self, m: int) -> torch.Tensor:
         return token_ids(self._inputs[m])
 
-    def _labels(self, m: int) -> torch.Tensor:
+    def _labels(self, m: int) -> tuple[torch.Tensor, bool]:
+        """Micro-batch ``m``'s labels, and whether they are shifted already: a transformers
+        model's ``shift_labels`` input, which its own loss reads as given (context
+        parallelism shifts the labels so, before it cuts the sequence)."""
         if self.loss.labels_in_inputs:
             value = self._inputs[m]
+            shifted = value.get("shift_labels") if isinstance(value, dict) else None
+            if shifted is not None:
+                return shifted, True
             labels = value.get("labels") if isinstance(value, dict) else None
             if labels is None:
                 raise PipelineError(
                     "vocab_parallel with loss_fn=None reads the loss's labels from the inputs; "
                     "pass labels in the inputs dict"
                 )
-            return labels  # type: ignore[no-any-return]
+            return labels, False
         if not self._targets:
             raise PipelineError(
                 "vocab_parallel: every pipeline rank computes the loss of its rows, so every "
                 "rank needs the targets; pass them on every rank"
             )
-        return self._targets[m]  # type: ignore[no-any-return]
+        return self._targets[m], False
 
     # ------------------------------------------------------------ the first stage's end
     def first_input(self, m: int, value: Any) -> Any:
@@ -253,8 +259,10 @@ class VocabRunner:
             self._gather_logits(m, logits, ids)
             return
         loss = self.loss
-        labels = self._labels(m).to(self.device)
-        targets = local_targets(labels, loss.ignore_index, loss.shift, shards.lo, shards.hi)
+        labels, shifted = self._labels(m)
+        labels = labels.to(self.device)
+        shift = loss.shift and not shifted
+        targets = local_targets(labels, loss.ignore_index, shift, shards.lo, shards.hi)
         stats = shard_stats(logits, targets, loss.label_smoothing)
         ranks = 1 if g.group is None else g.group().size()
         gathered = torch.empty((ranks, *stats.shape), dtype=stats.dtype, device=stats.device)
@@ -269,7 +277,8 @@ class VocabRunner:
         weight_tok = targets.valid.to(torch.float32)
         if g.group is None or g.me == g.last:
             total = (combined.loss * weight_tok).sum()
-            items = loss.counter(labels) if loss.counter is not None else targets.valid.sum()
+            counter = loss.counter if not shifted else None
+            items = counter(labels) if counter is not None else targets.valid.sum()
             term = LossTerm(total, 1, items, True)
             router = self._router.pop(m, None)
             add_term(state, term if router is None else term.plus(router), m)

@@ -151,10 +151,11 @@ def _vocab_group(ctx: Context) -> Any:
     timeout = datetime.timedelta(seconds=ctx.timeout)
     mine = None
     for replica in range(ctx.dp_size):
-        for shard in range(ctx.tp_size):
-            members = [ctx.rank_at(replica, r, shard) for r in range(ctx.pp_size)]
-            group = dist.new_group(members, timeout=timeout)
-            if (replica, shard) == (ctx.dp_rank, ctx.tp_rank):
-                mine = group
+        for part in range(ctx.cp_size):  # each cp rank's share has its own passes
+            for shard in range(ctx.tp_size):
+                members = [ctx.rank_at(replica, r, shard, part) for r in range(ctx.pp_size)]
+                group = dist.new_group(members, timeout=timeout)
+                if (replica, part, shard) == (ctx.dp_rank, ctx.cp_rank, ctx.tp_rank):
+                    mine = group
     held = Held(mine)
     return held.get

@@ -259,3 +259,123 @@ def test_the_engine_posts_receives_ahead_where_the_program_says() -> None:
         assert got == want, (rank, got, want)
     ahead = sum(t.ahead and bool(t.sends) for t in rank_program(schedule, 1, join=True).ticks)
     assert ahead == 6
+
+
+# ------------------------------------------------------------------ context parallelism
+# Each layout: (pp, dp, cp, tp, fsdp) and the runs it records: (schedule, model, strategy).
+# "layers": test_pipeline's layer list (scaled_dot_product_attention taken over during
+# steps; with tp its MLPs' matrices sharded); "llama": a transformers Llama (conveyor's
+# attention through transformers' interface; with tp its own plan, heads over tp).
+_RING_FAMILIES = [(name, "layers", "ring") for name in FAMILIES]
+CP_LAYOUTS: dict[str, tuple[tuple[int, int, int, int, bool], list[tuple[str, str, str]]]] = {
+    "cp4": ((1, 1, 4, 1, False), [("1f1b", "layers", "ring"), ("gpipe", "layers", "all-gather")]),
+    "pp2 x cp2": (
+        (2, 1, 2, 1, False),
+        _RING_FAMILIES
+        + [(name, "layers", "all-gather") for name in ("1f1b", "zb-h1", "zbv")]
+        + [("1f1b", "llama", "ring"), ("zb-h1", "llama", "all-gather")],
+    ),
+    "pp2 x cp2 x tp2": (
+        (2, 1, 2, 2, False),
+        [(name, "layers", "ring") for name in ("1f1b", "zb-h1", "zbv")]
+        + [("1f1b", "llama", "ring"), ("interleaved-1f1b", "llama", "all-gather")],
+    ),
+    "pp2 x cp2 x dp2 fsdp": (
+        (2, 2, 2, 1, True),
+        [(name, "layers", "ring") for name in ("1f1b", "interleaved-1f1b", "zb-h1")]
+        + [("zbv", "layers", "all-gather")],
+    ),
+}
+
+
+def _cp_model(kind: str, tp: int) -> tuple[nn.Module, Any, Any]:
+    """The model, its loss_fn and its tp_plan."""
+    if kind == "llama":
+        from tests.context_parallel.test_pipeline import llama
+
+        return llama(), None, "auto" if tp > 1 else None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from tests.context_parallel.test_pipeline import layers
+
+    plan = {"*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()} if tp > 1 else None
+    return layers(), TokenCrossEntropy(shift=True), plan
+
+
+def _cp_data(kind: str, step: int, rows: int, length: int) -> Any:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 64, (rows, length), generator=g)
+    labels = ids.clone()
+    labels[::2, length // 2 :] = -100  # padded rows: other token counts per micro-batch
+    return ({"input_ids": ids, "labels": labels}, None) if kind == "llama" else (ids, labels)
+
+
+def _record_cp(
+    rank: int, sizes: tuple[int, int, int, int, bool], runs: list[tuple[str, str, str]]
+) -> dict[str, Any]:
+    """Each run on this process, recorded: construction, two training steps of other
+    shapes, an eval step and a predict; and this process's cp group (global ranks)."""
+    pp, dp, cp, tp, fsdp = sizes
+    ctx = conveyor.init(pp=pp, dp=dp, cp=cp, tp=tp, timeout=120)
+    members = [ctx.rank_at(ctx.dp_rank, ctx.pp_rank, ctx.tp_rank, r) for r in range(cp)]
+    out: dict[str, Any] = {"cp": members}
+    microbatches = 2 * pp
+    for schedule, kind, strategy in runs:
+        chunks = default_chunks(schedule)
+        model, loss_fn, plan = _cp_model(kind, tp)
+        mine = slice(ctx.dp_rank, None, dp)
+        shapes = ((2 * microbatches * dp, 16), ((microbatches + 1) * dp, 8))
+        with recording(functional=tp > 1) as trace:
+            first = _cp_data(kind, 0, *shapes[0])
+            pipe = conveyor.Pipeline(
+                model, loss_fn=loss_fn, microbatches=microbatches, schedule=schedule,
+                chunks=chunks, context=ctx, fsdp=fsdp, tp_plan=plan, cp_attention=strategy,
+                sample=_mine(first, mine),
+            )  # fmt: skip
+            for step, shape in enumerate(shapes):
+                pipe.train_step(*_mine(_cp_data(kind, step, *shape), mine))
+            pipe.eval_step(*_mine(first, mine))
+            pipe.predict(_mine(first, mine)[0])  # whole sequences, gathered over cp
+        out[f"{schedule} {kind} {strategy}"] = [r.to_dict() for r in trace]
+    return out
+
+
+def _mine(data: Any, rows: slice) -> Any:
+    """A replica's rows of ``(inputs, targets)``."""
+    inputs, targets = data
+    inputs = {k: v[rows] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[rows]
+    return inputs, None if targets is None else targets[rows]
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_context_parallel_layouts_are_deadlock_free_under_nccl_rules(layout: str) -> None:
+    """cp alone, cp x pp, cp x pp x tp and cp x pp x dp with FSDP: the ring's
+    batch_isend_irecv groups (one send to the next cp rank, one receive from the previous,
+    on the cp group) and the all-gather strategy's collectives, among the pipeline's
+    transfers, the tensor-parallel and FSDP collectives, replay under NCCL's rules."""
+    sizes, runs = CP_LAYOUTS[layout]
+    pp, dp, cp, tp, _ = sizes
+    results = run_forked(_record_cp, pp * dp * cp * tp, sizes, runs, timeout=1500)
+    for schedule, kind, strategy in runs:
+        key = f"{schedule} {kind} {strategy}"
+        traces = {rank: [Record.from_dict(r) for r in res[key]] for rank, res in enumerate(results)}
+        try:
+            check(traces)
+        except AssertionError as exc:
+            raise AssertionError(f"{layout}, {key}:\n{exc}") from None
+        for rank, records in traces.items():
+            members = tuple(results[rank]["cp"])
+            on_cp = [r for r in records if r.members == members]
+            assert on_cp, (layout, key, rank)
+            me = members.index(rank)
+            batches: dict[int, list[tuple[str, int | None]]] = {}
+            for r in on_cp:
+                if r.batch is not None:
+                    batches.setdefault(r.batch, []).append((r.kind, r.peer))
+            if strategy == "ring":  # each move: a send to the next, a receive from the previous
+                want = [("send", members[(me + 1) % cp]), ("recv", members[(me - 1) % cp])]
+                assert batches and all(b == want for b in batches.values()), (key, rank)
+            else:  # no point-to-point transfer on the cp group: gathers and scatters
+                assert not batches, (key, rank)
+                names = {r.name for r in on_cp}
+                assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= names, names
