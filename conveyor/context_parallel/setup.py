@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 from conveyor.context import Context
 from conveyor.context_parallel import install, op
-from conveyor.context_parallel.cut import Cut
+from conveyor.context_parallel.cut import IGNORE, Cut
 from conveyor.context_parallel.ends import SequenceEnds, gather_over
 from conveyor.context_parallel.rotation import Gathered, Ring, Rotation, Stacked
 from conveyor.errors import ConfigError
-from conveyor.losses import ModelTokenLoss, TokenCrossEntropy
+from conveyor.losses import ModelTokenLoss, TokenCrossEntropy, output_field
 from conveyor.runtime.step_sync import StepSync
 
 STRATEGIES = ("ring", "all-gather")
@@ -36,15 +36,50 @@ def rotation(ctx: Context, strategy: str) -> Rotation:
     return ring if strategy == "ring" else Gathered(ring)
 
 
+class ShiftedModelTokenLoss(ModelTokenLoss):
+    """A transformers causal LM's own token loss (:class:`~conveyor.losses.ModelTokenLoss`)
+    on labels already shifted over the whole sequence (given as ``shift_labels``), so a
+    cp rank's share predicts, at its last token of a chunk, the first of the next."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model, shifts=False)
+
+    def __call__(self, output: Any, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """The share's summed token loss and its count."""
+        logits = output if isinstance(output, Tensor) else output_field(output, "logits")
+        total: Tensor = self.model.loss_function(
+            logits, labels, vocab_size=self.model.config.vocab_size, num_items_in_batch=1,
+            shift_labels=labels,
+        )  # fmt: skip
+        return total, self.count(labels)
+
+
+@runtime_checkable
+class Wrapping(Protocol):
+    """A loss that applies another, ``loss_fn``, to the same targets (Lightning's
+    accumulation scaling); ``around(other)`` is the same loss applied around ``other``."""
+
+    loss_fn: Any
+
+    def around(self, other: Any) -> Any:
+        """This loss around ``other`` instead of ``loss_fn``."""
+
+
 def unshifted(loss_fn: Any) -> tuple[Any, int | None]:
     """A ``loss_fn`` as it runs on a cp rank's share, and the ``ignore_index`` its targets
-    are shifted with before the cut (None: not shifted): a next-token
-    ``TokenCrossEntropy(shift=True)`` runs unshifted on targets shifted over the whole
-    sequence, so the cut between two chunks loses no prediction."""
+    are shifted with before the cut (None: not shifted): a next-token loss
+    (``TokenCrossEntropy(shift=True)``, a causal LM's own token loss, either inside a
+    :class:`Wrapping`) runs unshifted on targets shifted over the whole sequence, so the cut
+    between two chunks loses no prediction."""
     if isinstance(loss_fn, TokenCrossEntropy) and loss_fn.shift:
         return TokenCrossEntropy(
             loss_fn.ignore_index, loss_fn.label_smoothing
         ), loss_fn.ignore_index
+    if isinstance(loss_fn, ModelTokenLoss) and loss_fn.shifts:
+        return ShiftedModelTokenLoss(loss_fn.model), IGNORE
+    if isinstance(loss_fn, Wrapping):
+        inner, ignore = unshifted(loss_fn.loss_fn)
+        return (loss_fn.around(inner), ignore) if ignore is not None else (loss_fn, None)
     return loss_fn, None
 
 

@@ -49,9 +49,10 @@ class Stages(nn.Module):
 def gather_state_dict(pipe: Pipeline, model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (``{}`` elsewhere), from every stage.
 
-    Replica 0's ranks send their stages' entries (original names; FSDP and tensor-parallel
-    shards gathered first, a collective among their holders) to rank 0; entries no stage
-    holds come from ``model``. A collective: call it on every rank.
+    Replica 0's ranks (data-parallel replica 0, cp rank 0: ``ctx.replica_rank == 0``) send
+    their stages' entries (original names; FSDP and tensor-parallel shards gathered first,
+    a collective among their holders) to rank 0; entries no stage holds come from
+    ``model``. A collective: call it on every rank.
 
     Args:
         pipe: The pipeline.
@@ -69,7 +70,7 @@ def gather_state_dict(pipe: Pipeline, model: nn.Module) -> dict[str, torch.Tenso
             local[name] = value.detach().to("cpu", copy=True)
     parts: list[Any] = [local]
     if ctx.distributed:
-        mine = local if ctx.dp_rank == 0 and ctx.tp_rank == 0 else {}
+        mine = local if ctx.replica_rank == 0 and ctx.tp_rank == 0 else {}
         parts = [{} for _ in range(ctx.world_size)] if ctx.rank == 0 else []
         dist.gather_object(mine, parts if ctx.rank == 0 else None, dst=0)
     if ctx.rank != 0:

@@ -171,6 +171,13 @@ class Scaled:
             return total, count * self.factor
         return loss / self.factor
 
+    def around(self, other: Callable[[Any, Any], Any]) -> Scaled:
+        """Itself, scaling ``other`` from now on (context parallelism's form of the same
+        loss: a next-token loss on targets shifted before the cut); in place, since the
+        strategy sets the factor on this object."""
+        self.loss_fn = other
+        return self
+
 
 class OutputLoss:
     """The loss a network computes itself: its output's ``loss`` (the targets are unused)."""

@@ -231,8 +231,9 @@ class PipelineTrainer(Trainer):
     ) -> tuple[list[Any], Any]:
         """The next ``num_batches`` batches and, for a token loss, the tokens they count
         over every replica (None otherwise). Counted where the labels are read (the last
-        stage's ranks) and summed over the world: every rank calls this at the same point
-        of the loop, so the collective keeps NCCL's order."""
+        stage's ranks), once per replica (the cp ranks of a replica read the same rows and
+        count every cp share's tokens) and summed over the world: every rank calls this at
+        the same point of the loop, so the collective keeps NCCL's order."""
         batches: list[Any] = []
         for _ in range(num_batches):
             try:
@@ -243,7 +244,9 @@ class PipelineTrainer(Trainer):
             return batches, None
         ctx = self.context
         speaks = not ctx.distributed or (
-            ctx.pp_rank == self.pipe.schedule.placement[-1] and ctx.tp_rank == 0
+            ctx.pp_rank == self.pipe.schedule.placement[-1]
+            and ctx.tp_rank == 0
+            and ctx.cp_rank == 0
         )
         local = sum(
             int(self._loss.count(b["labels"])) for b in batches if b and "labels" in b

@@ -234,15 +234,15 @@ def test_unknown_pipeline_options_are_one_sentence(tmp_path: Path) -> None:
     assert str(e.value).endswith(
         "or conveyor.Pipeline's ['microbatches', 'schedule', 'chunks', 'balance', 'fsdp', "
         "'tp_plan', 'memory_limit', 'recompute', 'track_memory', 'compile', 'weights', "
-        "'init_seed', 'ep_plan', 'vocab_parallel']"
+        "'init_seed', 'ep_plan', 'vocab_parallel', 'cp_attention']"
     )
 
 
 def test_init_keywords_are_conveyor_inits_own() -> None:
     """The trainer's list of init keywords is init's signature: backend included."""
     unknown = r"^unknown pipeline_options \['micro'\]; use conveyor.init's \['pp', 'dp', 'tp', "
-    assert INIT_KEYS == ("pp", "dp", "tp", "ep", "backend", "timeout")
-    with pytest.raises(conveyor.ConfigError, match=unknown + r"'ep', 'backend', 'timeout'\]"):
+    assert INIT_KEYS == ("pp", "dp", "tp", "ep", "backend", "timeout", "cp")
+    with pytest.raises(conveyor.ConfigError, match=unknown + r"'ep', 'backend', 'timeout', 'cp'\]"):
         PipelineTrainer(gpt2(), None, pipeline_options={"micro": 2})
 
 
