@@ -252,3 +252,40 @@ def test_the_trainer_trains_as_the_unsplit_model() -> None:
     history = conveyor.Trainer(pipe, opt).fit(loader, epochs=1)
     assert history.losses == [pytest.approx(w, rel=1e-5) for w in want]
     assert_close(dict(pipe.named_parameters()), dict(model.named_parameters()), "weights")
+
+
+# ------------------------------------------------------------------------ compile
+def test_compiled_stages_keep_the_attention_operator_whole() -> None:
+    """Under ``compile``, dynamo's graphs call ``conveyor::cp_attention`` as one node (its
+    transfers and blocks stay inside it); the stages train exactly."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    batches = padded_batches()
+    pipe = pipeline(2, schedule="zb-h1", compile={"backend": backend})
+    check(steps(pipe, batches), unsplit(net(), batches), "compiled (recorded)")
+    calls = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in graphs]
+    # the blocks share their code: a graph per batch size, each with one attention
+    blocks = [c for c in calls if "conveyor.cp_attention.default" in c]
+    assert blocks and all(c.count("conveyor.cp_attention.default") == 1 for c in blocks)
+    inside = ("roll", "logsumexp", "logaddexp", "batch_isend_irecv", "all_gather")
+    assert not [t for c in calls for t in c if any(word in t for word in inside)]
+
+
+@pytest.mark.slow  # inductor compiles each block's forward and backward: about a minute
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_compiled_stages_are_exact(schedule: str) -> None:
+    """``compile=True`` (inductor), whole and split backward: the unsplit model's loss and
+    gradients; with attention dropout, recompute replays the compiled stages' masks."""
+    batches = padded_batches()
+    pipe = pipeline(2, schedule=schedule, compile=True)
+    check(steps(pipe, batches), unsplit(net(), batches), f"compiled {schedule}")
+    runs = {}
+    for recompute in (False, True):
+        pipe = pipeline(2, net(dropout=0.3), schedule=schedule, compile=True, recompute=recompute)
+        torch.manual_seed(7)
+        runs[recompute] = steps(pipe, batches)
+    check(runs[True], runs[False], f"compiled {schedule} with dropout, recomputed")
