@@ -10,7 +10,8 @@ the entry as soon as it is used (no concatenated copy of several micro-batches).
 What is kept, per op kind (one entry per call; tensors shared between entries, such as the
 one input of a query, key and value projection, are kept once):
 
-- linear: its input ``X`` and output gradient ``dY`` (``dW = dYᵀ X``, ``db = Σ dY``);
+- linear (``F.linear``, ``x @ weight``, ``torch.addmm``): its input ``X`` and output
+  gradient ``dY`` (``dW = dYᵀ X``, ``db = Σ dY``);
 - convolution: its input and output gradient (``torch.nn.grad.conv*d_weight``);
 - an expert's linear on one expert of a parameter (``experts.w[e]``): the same, added into
   that expert's part of the gradient.
@@ -47,13 +48,15 @@ def add_grad(param: torch.Tensor, index: Any, grad: torch.Tensor) -> None:
 @dataclass
 class LinearGrad:
     """A linear call's weight gradient to come: ``weight[index]`` (``index`` None: the
-    whole weight) and ``bias`` get ``dYᵀ X`` and ``Σ dY``."""
+    whole weight) and ``bias`` get ``dYᵀ X`` (``Xᵀ dY`` for ``x @ weight``:
+    ``transposed``) and ``Σ dY``."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     x: torch.Tensor
     dy: torch.Tensor
     index: Any = None
+    transposed: bool = False
 
     def kept(self) -> tuple[torch.Tensor, ...]:
         """The tensors held for W."""
@@ -65,10 +68,11 @@ class LinearGrad:
         x = self.x.reshape(-1, self.x.shape[-1])
         dy = self.dy.reshape(-1, self.dy.shape[-1])
         weight, index = self.weight, self.index
+        left, right = (x.t(), dy) if self.transposed else (dy.t(), x)
         if index is None and dy.dtype == weight.dtype and weight.grad is not None:
-            weight.grad.addmm_(dy.t(), x)
+            weight.grad.addmm_(left, right)
         else:  # the first gradient, an expert's part, or autocast's low-precision GEMM
-            add_grad(weight, index, dy.t() @ x)
+            add_grad(weight, index, left @ right)
         if self.bias is not None:
             add_grad(self.bias, index, dy.sum(0, dtype=self.bias.dtype))
 

@@ -1,8 +1,9 @@
 """Weight gradients of linear layers and convolutions computed later, in W.
 
 Under a split backward, B needs only ``dX = dY W`` and W only ``dW = dYᵀ X``. For
-``F.linear`` and ``F.conv{1,2,3}d`` calls on a stage's parameters (and ``F.linear`` on one
-expert of a parameter, ``experts.w[e]``) this module does exactly that: B computes dX and
+``F.linear``, ``x @ weight`` / ``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``)
+and ``F.conv{1,2,3}d`` calls on a stage's parameters (and ``F.linear`` on one expert of a
+parameter, ``experts.w[e]``) this module does exactly that: B computes dX and
 keeps (X, dY) (:mod:`conveyor.runtime.deferred_grads`); W adds the weight gradient straight
 into ``.grad``. Every other operation goes through autograd as usual, its weight gradients
 in B (:mod:`conveyor.runtime.split_backward`). Under ``torch.autocast`` a call computes as
@@ -60,11 +61,15 @@ class _DeferredLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         slot: list[Entry],
         cast: torch.dtype | None,
-        target: tuple[torch.Tensor, torch.Tensor | None, Any],
+        target: tuple[torch.Tensor, torch.Tensor | None, Any, bool],
     ) -> torch.Tensor:
         if cast is not None:  # autocast: x comes cast already, the parameters are cast here
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
+        if target[3]:  # x @ weight (+ bias): torch.addmm / matmul on a [in, out] weight
+            if bias is None:
+                return torch.matmul(x, weight)
+            return torch.addmm(bias, x, weight)
         out = F.linear(x, weight, bias)
         if out._base is not None:
             # F.linear of a 3-d input returns a view, and autograd forbids modifying a
@@ -84,10 +89,13 @@ class _DeferredLinear(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         x, weight = ctx.saved_tensors
-        param, bias, index = ctx.target
+        param, bias, index, transposed = ctx.target
         # x detached: its graph (every saved tensor before it) is freed at B.
-        ctx.slot.append(LinearGrad(param, bias, x.detach(), dy, index))
-        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        ctx.slot.append(LinearGrad(param, bias, x.detach(), dy, index, transposed))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(dy.dtype)
+            dx = dy @ (w.t() if transposed else w)
         return dx, None, None, None, None, None
 
 
@@ -127,19 +135,42 @@ class _DeferredConv(torch.autograd.Function):
 
 
 def _target(
-    weight: Any, bias: Any, params: Set[int]
-) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:
-    """What W adds a linear call's gradient into: ``(weight, bias, None)`` for the stage's
-    own parameters, ``(param, bias_param, e)`` for one expert of them; None otherwise."""
+    weight: Any, bias: Any, params: Set[int], transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, Any, bool] | None:
+    """What W adds a linear call's gradient into: ``(weight, bias, None, transposed)`` for
+    the stage's own parameters, ``(param, bias_param, e, False)`` for one expert of them;
+    None otherwise."""
     if deferrable(weight, bias, params):
-        return weight, bias, None
+        return weight, bias, None, transposed
     expert = getattr(weight, _EXPERT, None)
-    if expert is None:
+    if expert is None or transposed:
         return None
     of_bias = None if bias is None else getattr(bias, _EXPERT, None)
     if bias is not None and (of_bias is None or of_bias[1] is not expert[1]):
         return None
-    return expert[0], None if of_bias is None else of_bias[0], expert[1]
+    return expert[0], None if of_bias is None else of_bias[0], expert[1], False
+
+
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.ops.aten.matmul.default)
+_ADDMM = (torch.addmm, torch.ops.aten.addmm.default)
+
+
+def _matmul_call(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, Any, Any] | None:
+    """``(x, weight, bias)`` of ``x @ weight`` or ``torch.addmm(bias, x, weight)`` (as
+    transformers' ``Conv1D`` calls it, GPT-2's), with a 2-d ``weight``; None otherwise."""
+    if func in _MATMUL and len(args) == 2 and not kwargs:
+        x, weight, bias = args[0], args[1], None
+    elif func in _ADDMM and len(args) == 3 and not kwargs:  # beta = alpha = 1 only
+        bias, x, weight = args
+    else:
+        return None
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
+        return None
+    if weight.dim() != 2 or x.dim() < 2 or not torch.is_grad_enabled():
+        return None
+    return x, weight, bias
 
 
 def _conv_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -164,10 +195,13 @@ class _Deferring(TorchFunctionMode):
             return self._expert(func, args)
         if func in _CONV and torch.is_grad_enabled():
             return self._conv(func, args, kwargs)
+        transposed = False
         call = linear_call(func, args, kwargs)
+        if call is None:
+            call, transposed = _matmul_call(func, args, kwargs), True
         if call is not None:
             x, weight, bias = call
-            target = _target(weight, bias, self.params)
+            target = _target(weight, bias, self.params, transposed)
             cast = None if target is None else autocast_input(x, weight)
             if target is not None and cast is not None:
                 return _DeferredLinear.apply(cast[0], weight, bias, self.slot, cast[1], target)  # type: ignore[no-untyped-call]

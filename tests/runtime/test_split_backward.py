@@ -127,6 +127,22 @@ class Experts(nn.Module):
         )
 
 
+class Projections(nn.Module):
+    """``x @ w`` on a 2-d parameter, then transformers' ``Conv1D`` (GPT-2's projections:
+    ``torch.addmm(bias, x, weight)`` with a [in, out] weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.w = nn.Parameter(torch.randn(8, 16) * 0.3)
+        self.proj = Conv1D(8, 16)
+        nn.init.normal_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(x @ self.w))
+
+
 def _convs() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
@@ -149,6 +165,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "frozen": (Frozen, (4, 8)),
     "dropout": (Dropped, (4, 8)),
     "experts": (Experts, (6, 8)),
+    "projections": (Projections, (2, 3, 8)),
 }
 # What B leaves to W, per case: the kinds of the kept entries, in the order kept.
 DEFERRED = {
@@ -165,6 +182,7 @@ DEFERRED = {
     "frozen": ["linear"] * 2,
     "dropout": ["linear"] * 2,
     "experts": ["linear"] * 3,
+    "projections": ["linear"] * 2,
 }
 
 
