@@ -65,7 +65,7 @@ def main() -> None:
             out = split_stage(x)
         t = time.perf_counter()
         backward_input(
-            [out], [g], [x], params, lambda keep: store.collecting((0, 0) if keep else None)
+            [out], [g], [x], lambda keep: store.collecting((0, 0) if keep else None)
         )
         b = time.perf_counter()
         store.flush([(0, 0)])

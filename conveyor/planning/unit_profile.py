@@ -116,7 +116,7 @@ def measure_unit(
         t1 = clock.now()
         grads = out_grads(outs, loss)
         if outs:
-            backward_input(outs, grads, ins, params)
+            backward_input(outs, grads, ins)
         t2 = clock.now()
         store.flush([(0, 0)])
         t3 = clock.now()

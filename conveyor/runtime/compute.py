@@ -233,9 +233,7 @@ class StageCompute:
         if self.step.stash and (s, m) in self.step.stash:
             outs = self._rerun(s, m)
         if self.split_backward:
-            got = backward_input(
-                outs, grads, in_leaves, self.params[s], self._store.collector((s, m))
-            )
+            got = backward_input(outs, grads, in_leaves, self._store.collector((s, m)))
             del outs  # the graph is freed: what W needs is in the store
             self.step.pending_w.add((s, m))
             if self.meter is not None:

@@ -100,16 +100,17 @@ def deferrable(weight: Any, bias: Any, params: Set[int] | None) -> bool:
     compiled stages alike: both are plain tensors (a DTensor goes through autograd's
     generic split) that are the stage's trainable leaves.
 
-    Eager stages know those by ``params`` (their ids; FSDP's gathered tensors are added
-    when gathered). Compiled stages pass None: an id test in traced code makes dynamo
-    guard on each parameter's identity and compile every block again, so there a leaf is
-    an ``nn.Parameter`` that needs a gradient (compiled units read their own parameters).
+    A leaf is an ``nn.Parameter`` that needs a gradient: a stage's own, or the gathered
+    one FSDP swaps in for a block's forward and backward (``fsdp="reshard"`` gathers per
+    use, so it is known only then). Eager stages also know plain tensors by ``params``
+    (their ids). Compiled stages pass None: an id test in traced code makes dynamo guard
+    on each parameter's identity and compile every block again.
     """
 
     def mine(t: Any) -> bool:
-        if params is None:
-            return type(t) is nn.Parameter and t.requires_grad
-        return (type(t) is nn.Parameter or type(t) is torch.Tensor) and id(t) in params
+        if type(t) is nn.Parameter:
+            return bool(t.requires_grad)
+        return params is not None and type(t) is torch.Tensor and id(t) in params
 
     return mine(weight) and (bias is None or mine(bias))
 

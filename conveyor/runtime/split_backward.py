@@ -39,26 +39,25 @@ def backward_input(
     outputs: list[torch.Tensor],
     grads: list[torch.Tensor] | None,
     inputs: list[torch.Tensor],
-    params: list[torch.Tensor],
     collect: Collect = _no_collect,
 ) -> list[torch.Tensor | None]:
     """B: the gradients of ``inputs`` (None where an input gets none), with every
-    gradient of ``params`` that is not deferred to W added to its ``.grad``; the graph
-    of ``outputs`` is freed.
+    parameter gradient that is not deferred to W added to its ``.grad``; the graph of
+    ``outputs`` is freed.
 
-    ``inputs`` are leaves (a stage's received values); ``collect``: the store's sink for
-    compiled linears (module doc)."""
-    wanted = [x for x in inputs if x.requires_grad]
-    own = [p for p in params if p.requires_grad]
-    if not outputs or not (wanted or own):
+    An ordinary backward (the deferred calls return no weight gradient): parameters get
+    theirs as autograd accumulates them, FSDP's hooks gather and reshard as they do for any
+    backward. ``inputs`` are leaves (a stage's received values); ``collect``: the store's
+    sink for compiled linears (module doc)."""
+    if not outputs:
         return [None] * len(inputs)
-    # Gradients accumulate as autograd accumulates them (a fresh one taken without a copy);
-    # the leaves' .grad are read and cleared, so that nothing else holds them.
+    wanted = [x for x in inputs if x.requires_grad]
+    # The leaves' .grad are read and then restored: a gradient is only handed on.
     before = [x.grad for x in wanted]
     for x in wanted:
         x.grad = None
     with collect(True):
-        torch.autograd.backward(outputs, grads, inputs=[*wanted, *own])
+        torch.autograd.backward(outputs, grads)
     found: dict[int, torch.Tensor | None] = {}
     for x, old in zip(wanted, before, strict=True):
         found[id(x)], x.grad = x.grad, old

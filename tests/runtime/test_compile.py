@@ -117,7 +117,7 @@ def test_b_leaves_linear_weight_gemms_to_w() -> None:
         out = block(x)
     assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
     got = backward_input(
-        [out], [g], [x], params, lambda keep: store.collecting((0, 0) if keep else None)
+        [out], [g], [x], lambda keep: store.collecting((0, 0) if keep else None)
     )
     assert all(m.weight.grad is None for m in (block.qkv, block.proj, block.fc1, block.fc2))
     assert block.ln1.weight.grad is not None

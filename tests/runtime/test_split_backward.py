@@ -217,7 +217,7 @@ def test_b_then_w_equals_one_backward(name: str) -> None:
     torch.manual_seed(2)
     with store.capture(KEY):
         out = model(x)
-    got_x = backward_input([out], [g], [x], params)
+    got_x = backward_input([out], [g], [x])
     kinds = ["linear" if isinstance(e, LinearGrad) else "conv" for e in store._slots[KEY]]
     assert kinds == DEFERRED[name]
     entries = store._slots[KEY]
@@ -251,7 +251,7 @@ def test_autocast_keeps_low_precision_pairs_and_adds_full_precision_gradients() 
     store = LinearWeightStore(params)
     with torch.autocast("cpu", dtype=torch.bfloat16), store.capture(KEY):
         out = model(x)
-    backward_input([out], [g], [x], params)
+    backward_input([out], [g], [x])
     assert all(t.dtype == torch.bfloat16 for t in store.kept(KEY))
     store.flush([KEY])
     for p, w in zip(params, want, strict=True):
@@ -295,7 +295,7 @@ def test_held_from_b_to_w_is_what_the_weight_gradients_read() -> None:
     with meter.hooks(), store.capture(KEY):
         out = layer(x)
     saved = meter.current
-    backward_input([out], [torch.randn_like(out)], [x], params)
+    backward_input([out], [torch.randn_like(out)], [x])
     del out
     meter.track(store.kept(KEY))
     m_w = 16 * 2 * seq * width * 2  # values x tokens x hidden x bytes (bf16)
@@ -323,7 +323,7 @@ def test_b_frees_everything_w_does_not_read() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), store.capture(KEY):
         out = model(x)
     assert len(saved) >= 6  # two linears' inputs, the norm's input and statistics, tanh's
-    backward_input([out], [torch.ones_like(out)], [x], params)
+    backward_input([out], [torch.ones_like(out)], [x])
     gc.collect()
     assert all(r() is None for r, _ in saved)  # the graph let go of every saved tensor
     kept = store.kept(KEY)
@@ -347,7 +347,7 @@ def test_w_adds_one_micro_batch_at_a_time_without_a_joined_copy() -> None:
     for m, x in enumerate(xs):
         with store.capture((0, m)):
             out = lin(x)
-        backward_input([out], [torch.full_like(out, m + 1.0)], [x], params)
+        backward_input([out], [torch.full_like(out, m + 1.0)], [x])
     watched = [weakref.ref(t) for m in range(3) for t in store.kept((0, m))]
     grads: list[torch.Tensor] = []
     real = LinearGrad.add
@@ -379,6 +379,6 @@ def test_conv_entries_keep_the_call() -> None:
     store = LinearWeightStore(list(conv.parameters()))
     with store.capture(KEY):
         out = conv(x)
-    backward_input([out], [torch.ones_like(out)], [x], list(conv.parameters()))
+    backward_input([out], [torch.ones_like(out)], [x])
     (entry,) = store._slots[KEY]
     assert isinstance(entry, ConvGrad) and entry.spec[0] == (2, 2) and entry.spec[3] == 2
