@@ -220,4 +220,7 @@ class TensorMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _counted(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta"
+    # A tensor subclass (a DTensor) has no storage of its own: its local tensors are
+    # counted when the ops on them pass through.
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    return plain and t.layout == torch.strided and t.device.type != "meta"

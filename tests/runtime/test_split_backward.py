@@ -110,7 +110,8 @@ class Dropped(nn.Module):
 
 class Experts(nn.Module):
     """Experts as transformers keeps them (``w[e]`` of a 3-d parameter, ``e`` a 0-d
-    tensor), with a bias: expert 0 used twice, expert 1 not at all."""
+    tensor), with a bias: each row routed by its sign to expert 0 or 2, then expert 0 once
+    more on every row; expert 1 gets none."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,13 +119,12 @@ class Experts(nn.Module):
         self.b = nn.Parameter(torch.randn(3, 8) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.split(2)
-        return torch.cat(
-            [
-                torch.tanh(F.linear(r, self.w[e], self.b[e]))
-                for e, r in zip(torch.tensor([0, 2, 0]), rows, strict=True)
-            ]
-        )
+        first, last = torch.tensor(0), torch.tensor(2)
+        up = x[:, 0] > 0
+        out = torch.zeros_like(x)
+        for e, rows in ((first, up), (last, ~up)):
+            out = out.index_put((rows,), torch.tanh(F.linear(x[rows], self.w[e], self.b[e])))
+        return out + 0.5 * F.linear(out, self.w[first], self.b[first])
 
 
 class Projections(nn.Module):
@@ -382,3 +382,65 @@ def test_conv_entries_keep_the_call() -> None:
     backward_input([out], [torch.ones_like(out)], [x])
     (entry,) = store._slots[KEY]
     assert isinstance(entry, ConvGrad) and entry.spec[0] == (2, 2) and entry.spec[3] == 2
+
+
+# ------------------------------------------------------- through a pipeline, every schedule
+def _cases_model(dropout: float = 0.0) -> nn.Sequential:
+    """Each case that frees at B, as layers a pipeline splits: an op whose weight
+    gradient reads its output, a weight used twice, a frozen layer, experts, a conv, and
+    a weight tied across stages (the first layer's, reused by the head)."""
+    torch.manual_seed(0)
+    first = nn.Linear(8, 8)
+    head = nn.Linear(8, 8)
+    head.weight = first.weight  # tied across the first and the last stage
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    return nn.Sequential(
+        first, Scaled(), nn.Dropout(dropout), Shared(), frozen, nn.GELU(), Experts(),
+        nn.Unflatten(1, (2, 4)), nn.Conv1d(2, 2, 3, padding=1), nn.Flatten(), head,
+    )  # fmt: skip
+
+
+SPLIT_SCHEDULES = [("zb-h1", 1), ("zb-h2", 1), ("zb-late", 1), ("zb-auto", 1), ("zbv", 2),
+                   ("v-half", 2), ("v-min", 2), ("dualpipev", 2)]  # fmt: skip
+
+
+def _steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)) for _ in range(2)]
+
+
+@pytest.mark.parametrize(("name", "chunks"), SPLIT_SCHEDULES)
+def test_every_split_schedule_equals_the_unsplit_model(name: str, chunks: int) -> None:
+    import conveyor
+    from tests.support.helpers import assert_close, pipelined, reference
+
+    want_losses, want_grads, want_params = reference(_cases_model(), _steps())
+    microbatches = 6 if name == "dualpipev" else 4
+    steps = [(x, y) for x, y in _steps()]
+    pipe = conveyor.Pipeline(
+        _cases_model(), loss_fn=F.mse_loss, microbatches=microbatches, schedule=name,
+        chunks=chunks, context=conveyor.init(pp=2),
+    )  # fmt: skip
+    losses, grads, params = pipelined(pipe, steps)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert "4.weight" not in grads  # the frozen layer
+    assert_close(grads, {n: g for n, g in want_grads.items() if n in grads}, name + " grads")
+    assert set(grads) == set(want_grads) - {"10.weight"}  # the tied head: one name for it
+    assert_close(params, want_params, name + " params")
+
+
+def test_dropout_draws_the_same_masks_split_or_not() -> None:
+    """zb-h1 runs 1f1b's forwards in 1f1b's order: with dropout on, its B + W must give
+    1f1b's gradients exactly (and not those without dropout)."""
+    import conveyor
+    from tests.support.helpers import assert_close, pipelined
+
+    runs = {}
+    for name, p in (("1f1b", 0.3), ("zb-h1", 0.3), ("zb-h1", 0.0)):
+        torch.manual_seed(11)
+        pipe = conveyor.Pipeline(_cases_model(p), loss_fn=F.mse_loss, microbatches=4,
+                                 schedule=name, context=conveyor.init(pp=2))  # fmt: skip
+        runs[name, p] = pipelined(pipe, _steps())
+    assert_close(runs["zb-h1", 0.3][1], runs["1f1b", 0.3][1], "dropout grads")
+    assert runs["zb-h1", 0.3][0] != pytest.approx(runs["zb-h1", 0.0][0], rel=1e-3)
