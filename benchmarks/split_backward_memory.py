@@ -20,6 +20,12 @@ the bytes autograd saves for the backward, and what B keeps for W, held while al
 
     python benchmarks/split_backward_memory.py --layers
     python benchmarks/split_backward_memory.py [--model llama|mlp] [--before PATH] [--rounds 2]
+    python benchmarks/split_backward_memory.py --model flush [--before PATH]
+
+3. ``--model flush``: W's own spike, 8 micro-batches of a stage run together (a schedule's
+   run of W's): the most bytes alive at once during W beyond what was held for it. Before
+   this change W joined every micro-batch's X and dY into one copy per weight for one
+   GEMM; now each micro-batch adds into ``.grad`` in place and is freed as it goes.
 """
 
 from __future__ import annotations
@@ -157,6 +163,49 @@ def layers_table() -> str:
     return "\n".join(rows)
 
 
+# ------------------------------------------------------------------------------ W's spike
+def flush_spike() -> dict[str, int]:
+    """W of 8 micro-batches of one stage (4 x Linear(512, 512) + GELU, 64 rows each) run
+    together, as a schedule's run of W's is: the bytes held for W before it, and the most
+    bytes of tensors alive at once during it beyond those (:class:`TensorMemory`).
+    Adapts to the split backward's API before this change (``backward_input`` with the
+    parameters, returning W's work) so that ``--before`` measures the old W too."""
+    import inspect
+
+    import torch
+    from torch import nn
+
+    from conveyor.runtime.deferred_linear import LinearWeightStore
+    from conveyor.runtime.memory import TensorMemory
+    from conveyor.runtime.split_backward import backward_input
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.GELU())])
+    params = list(stage.parameters())
+    store = LinearWeightStore(params)
+    old = "params" in inspect.signature(backward_input).parameters
+    keys = [(0, m) for m in range(MICROBATCHES)]
+    works = []
+    for key in keys:
+        x = torch.randn(64, 512, requires_grad=True)
+        with store.capture(key):
+            out = stage(x)
+        if old:
+            works.append(backward_input([out], [torch.ones_like(out)], [x], params)[1])
+        else:
+            backward_input([out], [torch.ones_like(out)], [x])
+        del out, x
+    stage.zero_grad()
+    kept = sum(t.numel() * t.element_size() for key in keys for t in store.kept(key))
+    with TensorMemory() as memory:  # .grad (made here) and every temporary of W
+        for work in works:
+            work.run()
+        works.clear()
+        store.flush(keys)
+    grads = sum(p.numel() * p.element_size() for p in params)
+    return {"kept": kept, "peak": memory.peak, "grads": grads}
+
+
 # ------------------------------------------------------------------------------- pipeline
 def _llama() -> tuple[Any, Any, Any]:
     import torch
@@ -240,15 +289,19 @@ def _worker(model_name: str, steps: int) -> dict[str, Any]:
 
 
 def worker_main(tree: str | None, model_name: str, steps: int) -> None:
-    """In a subprocess on ``tree``: fork the processes, print their results as JSON."""
+    """In a subprocess on ``tree``: fork the processes (or, for ``flush``, measure W's
+    spike here), print their results as JSON."""
     _import_tree(tree)
+    if model_name == "flush":
+        print(MARK + json.dumps(flush_spike()), flush=True)
+        return
     from common import on_processes
 
     results = on_processes(RANKS, _worker, model_name, steps)
     print(MARK + json.dumps(results), flush=True)
 
 
-def _run_tree(tree: str, model: str, steps: int) -> list[dict[str, Any]]:
+def _run_tree(tree: str, model: str, steps: int) -> Any:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     argv = [sys.executable, __file__, "--worker", "--tree", tree, "--model", model,
             "--steps", str(steps)]  # fmt: skip
@@ -256,8 +309,7 @@ def _run_tree(tree: str, model: str, steps: int) -> list[dict[str, Any]]:
     lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode or not lines:
         raise RuntimeError(f"{tree}: {done.stderr[-3000:]}")
-    result: list[dict[str, Any]] = json.loads(lines[-1][len(MARK) :])
-    return result
+    return json.loads(lines[-1][len(MARK) :])
 
 
 def pipeline_table(model: str, trees: dict[str, str], rounds: int, steps: int) -> str:
@@ -292,7 +344,7 @@ def pipeline_table(model: str, trees: dict[str, str], rounds: int, steps: int) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", action="store_true", help="the one-layer table only")
-    ap.add_argument("--model", choices=("llama", "mlp", "both"), default="both")
+    ap.add_argument("--model", choices=("llama", "mlp", "both", "flush"), default="both")
     ap.add_argument("--before", help="another conveyor checkout to run alternated with this")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run")
@@ -309,6 +361,14 @@ def main() -> int:
     trees = {"this": str(HERE.parent)}
     if args.before:
         trees = {"before": str(Path(args.before).resolve()), **trees}
+    if args.model == "flush":
+        print("| runtime | held for W (MB) | W's peak beyond it (MB) | of which .grad (MB) |")
+        print("|---|---:|---:|---:|")
+        for label, tree in trees.items():
+            got = _run_tree(tree, "flush", 0)
+            print(f"| {label} | {got['kept'] / 1e6:.2f} | {got['peak'] / 1e6:.2f} "
+                  f"| {got['grads'] / 1e6:.2f} |")  # fmt: skip
+        return 0
     for model in ("llama", "mlp") if args.model == "both" else (args.model,):
         print(f"\n{model}, pp {RANKS}, {MICROBATCHES} micro-batches\n")
         print(pipeline_table(model, trees, args.rounds, args.steps))
