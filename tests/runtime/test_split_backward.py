@@ -306,6 +306,36 @@ def test_held_from_b_to_w_is_what_the_weight_gradients_read() -> None:
     assert meter.current == 0
 
 
+def test_a_llama_layer_holds_what_its_gemms_read_its_shared_input_once() -> None:
+    """A transformers Llama decoder layer: from B to W it holds the inputs of its GEMMs
+    (q, k and v share one, gate and up another) and their output gradients, nothing else,
+    and less than its forward saved."""
+    import transformers as T
+
+    hidden, inter, kv, seq = 64, 172, 32, 16
+    torch.manual_seed(0)
+    config = T.LlamaConfig(num_hidden_layers=1, hidden_size=hidden, intermediate_size=inter,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=32)  # fmt: skip
+    model = T.LlamaForCausalLM(config)
+    layer = model.model.layers[0]
+    x = torch.randn(2, seq, hidden, requires_grad=True)
+    rotary = model.model.rotary_emb(x, torch.arange(seq)[None])
+    params = _trained(layer)
+    store, meter = LinearWeightStore(params), ActivationMeter(params)
+    with meter.hooks(), store.capture(KEY):
+        out = layer(x, position_embeddings=rotary, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+    saved = meter.current
+    backward_input([out], [torch.randn_like(out)], [x])
+    del out
+    meter.track(store.kept(KEY))
+    inputs = hidden + hidden + hidden + inter  # q/k/v, o, gate/up, down
+    grads = (hidden + 2 * kv) + hidden + 2 * inter + hidden
+    assert meter.current == 2 * seq * (inputs + grads) * 4
+    assert meter.current < 0.9 * saved
+    assert len(store._slots[KEY]) == 7
+
+
 def test_b_frees_everything_w_does_not_read() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8))
     x = torch.randn(4, 8, requires_grad=True)
