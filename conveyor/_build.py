@@ -232,8 +232,7 @@ def build(
         apply_tp(stages, tp_plan, names, ctx.mesh["tp"], every=all_stages)
     keywords = options.compile_keywords()
     # torchtitan's order: tensor parallel, then compile (inside each FSDP unit), then FSDP.
-    split = schedule.split_backward
-    compiled = None if keywords is None else compile_stages(stages, keywords, split)
+    compiled = None if keywords is None else compile_stages(stages, keywords)
     if options.fsdp:
         assert ctx.mesh is not None
         ties_for_fsdp(ties, schedule.placement)

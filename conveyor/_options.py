@@ -133,8 +133,7 @@ class Options:
         (:func:`conveyor._rules.check_schedule`).
 
         Raises:
-            ConfigError: ``fsdp='reshard'`` with a split backward, or ``recompute`` naming
-                stages the schedule does not have.
+            ConfigError: ``recompute`` naming stages the schedule does not have.
         """
         _rules.check_schedule(self, schedule)
 

@@ -226,18 +226,6 @@ def schedule_fits(schedule: Schedule, ranks: int, microbatches: int, chunks: int
         )
 
 
-@_rule("fsdp", "schedule", says="fsdp='reshard' runs only schedules without a split backward")
-def reshard_without_split_backward(options: Options, schedule: Schedule) -> None:
-    """``fsdp='reshard'`` frees gathered weights after each use; W needs them after B."""
-    if options.fsdp == "reshard" and schedule.split_backward:
-        raise ConfigError(
-            f"fsdp='reshard' frees each block's gathered weights after every use, but "
-            f"{schedule.name!r} splits the backward and needs them from B until W; use "
-            f"fsdp=True with it, or a schedule without a split backward (1f1b, gpipe, "
-            f"interleaved-1f1b)"
-        )
-
-
 @_rule(
     "recompute",
     "schedule",
@@ -249,7 +237,7 @@ def recompute_in_stages(options: Options, schedule: Schedule) -> None:
     recompute_stages(options.recompute, schedule.stages)
 
 
-SCHEDULE_RULES = (reshard_without_split_backward, recompute_in_stages)
+SCHEDULE_RULES = (recompute_in_stages,)
 
 
 def check_schedule(options: Options, schedule: Schedule) -> None:

@@ -80,7 +80,9 @@ class LastStep:
         """Write the last training step as one Chrome trace JSON (open it in Perfetto or
         chrome://tracing): a track per rank, an event per action and per transfer wait.
 
-        The file also records the schedule's order and the measured and simulated bubble;
+        The file also records the schedule's order and the measured and simulated bubble,
+        and with ``track_memory=True`` each action's bytes (``args``: ``saved_bytes``, what
+        an F saved; ``held_bytes``, what a micro-batch holds from its B until its W);
         ``conveyor trace FILE --png PICTURE`` draws it. A collective in a distributed
         world: call it on every rank; rank 0 writes (with data parallelism, replica 0's).
 
@@ -88,4 +90,6 @@ class LastStep:
             path: the file to write.
         """
         timings, waits = self.last_step_timings(), self.last_step_waits()
-        write_trace(path, timings, waits, self.schedule, self.context)
+        record = self._last_train
+        memory = record.memory if record is not None else None
+        write_trace(path, timings, waits, self.schedule, self.context, memory)

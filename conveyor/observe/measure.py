@@ -38,6 +38,16 @@ def memory_report(tracked: bool, record: StepRecord | None) -> MemoryReport:
     return record.memory
 
 
+def action_bytes(memory: MemoryReport | None) -> dict[tuple[str, int, int], dict[str, int]]:
+    """Per (kind, stage, micro-batch) of a step, the bytes its action leaves held: an F's
+    ``saved_bytes``, and under a split backward a B's ``held_bytes`` (until its W)."""
+    if memory is None:
+        return {}
+    out = {("F", s, m): {"saved_bytes": size} for (s, m), size in memory.forward.items()}
+    out.update({("B", s, m): {"held_bytes": size} for (s, m), size in memory.held.items()})
+    return out
+
+
 def pipeline_bubble(timings: list[Timing], ctx: Context, ranks: int) -> float:
     """The :func:`~conveyor.schedules.simulation.bubble` of a step over all pipeline ranks.
 
@@ -85,6 +95,7 @@ def write_trace(
     waits: list[Timing],
     schedule: Schedule,
     ctx: Context,
+    memory: MemoryReport | None = None,
 ) -> None:
     """Gather a step's actions and waits from every pipeline rank; rank 0 writes them.
 
@@ -96,8 +107,10 @@ def write_trace(
             ``order``: per rank, its program as a schedule table writes it, pairs as
             ``F0,3+B0,1`` and vocabulary passes at their slots).
         ctx: the context.
+        memory: this process's memory report of the step (``track_memory=True``): its
+            bytes per action go into the events.
     """
-    parts = [(timings, waits)]
+    parts = [(timings, waits, action_bytes(memory))]
     if ctx.distributed:
         gathered: list[Any] = [None] * ctx.pp_size
         guarded(
@@ -108,8 +121,9 @@ def write_trace(
         parts = gathered
     if ctx.rank != 0:
         return
-    every = [t for part, _ in parts for t in part]
-    every_wait = [w for _, part in parts for w in part]
+    every = [t for part, _, _ in parts for t in part]
+    every_wait = [w for _, part, _ in parts for w in part]
+    sizes = {key: size for _, _, part in parts for key, size in part.items()}
     simulated = simulate(schedule, cost=measured_costs(every, schedule.stages)).bubble
     info: dict[str, object] = {
         "schedule": schedule.name,
@@ -121,4 +135,4 @@ def write_trace(
         "order": [[str(step) for step in instructions(schedule, r)] for r in range(schedule.ranks)],
     }
     with open(path, "w") as f:
-        json.dump(chrome_trace(every, every_wait, info), f)
+        json.dump(chrome_trace(every, every_wait, info, sizes), f)

@@ -6,7 +6,7 @@ Pure Python (no torch import).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from conveyor.runtime.timing import Timing
@@ -57,7 +57,10 @@ def measured_bubble(timings: Iterable[Timing], ranks: int) -> float:
 
 
 def chrome_trace(
-    timings: Iterable[Timing], waits: Iterable[Timing], info: dict[str, object]
+    timings: Iterable[Timing],
+    waits: Iterable[Timing],
+    info: dict[str, object],
+    sizes: Mapping[tuple[str, int, int], Mapping[str, int]] | None = None,
 ) -> dict[str, object]:
     """A Chrome trace (``chrome://tracing``, Perfetto) of a real run.
 
@@ -68,6 +71,9 @@ def chrome_trace(
             posted it), drawn from their post to their end.
         info: Anything to keep with the trace (schedule, sizes, bubbles); goes to
             ``otherData``.
+        sizes: Per (kind, stage, micro-batch), byte counts to add to that action's
+            ``args`` (e.g. ``{"held_bytes": ...}``: :func:`~conveyor.observe.measure.
+            action_bytes`).
 
     Returns:
         The trace as a JSON-ready dict: a track per rank, an event per action, per wait
@@ -86,7 +92,12 @@ def chrome_trace(
                 "tid": rank,
                 "ts": start * 1e6,
                 "dur": (end - start) * 1e6,
-                "args": {"kind": kind, "stage": stage, "microbatch": mb},
+                "args": {
+                    "kind": kind,
+                    "stage": stage,
+                    "microbatch": mb,
+                    **(sizes or {}).get((kind, stage, mb), {}),
+                },
             }
         )
     for rank, kind, stage, mb, start, end in waits:

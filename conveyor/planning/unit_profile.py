@@ -1,7 +1,7 @@
 """Profile one unit on one micro-batch: time F, B, W and the whole backward, size its bytes.
 
 The unit's F, B and W are timed the way the runtime runs them (``LinearWeightStore``
-capture, ``backward_input``, ``WeightWork.run`` + ``flush``), and its whole backward the
+capture, ``backward_input``, ``flush``), and its whole backward the
 way non-split schedules run it. Times are medians over ``repeats`` after ``warmup`` runs.
 """
 
@@ -116,10 +116,8 @@ def measure_unit(
         t1 = clock.now()
         grads = out_grads(outs, loss)
         if outs:
-            _, work = backward_input(outs, grads, ins, params)
+            backward_input(outs, grads, ins)
         t2 = clock.now()
-        if outs:
-            work.run()
         store.flush([(0, 0)])
         t3 = clock.now()
         out, ins, outs, loss = forward(split=False)

@@ -36,7 +36,6 @@ from torch import fx, nn
 from conveyor.errors import ConfigError
 from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import SequentialStage
-from conveyor.runtime.opaque_linear import keeping_buffers
 
 _KEYWORDS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 # dynamo's own timers: tracing plus the forward's compile, and a lazily compiled backward
@@ -145,13 +144,8 @@ def _counting_backend(backend: Any, stats: CompileStats) -> Callable[..., Any]:
     return counting
 
 
-def compile_stages(
-    stages: dict[int, nn.Module], keywords: dict[str, Any], split_backward: bool
-) -> CompileStats:
-    """Compile the units of ``stages`` in place (module doc); returns their stats.
-
-    ``split_backward``: the schedule splits the backward, whose B keeps the autograd graph
-    for W (``retain_graph``), so compiled backwards may not donate their buffers."""
+def compile_stages(stages: dict[int, nn.Module], keywords: dict[str, Any]) -> CompileStats:
+    """Compile the units of ``stages`` in place (module doc); returns their stats."""
     stats = CompileStats()
     kw = dict(keywords)
     backend = _counting_backend(kw.pop("backend", "inductor"), stats)
@@ -162,13 +156,11 @@ def compile_stages(
             trains = any(p.requires_grad for p in unit.parameters())
             if trains or isinstance(unit, fx.GraphModule):
                 stats.units[s].append(name or type(unit).__name__)
-                _compile_unit(unit, s, backend, kw, split_backward)
+                _compile_unit(unit, s, backend, kw)
     return stats
 
 
-def _compile_unit(
-    unit: nn.Module, stage: int, backend: Any, kw: dict[str, Any], retain: bool
-) -> None:
+def _compile_unit(unit: nn.Module, stage: int, backend: Any, kw: dict[str, Any]) -> None:
     eager = unit.__dict__.get(_EAGER, unit.forward)  # compiled again: from the original
     compiled: Callable[..., Any] = torch.compile(eager, backend=backend, **kw)
     where = (stage, type(unit).__name__)
@@ -177,9 +169,6 @@ def _compile_unit(
     def forward(*args: Any, **kwargs: Any) -> Any:
         before, _current[0] = _current[0], where
         try:
-            if retain:
-                with keeping_buffers():
-                    return compiled(*args, **kwargs)
             return compiled(*args, **kwargs)
         finally:
             _current[0] = before

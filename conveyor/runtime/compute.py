@@ -233,12 +233,9 @@ class StageCompute:
         if self.step.stash and (s, m) in self.step.stash:
             outs = self._rerun(s, m)
         if self.split_backward:
-            got, work = backward_input(
-                outs, grads, in_leaves, self.params[s], self._store.collector((s, m))
-            )
-            self.step.pending_w[(s, m)] = work
-            # Free what only B needed (W holds its own references) before anything else.
-            del outs
+            got = backward_input(outs, grads, in_leaves, self._store.collector((s, m)))
+            del outs  # the graph is freed: what W needs is in the store
+            self.step.pending_w.add((s, m))
             if self.meter is not None:
                 self.meter.track(self._store.kept((s, m)))  # held until W
         else:
@@ -253,11 +250,12 @@ class StageCompute:
         ]
 
     def weight_grads(self, stage: int, microbatches: list[int]) -> None:
-        """W of ``stage`` for ``microbatches``, run together (a GEMM per weight)."""
+        """W of ``stage`` for ``microbatches``: their kept weight gradients added."""
+        keys = [(stage, m) for m in microbatches]
+        for key in keys:
+            self.step.pending_w.remove(key)
         with self._timing(stage):
-            for m in microbatches:
-                self.step.pending_w.pop((stage, m)).run()
-        self._store.flush([(stage, m) for m in microbatches])
+            self._store.flush(keys)
 
     def leftovers(self) -> list[tuple[int, int]]:
         """(stage, micro-batch) whose activations or W work the step never consumed."""

@@ -1,12 +1,13 @@
-"""Weight gradients of linear layers computed later, several micro-batches at once.
+"""Weight gradients of linear layers and convolutions computed later, in W.
 
 Under a split backward, B needs only ``dX = dY W`` and W only ``dW = dYᵀ X``. For
-``F.linear`` calls on a stage's parameters this module does exactly that: B computes dX
-and keeps (X, dY); W adds ``dYᵀ X`` straight into ``weight.grad`` with one GEMM over every
-micro-batch whose W runs together, instead of one small GEMM, one fresh gradient tensor and
-one accumulation per micro-batch. Other operations go through autograd as usual
-(:mod:`conveyor.runtime.split_backward`). Under ``torch.autocast`` the call computes as
-autocast's linear does (X, W and bias in the autocast dtype); X and dY are kept in that
+``F.linear``, ``x @ weight`` / ``torch.addmm(bias, x, weight)`` (transformers' ``Conv1D``)
+and ``F.conv{1,2,3}d`` calls on a stage's parameters (and ``F.linear`` on one expert of a
+parameter, ``experts.w[e]``) this module does exactly that: B computes dX and
+keeps (X, dY) (:mod:`conveyor.runtime.deferred_grads`); W adds the weight gradient straight
+into ``.grad``. Every other operation goes through autograd as usual, its weight gradients
+in B (:mod:`conveyor.runtime.split_backward`). Under ``torch.autocast`` a call computes as
+autocast's does (input, weight and bias in the autocast dtype); X and dY are kept in that
 dtype and W's GEMM runs in it, its result added to the parameter's own-dtype gradient.
 """
 
@@ -14,25 +15,42 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.autograd.graph import Node
 from torch.nn import functional as F
+from torch.nn import grad as nn_grad
 from torch.overrides import TorchFunctionMode
 
+from conveyor.runtime import deferred_grads
+from conveyor.runtime.deferred_grads import ConvGrad, Entry, LinearGrad
 from conveyor.runtime.opaque_linear import (
-    Entry,
     OpaqueDeferring,
     autocast_input,
     deferrable,
-    is_opaque,
-    keeping_buffers,
     linear_call,
     sink,
 )
+
+_EXPERT = "_conveyor_expert_of"
+"""Attribute of ``param[e]`` (a stage parameter indexed by one expert): ``(param, e)``."""
+
+_KINDS: dict[Callable[..., torch.Tensor], tuple[Callable[..., torch.Tensor], ...]] = {
+    F.conv1d: (nn_grad.conv1d_input, nn_grad.conv1d_weight),
+    F.conv2d: (nn_grad.conv2d_input, nn_grad.conv2d_weight),
+    F.conv3d: (nn_grad.conv3d_input, nn_grad.conv3d_weight),
+}
+_CONV: dict[Any, Callable[..., torch.Tensor]] = {
+    **{call: call for call in _KINDS},
+    # what a graph captured with torch.export calls
+    torch.ops.aten.conv1d.default: F.conv1d,
+    torch.ops.aten.conv2d.default: F.conv2d,
+    torch.ops.aten.conv3d.default: F.conv3d,
+}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = (None, None, None, 1, 0, 1, 1)
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -43,10 +61,15 @@ class _DeferredLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         slot: list[Entry],
         cast: torch.dtype | None,
+        target: tuple[torch.Tensor, torch.Tensor | None, Any, bool],
     ) -> torch.Tensor:
         if cast is not None:  # autocast: x comes cast already, the parameters are cast here
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
+        if target[3]:  # x @ weight (+ bias): torch.addmm / matmul on a [in, out] weight
+            if bias is None:
+                return torch.matmul(x, weight)
+            return torch.addmm(bias, x, weight)
         out = F.linear(x, weight, bias)
         if out._base is not None:
             # F.linear of a 3-d input returns a view, and autograd forbids modifying a
@@ -57,27 +80,106 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, weight, bias, slot, _ = inputs
+        x, weight, _, slot, _, target = inputs
         ctx.save_for_backward(x, weight)  # the parameter itself: cast again in backward
-        ctx.bias, ctx.slot, ctx.done = bias, slot, False
+        ctx.slot, ctx.target = slot, target
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(
+        ctx: Any, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         x, weight = ctx.saved_tensors
-        if not ctx.done:  # a replay of the graph (W of another branch) must not add twice
-            # x detached: its graph (every saved tensor before it) need not live until W.
-            ctx.slot.append((weight, ctx.bias, x.detach(), dy))
-            ctx.done = True
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        return dy @ weight.to(dy.dtype), None, None, None, None
+        param, bias, index, transposed = ctx.target
+        # x detached: its graph (every saved tensor before it) is freed at B.
+        ctx.slot.append(LinearGrad(param, bias, x.detach(), dy, index, transposed))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(dy.dtype)
+            dx = dy @ (w.t() if transposed else w)
+        return dx, None, None, None, None, None
 
 
-def is_deferred(node: Node) -> bool:
-    """Whether ``node`` is the backward of a deferred linear, eager or
-    :mod:`~conveyor.runtime.opaque_linear` (its weight edges carry no gradient: W adds it
-    from the store)."""
-    return getattr(node, "_forward_cls", None) is _DeferredLinear or is_opaque(node)
+class _DeferredConv(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        slot: list[Entry],
+        cast: torch.dtype | None,
+        conv: tuple[Callable[..., torch.Tensor], tuple[Any, Any, Any, int]],
+    ) -> torch.Tensor:
+        if cast is not None:
+            weight = weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
+        call, spec = conv
+        return call(x, weight, bias, *spec)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, weight, bias, slot, _, conv = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.bias, ctx.slot, ctx.spec = bias, slot, conv[1]
+        ctx.of_input, ctx.of_weight = _KINDS[conv[0]]
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        ctx.slot.append(ConvGrad(weight, ctx.bias, x.detach(), dy, ctx.of_weight, ctx.spec))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.of_input(x.shape, weight.to(dy.dtype), dy, *ctx.spec)
+        return dx, None, None, None, None, None
+
+
+def _target(
+    weight: Any, bias: Any, params: Set[int], transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, Any, bool] | None:
+    """What W adds a linear call's gradient into: ``(weight, bias, None, transposed)`` for
+    the stage's own parameters, ``(param, bias_param, e, False)`` for one expert of them;
+    None otherwise."""
+    if deferrable(weight, bias, params):
+        return weight, bias, None, transposed
+    expert = getattr(weight, _EXPERT, None)
+    if expert is None or transposed:
+        return None
+    of_bias = None if bias is None else getattr(bias, _EXPERT, None)
+    if bias is not None and (of_bias is None or of_bias[1] is not expert[1]):
+        return None
+    return expert[0], None if of_bias is None else of_bias[0], expert[1], False
+
+
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.ops.aten.matmul.default)
+_ADDMM = (torch.addmm, torch.ops.aten.addmm.default)
+
+
+def _matmul_call(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, Any, Any] | None:
+    """``(x, weight, bias)`` of ``x @ weight`` or ``torch.addmm(bias, x, weight)`` (as
+    transformers' ``Conv1D`` calls it, GPT-2's), with a 2-d ``weight``; None otherwise."""
+    if func in _MATMUL and len(args) == 2 and not kwargs:
+        x, weight, bias = args[0], args[1], None
+    elif func in _ADDMM and len(args) == 3 and not kwargs:  # beta = alpha = 1 only
+        bias, x, weight = args
+    else:
+        return None
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
+        return None
+    if weight.dim() != 2 or x.dim() < 2 or not torch.is_grad_enabled():
+        return None
+    return x, weight, bias
+
+
+def _conv_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """A convolution call's arguments in ``F.conv2d``'s order, defaults filled in."""
+    values = list(args) + [None] * (len(_CONV_ARGS) - len(args))
+    for i, name in enumerate(_CONV_ARGS):
+        if i >= len(args):
+            values[i] = kwargs.get(name, _CONV_DEFAULTS[i])
+    return values
 
 
 class _Deferring(TorchFunctionMode):
@@ -89,28 +191,62 @@ class _Deferring(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.__getitem__ and id(args[0]) in self.params:
+            return self._expert(func, args)
+        if func in _CONV and torch.is_grad_enabled():
+            return self._conv(func, args, kwargs)
+        transposed = False
         call = linear_call(func, args, kwargs)
-        if call is not None and deferrable(call[1], call[2], self.params):
+        if call is None:
+            call, transposed = _matmul_call(func, args, kwargs), True
+        if call is not None:
             x, weight, bias = call
+            target = _target(weight, bias, self.params, transposed)
+            cast = None if target is None else autocast_input(x, weight)
+            if target is not None and cast is not None:
+                return _DeferredLinear.apply(cast[0], weight, bias, self.slot, cast[1], target)  # type: ignore[no-untyped-call]
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _expert(func: Any, args: tuple[Any, ...]) -> Any:
+        """``param[e]``: marked as one expert of ``param`` when ``e`` is one index."""
+        out = func(*args)
+        index = args[1]
+        one = isinstance(index, int) or (
+            isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point()
+        )
+        if one and isinstance(out, torch.Tensor):
+            setattr(out, _EXPERT, (args[0], index))
+        return out
+
+    def _conv(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, weight, bias, *spec = _conv_spec(args, kwargs)
+        padding = spec[1]
+        if isinstance(x, torch.Tensor) and deferrable(weight, bias, self.params):
             cast = autocast_input(x, weight)
-            if cast is not None:
-                return _DeferredLinear.apply(cast[0], weight, bias, self.slot, cast[1])  # type: ignore[no-untyped-call]
+            # padding="same" is left to autograd (torch.nn.grad takes numbers)
+            if cast is not None and (not isinstance(padding, str) or padding == "valid"):
+                spec[1] = 0 if padding == "valid" else padding
+                return _DeferredConv.apply(  # type: ignore[no-untyped-call]
+                    cast[0], weight, bias, self.slot, cast[1], (_CONV[func], tuple(spec))
+                )
         return func(*args, **kwargs)
 
 
 class LinearWeightStore:
-    """(X, dY) of deferred linear calls per (stage, micro-batch), until W."""
+    """What each (stage, micro-batch) keeps from its B until its W
+    (:mod:`~conveyor.runtime.deferred_grads` entries)."""
 
     def __init__(self, params: list[torch.Tensor], opaque: bool = False) -> None:
         """``opaque``: the stages are compiled; linear calls go through
         :class:`~conveyor.runtime.opaque_linear.OpaqueDeferring` and their (X, dY) reach
-        the slot that :meth:`collecting` opens during B and W."""
+        the slot that :meth:`collecting` opens during B."""
         self._params = {id(p) for p in params}
         self._slots: dict[tuple[int, int], list[Entry]] = {}
         self.opaque = opaque
 
     def add_params(self, params: list[torch.Tensor]) -> None:
-        """Defer linear calls on ``params`` too (FSDP's gathered parameters)."""
+        """Defer calls on ``params`` too (FSDP's gathered parameters)."""
         self._params |= {id(p) for p in params}
 
     @contextmanager
@@ -125,10 +261,7 @@ class LinearWeightStore:
         W (None: they keep nothing); a no-op for eager stages."""
         if not self.opaque:
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(sink(None if key is None else self._slots.setdefault(key, [])))
-        stack.enter_context(keeping_buffers())
-        return stack
+        return sink(None if key is None else self._slots.setdefault(key, []))
 
     def collector(
         self, key: tuple[int, int]
@@ -143,27 +276,11 @@ class LinearWeightStore:
         return self.collecting(key if keep else None)
 
     def kept(self, key: tuple[int, int]) -> list[torch.Tensor]:
-        """The inputs and output gradients kept for ``key``'s W."""
-        return [t for _, _, x, dy in self._slots.get(key, []) for t in (x, dy)]
+        """The tensors kept for ``key``'s W."""
+        return [t for entry in self._slots.get(key, []) for t in entry.kept()]
 
-    @torch.no_grad()
     def flush(self, keys: list[tuple[int, int]]) -> None:
-        """Add the weight gradients of ``keys``' micro-batches, one GEMM per weight."""
-        groups: dict[int, list[Entry]] = {}
+        """W of ``keys``' micro-batches: every kept weight gradient added into ``.grad``,
+        each entry freed as soon as it is used."""
         for key in keys:
-            for entry in self._slots.pop(key, []):
-                groups.setdefault(id(entry[0]), []).append(entry)
-        for entries in groups.values():
-            weight, bias = entries[0][0], entries[0][1]
-            xs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, x, _ in entries])
-            dys = torch.cat([dy.reshape(-1, dy.shape[-1]) for _, _, _, dy in entries])
-            if dys.dtype != weight.dtype:  # autocast: a low-precision GEMM, fp32 gradient
-                gw = (dys.t() @ xs).to(weight.dtype)
-                weight.grad = gw if weight.grad is None else weight.grad.add_(gw)
-            elif weight.grad is None:
-                weight.grad = dys.t() @ xs
-            else:
-                weight.grad.addmm_(dys.t(), xs)
-            if bias is not None:
-                db = dys.sum(0, dtype=bias.dtype)
-                bias.grad = db if bias.grad is None else bias.grad.add_(db)
+            deferred_grads.run(self._slots.pop(key, []))

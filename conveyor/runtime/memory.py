@@ -2,10 +2,10 @@
 
 An :class:`ActivationMeter` counts what autograd saves for the backward (through
 ``saved_tensors_hooks``: each saved tensor is held from F until autograd drops it) and
-what the split backward keeps from B until W (the deferred linear layers' inputs and
-output gradients). Tensors sharing memory count once; parameters never count. Opt-in
-(``Pipeline(track_memory=True)``): the hooks cost a Python call per saved tensor. The
-planner counts a layer's saved bytes with the same meter.
+what the split backward keeps from B until W (the deferred GEMMs' inputs and output
+gradients, :mod:`conveyor.runtime.deferred_grads`). Tensors sharing memory count once;
+parameters never count. Opt-in (``Pipeline(track_memory=True)``): the hooks cost a Python
+call per saved tensor. The planner counts a layer's saved bytes with the same meter.
 
 :class:`TensorMemory` counts more: every tensor created in a block and still alive (a
 stand-in on CPU for CUDA's allocator statistics), which is what shows recompute's saving
@@ -34,8 +34,9 @@ class MemoryReport:
     """One rank's activation memory in the last step, in bytes.
 
     ``peak``: the most held at once, measured. ``forward``: per (stage, micro-batch), what
-    its F saved; ``at_backward``: under a split backward, how its B changed that (what B
-    newly kept for W, such as the output gradients of linear layers, less what it freed).
+    its F saved; ``at_backward``: under a split backward, how its B changed that (B frees
+    the micro-batch's graph and keeps the inputs and output gradients of its weight GEMMs
+    for W: :attr:`held`).
     ``simulated_peak``: the peak of the same actions in the same order with those sizes,
     the F part held from F until the last of B / W (as the simulator counts activations),
     the B change from B until W. In the one-process world all three cover every stage.
@@ -49,6 +50,22 @@ class MemoryReport:
     at_backward: dict[tuple[int, int], int]
     simulated_peak: int
     device_peak: int | None = None
+
+    @property
+    def held(self) -> dict[tuple[int, int], int]:
+        """Under a split backward, per (stage, micro-batch), the bytes held from its B
+        until its W (``forward + at_backward``: the inputs and output gradients of its
+        weight GEMMs); empty otherwise."""
+        return {key: self.forward[key] + change for key, change in self.at_backward.items()}
+
+    @property
+    def w_memory(self) -> float | None:
+        """The share of what F saved that is still held between B and W, over this
+        rank's micro-batches (``zero_bubble_auto``'s ``w_memory``); None without a split
+        backward. Above 1 where F saves little beside the GEMM inputs (a ReLU MLP)."""
+        held = self.held
+        saved = sum(self.forward[key] for key in held)
+        return sum(held.values()) / saved if saved else None
 
 
 class _Held:
@@ -203,4 +220,7 @@ class TensorMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _counted(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta"
+    # A tensor subclass (a DTensor) has no storage of its own: its local tensors are
+    # counted when the ops on them pass through.
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    return plain and t.layout == torch.strided and t.device.type != "meta"

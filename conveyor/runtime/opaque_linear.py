@@ -7,8 +7,8 @@ parameters through the custom op ``conveyor::linear``, which ``torch.compile`` t
 one opaque call. Its backward is the op ``conveyor::linear_dx``: it returns only
 ``dX = dY W`` (to the weight and bias it returns no gradient) and hands ``(W, b, X, dY)``
 (copies) to the sink that is open at that moment, a :class:`~conveyor.runtime.deferred_linear.
-LinearWeightStore` slot; W then adds ``dYᵀ X`` with one GEMM over its micro-batches, as
-for eager stages. The side effect cannot be dropped by the compiler: ``dX`` is used.
+LinearWeightStore` slot; W then adds ``dYᵀ X``, as for eager stages. The side effect
+cannot be dropped by the compiler: ``dX`` is used.
 
 A linear whose input needs no gradient (its ``dX`` would be unused, so the compiler could
 drop the op) stays an ordinary ``F.linear``; its weight gradient is then computed with the
@@ -26,10 +26,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-Entry = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+from conveyor.runtime.deferred_grads import Entry, LinearGrad
+
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 _ATEN_LINEAR = torch.ops.aten.linear.default
-NODE_NAME = "GeneratedBackwardFor_conveyor_linear_defaultBackward"
 
 _sink: list[list[Entry] | None] = [None]
 
@@ -71,7 +71,7 @@ def _linear_dx(
     if slot is not None:
         # Copies: compiled code (inductor) reuses a buffer once its last use in the graph
         # is done, and that use is this call, so a kept alias would be overwritten.
-        slot.append((weight, bias, x.detach().clone(), dy.detach().clone()))
+        slot.append(LinearGrad(weight, bias, x.detach().clone(), dy.detach().clone()))
     return dy @ weight.to(dy.dtype)
 
 
@@ -95,38 +95,24 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, Non
 _linear.register_autograd(_backward, setup_context=_setup)
 
 
-def is_opaque(node: Any) -> bool:
-    """Whether the autograd ``node`` is an eager ``conveyor::linear`` (its weight edges
-    carry no gradient: W adds it from the store)."""
-    name = getattr(node, "name", None)
-    return callable(name) and name() == NODE_NAME
-
-
 def deferrable(weight: Any, bias: Any, params: Set[int] | None) -> bool:
     """Whether W may take a linear call's weight (and bias) gradient, for eager and
     compiled stages alike: both are plain tensors (a DTensor goes through autograd's
     generic split) that are the stage's trainable leaves.
 
-    Eager stages know those by ``params`` (their ids; FSDP's gathered tensors are added
-    when gathered). Compiled stages pass None: an id test in traced code makes dynamo
-    guard on each parameter's identity and compile every block again, so there a leaf is
-    an ``nn.Parameter`` that needs a gradient (compiled units read their own parameters).
+    A leaf is an ``nn.Parameter`` that needs a gradient: a stage's own, or the gathered
+    one FSDP swaps in for a block's forward and backward (``fsdp="reshard"`` gathers per
+    use, so it is known only then). Eager stages also know plain tensors by ``params``
+    (their ids). Compiled stages pass None: an id test in traced code makes dynamo guard
+    on each parameter's identity and compile every block again.
     """
 
     def mine(t: Any) -> bool:
-        if params is None:
-            return type(t) is nn.Parameter and t.requires_grad
-        return (type(t) is nn.Parameter or type(t) is torch.Tensor) and id(t) in params
+        if type(t) is nn.Parameter:
+            return bool(t.requires_grad)
+        return params is not None and type(t) is torch.Tensor and id(t) in params
 
     return mine(weight) and (bias is None or mine(bias))
-
-
-@contextmanager
-def keeping_buffers() -> Iterator[None]:
-    """Within this block compiled backwards do not donate their buffers: B keeps the
-    graph for W (the flag is read when a backward is compiled and when it runs)."""
-    with torch._functorch.config.patch(donated_buffer=False):
-        yield
 
 
 Linear = Callable[[torch.Tensor, Any, Any, "torch.dtype | None"], Any]

@@ -20,7 +20,6 @@ import torch
 
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.recompute import RngState
-from conveyor.runtime.split_backward import WeightWork
 from conveyor.runtime.step_loss import StepLoss
 from conveyor.runtime.timing import Timing
 
@@ -75,7 +74,8 @@ class StepState:
     aux_weight: float | None = None
     # F to B: (input leaves, output leaves) per (stage, micro-batch).
     saved: dict[Key, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    pending_w: dict[Key, WeightWork] = field(default_factory=dict)
+    # B to W: whose W is still to run (what it reads is in the linear weight store).
+    pending_w: set[Key] = field(default_factory=set)
     # Recompute stages: (stage input, RNG state) per (stage, micro-batch), from F to B.
     stash: dict[Key, tuple[Any, RngState]] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)

@@ -16,8 +16,10 @@ and on the paper's twelve Table 9 settings the search already matches or beats t
 paper's ZB-1p and ZB-2p (docs: "Checked against the papers").
 
 Memory is counted in micro-batches of a rank's whole share, held from F until W. After
-its B a micro-batch still holds ``w_memory`` of that (what its W needs); conveyor's runtime
-keeps all of it (1.0), the paper's accounting (its Table 1) keeps M_W / M_B.
+its B a micro-batch still holds ``w_memory`` of that (what its W needs: the inputs and
+output gradients of its GEMMs); by default :data:`~conveyor.schedules.simulation.W_MEMORY`,
+what conveyor's runtime holds of a transformer layer; the paper's accounting (its Table 1)
+is M_W / M_B.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from conveyor.schedules.core import (
 )
 from conveyor.schedules.greedy import FILLS, StageCost, greedy_run
 from conveyor.schedules.simulation import (
+    W_MEMORY,
     CostSpec,
     action_durations,
     normalize_cost,
@@ -137,7 +140,7 @@ def zero_bubble_auto(
     comm: float = 0.0,
     chunks: int = 1,
     *,
-    w_memory: float = 1.0,
+    w_memory: float = W_MEMORY,
 ) -> Schedule:
     """A split-backward schedule fitted to ``cost`` under a memory cap (``zb-auto``).
 
@@ -159,8 +162,12 @@ def zero_bubble_auto(
         chunks: 1 for one stage per rank; 2 for a V (rank r holds stages r and
             2p-1-r, zbv's placement).
         w_memory: The share of a micro-batch's activations still held between its B and
-            its W. 1.0 (the default) is conveyor's runtime, which keeps them all until W;
-            the Zero Bubble paper counts M_W / M_B (about 0.3-0.45 for its GPT models).
+            its W (what its weight GEMMs read). Default
+            :data:`~conveyor.schedules.simulation.W_MEMORY` (0.76), conveyor's runtime on
+            a transformers Llama layer; pass your model's, measured
+            (``pipe.last_step_memory()``: ``held_after_b / forward``), for a tighter
+            schedule. The Zero Bubble paper counts M_W / M_B (about 0.3-0.45 for its GPT
+            models).
 
     Returns:
         The candidate with the smallest simulated makespan, then the smallest span (the

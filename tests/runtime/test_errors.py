@@ -16,6 +16,7 @@ from torch import nn
 
 import conveyor
 from conveyor.errors import one_line
+from conveyor.runtime.deferred_grads import LinearGrad
 from tests.support import distributed
 from tests.support.models import batch, mlp
 
@@ -234,11 +235,25 @@ def test_conveyors_own_errors_are_not_wrapped_again() -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "work"),
-    [("1f1b", "backward"), ("zb-h1", "weight-gradient backward \\(W\\)")],
+    [
+        ("1f1b", "backward"),
+        ("zb-h1", "input-gradient backward \\(B\\)"),  # B computes every other gradient
+        ("zb-h1", "weight-gradient backward \\(W\\)"),  # a deferred GEMM of W fails
+    ],
 )
-def test_a_failing_backward_or_weight_gradient_is_named(schedule: str, work: str) -> None:
+def test_a_failing_backward_or_weight_gradient_is_named(
+    schedule: str, work: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _WeightWithoutGradient())
+    last: nn.Module = _WeightWithoutGradient()
+    if work.startswith("weight"):
+        last = nn.Linear(16, 4)
+
+        def fails(entry: object) -> None:
+            raise ValueError("no gradient for this weight")
+
+        monkeypatch.setattr(LinearGrad, "add", fails)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), last)
     pipe = _one_process(model, schedule=schedule, balance=[2, 1])
     error = _raised(pipe, torch.randn(4, 8), torch.randn(4, 4))
     pattern = rf"the {work} of stage 1 \(modules 2\) on micro-batch(es)? [\d, ]+ raised ValueError"

@@ -118,3 +118,28 @@ def test_the_trace_order_is_each_ranks_program_with_its_passes(tmp_path: Path) -
     for rank in range(2):
         ran = [f"{kind}{stage},{mb}" for r, kind, stage, mb, _, _ in rows if r == rank]
         assert ran == [w for w in order[rank] if "," in w]
+
+
+def test_a_tracked_step_puts_each_actions_bytes_in_the_trace(tmp_path: Path) -> None:
+    """With track_memory, an F carries what it saved and a B what its micro-batch holds
+    until its W: the memory report's numbers, per action."""
+    pipe = conveyor.Pipeline(
+        mlp(), loss_fn=nn.functional.mse_loss, microbatches=4, schedule="zb-h1",
+        context=conveyor.init(pp=2), track_memory=True,
+    )  # fmt: skip
+    x, y = batch(8)
+    for _ in range(2):
+        pipe.train_step(x, y)
+    pipe.save_trace(tmp_path / "trace.json")
+    report = pipe.last_step_memory()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    args = {(e["cat"], e["args"]["stage"], e["args"]["microbatch"]): e["args"]
+            for e in events if e.get("cat") in ("F", "B", "W")}  # fmt: skip
+    assert len(args) == 3 * 2 * 4
+    for (kind, s, m), got in args.items():
+        if kind == "F":
+            assert got["saved_bytes"] == report.forward[s, m] > 0
+        elif kind == "B":
+            assert got["held_bytes"] == report.held[s, m] > 0
+        else:
+            assert "held_bytes" not in got and "saved_bytes" not in got
