@@ -12,12 +12,10 @@ failed rank and its error (``rank 1 failed: ConfigError: ...; rank 0 stopped (WH
 WAITED FOR)``). A shorter step or wait reads nothing: no store round trip on the normal path.
 
 Breaking a group: NCCL's are aborted (``ProcessGroup.abort``). gloo's cannot be (its
-``abort`` does nothing in torch 2.13), and a wait on gloo cannot be done in slices either
-(measured: a point-to-point ``Work.wait(timeout)`` that times out closes every connection
-of its group, and until waited for such a work never reports completion; only a
-collective's timed-out wait can be resumed). That closing is the break: a receive that no
-rank sends is posted and waited for a millisecond, which fails every operation pending on
-the group and tells its peers (their next operation with this rank fails at once).
+``abort`` does nothing in torch 2.13), nor can a gloo wait be sliced (a point-to-point
+``Work.wait(timeout)`` that times out closes every connection of its group). That closing
+is the break: a receive nobody sends, waited a millisecond, fails every operation pending
+on the group and tells its peers (their next operation with this rank fails at once).
 
 An error every rank raises alike (a bad batch sent to all) is posted by each: the first
 post wins, the others acknowledge it, the job can go on. A notice is acted on only if the
@@ -267,19 +265,26 @@ def break_groups(groups: Sequence[dist.ProcessGroup | None]) -> None:
     for group in groups:
         if group is None:
             continue
-        try:
+        with contextlib.suppress(Exception):
             group.abort()  # NCCL; nothing on torch 2.13's gloo
-            if "gloo" not in str(dist.get_backend(group)):
-                continue
-            size = dist.get_world_size(group)
-            if size < 2:
-                continue
-            peer = dist.get_global_rank(group, (dist.get_rank(group) + 1) % size)
+            if "gloo" in str(dist.get_backend(group)):
+                _close_gloo(group)
+
+
+def _close_gloo(group: dist.ProcessGroup) -> None:
+    """Close every connection of a gloo ``group``: a receive from a peer, timed out after a
+    millisecond, closes them all. A peer that closed its side already fails the receive
+    at once instead (closing nothing), so the next peer is tried until one times out."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    for step in range(1, size):
+        peer = dist.get_global_rank(group, (me + step) % size)
+        try:
             work = dist.irecv(torch.empty(1), src=peer, group=group, tag=_BREAK_TAG)
             if work is not None:
                 work.wait(datetime.timedelta(milliseconds=1))
-        except Exception:  # the expected outcome: the wait times out, the group is closed
-            continue
+        except Exception as exc:
+            if "timed out" in str(exc).lower():
+                return
 
 
 _QUIET = Board(None, 0, list)  # a world of one: tells and reads nothing

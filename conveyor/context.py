@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import datetime
 import gc
-import math
-import numbers
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 import conveyor._failure as failure
-from conveyor._groups import Held, forget_mesh_groups, held_groups, release_all
+from conveyor._groups import Held, forget_mesh_groups, held_groups
 from conveyor._mesh import backend_timeout as backend_timeout  # Lightning imports it here
 from conveyor._mesh import device_mesh, local_rank
+from conveyor._world import check_sizes, join, pipeline_ranks, timeout_from
 from conveyor.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -212,34 +208,6 @@ class Context:
 
 
 _current: Context | None = None
-_exit_hook = False
-_exit_timeout = DEFAULT_TIMEOUT  # the last init's time-out, for the barrier at exit
-
-
-def _timeout_from(timeout: float | None) -> float:
-    """``init``'s time-out in seconds (else ``$CONVEYOR_TIMEOUT``, else the default),
-    checked before any process group is made: a finite number > 0."""
-    if timeout is not None:
-        number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
-        if not number or not math.isfinite(float(timeout)) or timeout <= 0:
-            raise ConfigError(
-                f"timeout must be a finite number of seconds > 0, got timeout={timeout!r}; "
-                f"pass e.g. conveyor.init(timeout=300)"
-            )
-        return float(timeout)
-    text = os.environ.get("CONVEYOR_TIMEOUT")
-    if text is None:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(
-            f"$CONVEYOR_TIMEOUT must be a finite number of seconds > 0, got {text!r}; set "
-            f"e.g. CONVEYOR_TIMEOUT=300, or unset it for the default ({DEFAULT_TIMEOUT:g} s)"
-        )
-    return seconds
 
 
 def in_torchrun() -> bool:
@@ -302,17 +270,8 @@ def init(
             process group's.
     """
     global _current
-    seconds = _timeout_from(timeout)
-    for name, value in (("pp", pp), ("dp", dp), ("tp", tp), ("ep", ep), ("cp", cp)):
-        bad = not isinstance(value, int) or isinstance(value, bool) or value < 1
-        if value is not None and bad:
-            raise ConfigError(f"{name} must be an int >= 1, got {name}={value!r}")
-    if dp % ep:
-        raise ConfigError(
-            f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel "
-            f"ranks into groups of ep, so pick ep among the divisors of dp, or raise dp to a "
-            f"multiple of {ep}"
-        )
+    seconds = timeout_from(timeout, DEFAULT_TIMEOUT)
+    check_sizes(pp, dp, tp, ep, cp)
     distributed = dist.is_available() and (dist.is_initialized() or in_torchrun())
     if not distributed:
         if dp != 1 or tp != 1:
@@ -321,60 +280,12 @@ def init(
                 f"launch --nproc-per-node {(pp or 1) * dp * tp} script.py`, or use dp=1 and "
                 f"tp=1 in one process"
             )
-        _current = Context(
-            0,
-            1,
-            0,
-            pp or 1,
-            0,
-            1,
-            torch.device("cpu"),
-            None,
-            False,
-            seconds,
-            pp_explicit=pp is not None,
-            cp_size=cp,
-        )
+        _current = Context(0, 1, 0, pp or 1, 0, 1, torch.device("cpu"), None, False, seconds,
+                           pp_explicit=pp is not None, cp_size=cp)  # fmt: skip
         return _current
-    if dist.is_initialized():
-        _check_backend(backend, str(dist.get_backend()))
-    elif backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        assert backend is not None
-        init_kwargs: dict[str, Any] = {}
-        if backend == "nccl":
-            # Bound to its GPU at once: the communicators are made eagerly, not lazily on
-            # each rank pair's first transfer.
-            init_kwargs["device_id"] = torch.device("cuda", local_rank())
-        group_seconds = backend_timeout(backend, seconds)
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=group_seconds), **init_kwargs
-        )
-    # torch 2.13's gloo can abort at interpreter exit ("terminate called without an active
-    # exception") when the group is never destroyed: destroy it at exit, whoever made it.
-    global _exit_hook, _exit_timeout
-    _exit_timeout = seconds
-    if not _exit_hook:
-        atexit.register(_destroy)
-        _exit_hook = True
-    backend = str(dist.get_backend())
+    backend = join(backend, seconds, _forget_at_exit)
     world, rank = dist.get_world_size(), dist.get_rank()
-    others = dp * cp * tp
-    named = "dp x tp" if cp == 1 else "dp x cp x tp"
-    if pp is None and world % others:
-        raise ConfigError(
-            f"{named} = {others} does not divide the world size {world}; launch a multiple "
-            f"of {others} processes or pick sizes whose product divides {world}"
-        )
-    pp = world // others if pp is None else pp
-    if pp * others != world:
-        sizes = f"{pp} x {dp} x {tp}" if cp == 1 else f"{pp} x {dp} x {cp} x {tp}"
-        product = "pp x " + named
-        raise ConfigError(
-            f"world size {world} is not {product} = {sizes}; launch {pp * others} processes "
-            f"or change the sizes so that {product.replace(' x ', ' * ')} == {world}"
-        )
+    pp = pipeline_ranks(world, pp, dp, tp, cp)
     if backend == "nccl":
         local = local_rank()
         torch.cuda.set_device(local)
@@ -415,41 +326,9 @@ def _all_groups() -> list[dist.ProcessGroup | None]:
     return [dist.group.WORLD, *held_groups()]
 
 
-def _check_backend(asked: str | None, existing: str) -> None:
-    """``init(backend=asked)`` where a default process group of ``existing`` backend(s)
-    (``"gloo"``, or per device ``"cpu:gloo,cuda:nccl"``) was made before: no backend
-    asked, or one it has, is honoured; any other cannot be, and raises."""
-    have = {part.rpartition(":")[2] for part in existing.split(",")}
-    if asked is not None and asked not in have:
-        raise ConfigError(
-            f"backend={asked!r} cannot be honoured: the default process group already "
-            f"exists with backend {existing!r} (made before conveyor.init, e.g. by "
-            f"Lightning or the script); pass backend={existing!r} or none, or make the "
-            f"group with {asked!r}"
-        )
-
-
-def _destroy() -> None:
-    """At exit: leave together (a bounded barrier; a dead peer only costs its time-out),
-    destroy the groups, so no rank tears its connections down under a peer that still
-    uses them, and let go of conveyor's references to them, so that they are freed and
-    their worker threads joined now, while the interpreter is alive (``_groups.py`` says
-    why), also when the script destroyed the default group itself.
-
-    After a step failed here, or stopped for another rank's failure, this process skips
-    the barrier and breaks the groups instead (:func:`conveyor._failure.close`), so that
-    no worker thread is left blocked on a peer and the process ends at once."""
+def _forget_at_exit() -> None:
+    """After :func:`conveyor._world.leave` at exit: no context left, the groups freed."""
     global _current
-    failed = failure.close()
-    if dist.is_initialized():
-        if not failed:
-            with contextlib.suppress(Exception):
-                work = dist.barrier(async_op=True)
-                if work is not None:
-                    work.wait(datetime.timedelta(seconds=min(_exit_timeout, 2.0)))
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    release_all()
     _current = None
     gc.collect()
 
