@@ -1,15 +1,12 @@
 """An error on one rank stops every rank within seconds: the failure board.
 
 A step is collective, so a rank that raises (a bad batch, a stage, a ``loss_fn``) would
-leave the others waiting on it until the time-out. So the failing rank posts its error, as
-it leaves the step, on a board every rank reaches (a key of a ``TCPStore`` client connected
-to the job's rendezvous store, ``$MASTER_ADDR:$MASTER_PORT``: torchrun's agent store or the
-default group's). A thread reads the board once a :data:`SLICE` while this process has
-been in a step or a wait for longer than one; on a new notice it breaks this process's
-groups, so that whatever the main thread is blocked in (a receive, a reduction, a
-collective inside a stage) fails, and the main thread raises a ``PipelineError`` naming the
-failed rank and its error (``rank 1 failed: ConfigError: ...; rank 0 stopped (WHAT IT
-WAITED FOR)``). A shorter step or wait reads nothing: no store round trip on the normal path.
+leave the others waiting until the time-out. So the failing rank posts its error on a
+board every rank reaches (a key of a ``TCPStore`` client of the job's rendezvous store,
+``$MASTER_ADDR:$MASTER_PORT``). A thread reads it once a :data:`SLICE` while this process
+is in a step or a wait longer than one; on a new notice it breaks this process's groups,
+so that whatever the main thread is blocked in fails, and the main thread raises a
+``PipelineError`` naming the failed rank and its error. Shorter steps read nothing.
 
 Breaking a group: NCCL's are aborted (``ProcessGroup.abort``). gloo's cannot be (its
 ``abort`` does nothing in torch 2.13), nor can a gloo wait be sliced (a point-to-point
