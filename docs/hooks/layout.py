@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "processes and losses",
         [
             "conveyor.context",
+            "conveyor._world",
             "conveyor._failure",
             "conveyor._groups",
             "conveyor._mesh",
