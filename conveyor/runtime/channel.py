@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -102,14 +101,16 @@ class Mailbox:
         """Finish the step's transfers."""
 
 
-@dataclass
 class _Incoming:
     """A message whose tensors are being received."""
 
-    message: Message
-    meta: ValueMeta | None
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    works: list[Work] = field(default_factory=list)
+    __slots__ = ("message", "meta", "tensors", "works")
+
+    def __init__(self, message: Message, meta: ValueMeta | None) -> None:
+        self.message = message
+        self.meta = meta
+        self.tensors: list[torch.Tensor] = []
+        self.works: list[Work] = []
 
 
 class Remote(Mailbox):
@@ -141,6 +142,7 @@ class Remote(Mailbox):
         self._known: set[StepKey] = set()  # keys of steps that ran to their end
         self._sent: dict[tuple[StepKey, Action], ValueMeta] = {}
         self._seen: dict[tuple[StepKey, Action], ValueMeta] = {}
+        self._consumer: dict[Action, int | None] = {}  # producer -> its consumer's stage
 
     def begin(self, key: StepKey, t0: float) -> None:
         super().begin(key, t0)
@@ -207,7 +209,11 @@ class Remote(Mailbox):
         return received
 
     def deliver(self, producer: Action, value: Any) -> None:
-        consumer = consumer_stage(producer, self.schedule.stages)
+        consumers = self._consumer
+        if producer in consumers:
+            consumer = consumers[producer]
+        else:
+            consumer = consumers[producer] = consumer_stage(producer, self.schedule.stages)
         if consumer in self.stages:
             super().deliver(producer, value)
         else:
@@ -222,11 +228,14 @@ class Remote(Mailbox):
                 f"rank {self.rank}: {action_name(consumer)} needs {action_name(producer)}, "
                 f"which no tick of this rank's program receives; the schedule is inconsistent"
             )
-        kind = "activations" if producer.kind == F else "gradients"
-        what = f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
+        def what() -> str:
+            kind = "activations" if producer.kind == F else "gradients"
+            return f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
+
+        works, src = incoming.works, incoming.message.src
         began = time.perf_counter()
-        for work in dict.fromkeys(incoming.works):  # a coalesced group has one work
-            self.transport.wait(work, incoming.message.src, what)
+        for work in works if len(works) == 1 else dict.fromkeys(works):  # NCCL: one a group
+            self.transport.wait(work, src, what)
         ended = time.perf_counter()
         if ended - began > 1e-5:  # a real wait, not an already finished receive
             self.waits.append(
@@ -244,10 +253,10 @@ class Remote(Mailbox):
         meta = incoming.meta
         assert meta is not None
         train = self._key[1] == "train"
-        tensors = [
-            t.requires_grad_(m.requires_grad and train)
-            for t, m in zip(incoming.tensors, meta.tensors, strict=True)
-        ]
+        tensors = incoming.tensors
+        for t, m in zip(tensors, meta.tensors, strict=True):
+            if m.requires_grad and train:
+                t.requires_grad_()
         return rebuild(meta, tensors)
 
     def post(self, tick: Tick, recvs: bool = True, sends: bool = True) -> None:
@@ -329,36 +338,36 @@ class Remote(Mailbox):
                 f"run yet; the schedule is inconsistent"
             )
         value = self._outgoing.pop(producer)
-        where = f"stage {producer.stage} (micro-batch {producer.microbatch})"
+        where = _where(producer)
         if producer.kind != F:
-            what = f"sending input gradients of {where}"
-            return [Op(True, g.contiguous(), message.dst, what) for g in value]
+            gradients = lambda: f"sending input gradients of {where()}"  # noqa: E731
+            return [Op(True, g.contiguous(), message.dst, gradients) for g in value]
         meta, tensors = describe(value)
         for i, t in enumerate(tensors):
             if t.device != self.device:
                 raise PipelineError(
-                    f"{where} returned tensor {i} of its output on {t.device}, but this "
+                    f"{where()} returned tensor {i} of its output on {t.device}, but this "
                     f"rank's device is {self.device}; move it with "
                     f".to({str(self.device)!r}) in the stage"
                 )
         known = self._sent.get((self._key, producer))
         if known is None:
-            header = encode_header(meta, where)
+            header = encode_header(meta, where())
             if self.device.type == "cuda":  # pinned: the copy does not sync the host
                 header = header.pin_memory().to(self.device, non_blocking=True)
             else:
                 header = header.to(self.device)
-            what = f"sending output description of {where}"
+            what = f"sending output description of {where()}"
             descriptions.append(Op(True, header, message.dst, what))
             self._sent[self._key, producer] = meta
         elif known != meta:
             raise PipelineError(
-                f"{where} output changed ({_difference(known, meta)}) although the input "
+                f"{where()} output changed ({_difference(known, meta)}) although the input "
                 f"shapes did not; stage outputs must be tensors whose shapes follow the "
                 f"inputs (return varying non-tensor values from the last stage only)"
             )
-        what = f"sending output of {where}"
-        return [Op(True, t, message.dst, what) for t in tensors]
+        output = lambda: f"sending output of {where()}"  # noqa: E731
+        return [Op(True, t, message.dst, output) for t in tensors]
 
     def _host(self, buf: torch.Tensor) -> torch.Tensor:
         """A received description on the host (CUDA: through pinned memory)."""
@@ -370,6 +379,11 @@ class Remote(Mailbox):
         if self.transport.watchdog is not None:
             self.transport.watchdog.check()
         return host
+
+
+def _where(producer: Action) -> Callable[[], str]:
+    """``producer``'s place in words, ``stage 1 (micro-batch 3)``, made when asked."""
+    return lambda: f"stage {producer.stage} (micro-batch {producer.microbatch})"
 
 
 def _difference(old: ValueMeta, new: ValueMeta) -> str:

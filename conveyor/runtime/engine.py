@@ -109,6 +109,7 @@ class Engine:
         self.pairs = pairs and ctx.distributed and bool(schedule.pairs)
         self._programs: dict[tuple[bool, bool], RankProgram] = {}
         self._stages = schedule.stages  # read every tick
+        self._producer: dict[Action, Action | None] = {}  # what each action takes, as asked
         self._state = StepState("train")  # the step in progress (or the last one)
         self._syncs: Sequence[StepSync] = ()
         self._spans = Spans(ctx.pp_rank, 0.0, [])
@@ -255,25 +256,41 @@ class Engine:
         if tick.boundary is not None:
             self._pass(tick)
             return
-        channel, actions = self.channel, tick.computed
+        channel, syncs = self.channel, self._syncs
         if tick.ahead:
             channel.post(tick, sends=False)
+        action, paired = tick.action, tick.paired
+        if paired is None:
+            if action is not None:  # one action: the common tick, without lists
+                value = self._input(action, inputs)
+                for sync in syncs:
+                    sync.before_action(action)
+                out = self._compute(tick.rank, action, value)
+                if out is not None:
+                    channel.deliver(action, out)
+        else:
+            self._pair_tick(tick, inputs)
+        if tick.sends or not tick.ahead:
+            channel.post(tick, recvs=not tick.ahead)
+        if syncs:
+            for done in tick.computed:
+                for sync in syncs:
+                    sync.after_action(done)
+
+    def _pair_tick(self, tick: Tick, inputs: list[Any] | None) -> None:
+        """The compute of a tick of two actions (an overlapped pair of the schedule)."""
+        actions = tick.computed
         values = [self._input(a, inputs) for a in actions]
         for action in actions:
             for sync in self._syncs:
                 sync.before_action(action)
-        if len(actions) == 2 and self.meter is None:
+        if self.meter is None:
             outs = self._pair(tick.rank, actions, values)
         else:
             outs = [self._compute(tick.rank, a, v) for a, v in zip(actions, values, strict=True)]
         for action, out in zip(actions, outs, strict=True):
             if out is not None:
-                channel.deliver(action, out)
-        if tick.sends or not tick.ahead:
-            channel.post(tick, recvs=not tick.ahead)
-        for action in actions:
-            for sync in self._syncs:
-                sync.after_action(action)
+                self.channel.deliver(action, out)
 
     def _pass(self, tick: Tick) -> None:
         """A pass of the stage ends (every rank runs it at this tick)."""
@@ -298,7 +315,11 @@ class Engine:
             return inputs[action.microbatch]
         if action.kind == B and action.stage == self._stages - 1:
             return self.ends.output_grad(action.microbatch)
-        producer = producer_of(action, self._stages)
+        producers = self._producer
+        if action in producers:
+            producer = producers[action]
+        else:
+            producer = producers[action] = producer_of(action, self._stages)
         return self.channel.take(producer, action) if producer is not None else None
 
     def _pair(self, rank: int, actions: tuple[Action, ...], values: list[Any]) -> list[Any]:

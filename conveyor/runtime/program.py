@@ -19,12 +19,13 @@ stream until its data arrives and may hold a send until the peer's receive runs:
    computes, and gloo, which moves a message only once its receive is posted, does not
    add a round trip to the wait.
 4. Once a rank knows every value's description (a step with the same input shapes ran
-   before: ``join=True``), a group of receives alone joins the group the rank posts just
-   before it (nothing is posted between the two) when that group receives nothing
-   itself: one ``batch_isend_irecv`` fewer, the same posting order. (A new description
-   is waited for when its receive is posted, which must not happen before the tick the
-   sender sends it at; and NCCL answers a group with one work, so waiting for an earlier
-   receive of the group would wait for the joined ones too.)
+   before: ``join=True``), a group of receives it would post ahead (rules 3 and 7) joins
+   the last group the rank posted when that group receives nothing itself and nothing
+   was posted after it (no group and no pass: the ticks between only compute): one
+   ``batch_isend_irecv`` fewer, the receives up earlier, the same order of groups. (A new
+   description is waited for when its receive is posted, which must not happen before
+   the tick the sender sends it at; and NCCL answers a group with one work, so waiting
+   for an earlier receive of the group would wait for the joined ones too.)
 5. An overlapped pair of the schedule (an F and a B of another micro-batch, run
    interleaved at their expert all-to-alls) is one tick: one more than the largest of the
    rank's previous tick and both producers' ticks. Both inputs are waited for before the
@@ -70,8 +71,11 @@ streams, where all its counterparts are too, and completes. A group that rule 4 
 holds operations of two (tick, phase) positions; NCCL progresses the operations of a
 group together, so each completes when its counterpart is posted, and the argument
 holds operation by operation: the later receives' senders need nothing this rank posts
-after the joined group. A pair's tick is an ordinary tick with two actions: each rank
-computes it once both inputs arrived at earlier ticks, then posts its group. A pass's tick
+after the joined group (it posts nothing until their tick; a rule-7 rank's sends of
+that tick go to a sender's phase-0 group, whose own send completes the joined receive
+first, as in the phase -1 argument above). A pair's tick is an ordinary tick with two
+actions: each rank computes it once both inputs arrived at earlier ticks, then posts its
+group. A pass's tick
 holds collectives only, at one (tick, phase) of every rank: every rank posts them once
 its earlier groups are posted, and their inputs (the last stage's output, stage 0's input
 gradient) were computed at earlier ticks, so they complete too; no rank sends or receives
@@ -220,10 +224,10 @@ def rank_program(
     forward_passes: Collection[str] = (),
 ) -> RankProgram:
     """Pipeline rank ``rank``'s program when each rank is its own process; ``join``:
-    receives alone join the group before them (rule 4) and ranks chosen by rule 7 receive
-    ahead (only once every description is known); ``pairs``: the schedule's overlapped
-    pairs run as one tick (rule 5); ``forward_passes``: the kinds of pass a forward-only
-    step runs (rule 6)."""
+    ranks chosen by rule 7 receive ahead, and receives that go ahead join the last group
+    posted (rule 4; only once every description is known); ``pairs``: the schedule's
+    overlapped pairs run as one tick (rule 5); ``forward_passes``: the kinds of pass a
+    forward-only step runs (rule 6)."""
     layout = lay_out(schedule, train, pairs, forward_passes)
     units, passes = layout
     placement, stages = schedule.placement, schedule.stages
@@ -250,26 +254,30 @@ def rank_program(
                 incoming.setdefault(sent, []).append(message)
     ahead = choose_ahead(schedule, layout) if join else {}
     timeline: list[Tick] = []
+    last = -1  # the index in timeline of the last group posted (-1: none, or a pass since)
     for tick in sorted(mine.keys() | incoming.keys() | passes.keys()):
         if tick in passes:
             timeline.append(Tick(tick, rank, None, boundary=passes[tick]))
+            last = -1  # its collectives are posted: nothing joins a group across them
             continue
         # Sends by producer, receives by peer then producer: both ends of a pair's two
         # messages to one peer list them in the same order, run after run.
         sends = tuple(sorted(outgoing.get(tick, []), key=_message_order))
         recvs = tuple(sorted(incoming.get(tick, []), key=_message_order))
-        before = timeline[-1] if timeline else None
-        if join and not sends and recvs and before and before.sends and not before.recvs:
-            joined = timeline[-1]  # rule 4: the receives join the group posted before them
-            timeline[-1] = dataclasses.replace(joined, recvs=joined.recvs + recvs)
-            recvs = ()
         # Rules 3 and 7: receives alone, or those of a rank chosen to receive ahead.
         early = bool(recvs) and (not sends or rank in ahead.get(tick, ()))
+        before = timeline[last] if last >= 0 else None
+        if join and early and before and before.sends and not before.recvs:
+            # Rule 4: the receives join the last group posted (the ticks since compute only).
+            timeline[last] = dataclasses.replace(before, recvs=before.recvs + recvs)
+            recvs, early = (), False
         own = mine.get(tick)
         if own is None:
             timeline.append(Tick(tick, rank, None, sends, recvs, ahead=early))
         else:
             timeline.append(Tick(tick, rank, own.action, sends, recvs, own.paired, ahead=early))
+        if sends or recvs:
+            last = len(timeline) - 1
     return _finish(timeline, train)
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,13 @@ from conveyor.errors import PipelineError, one_line
 from conveyor.runtime.watchdog import Watchdog
 
 Work = dist.Work
+Described = str | Callable[[], str]
+"""What a transfer is, in words for its errors: a string, or a call that makes it (only
+once an error needs it: a step posts and waits for many transfers)."""
+
+
+def _text(what: Described) -> str:
+    return what if isinstance(what, str) else what()
 
 
 class Transport:
@@ -42,7 +48,9 @@ class Transport:
         stream = device.type == "cuda" or os.environ.get("CONVEYOR_STREAM_WAITS") == "1"
         self.watchdog = Watchdog(timeout) if stream else None
         # Each send keeps its tensor alive until the transfer is done.
-        self._sends: list[tuple[Work, torch.Tensor, str, int]] = []
+        self._sends: list[tuple[Work, torch.Tensor, Described, int]] = []
+        self._global: dict[int, int] = {}  # pipeline rank -> global rank, as asked
+        self._delta = datetime.timedelta(seconds=timeout)
 
     def post(self, ops: list[Op]) -> list[Work]:
         """Post ``ops`` as one group; returns their works in the same order. Sends are
@@ -58,10 +66,13 @@ class Transport:
         return works
 
     def _post_now(self, ops: list[Op]) -> list[Work]:
-        batch = [
-            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, self.to_global(op.peer))
-            for op in ops
-        ]
+        ranks, send, recv = self._global, dist.isend, dist.irecv
+        batch = []
+        for op in ops:
+            peer = ranks.get(op.peer)
+            if peer is None:
+                peer = ranks[op.peer] = self.to_global(op.peer)
+            batch.append(dist.P2POp(send if op.send else recv, op.tensor, peer))
         try:
             works = dist.batch_isend_irecv(batch)
         except Exception as exc:
@@ -75,15 +86,21 @@ class Transport:
             works = [works[0]] * len(ops)
         return works
 
-    def wait(self, work: Work, peer: int, what: str) -> None:
+    def wait(self, work: Work, peer: int, what: Described) -> None:
         """Wait for ``work`` (see the class doc), naming ``what`` if it fails."""
-        them = self.name(peer)
-        self._wait(work, f"{self.name(self.rank)}: {what} from {them}", them)
+        self._wait(work, peer, what, "from")
 
-    def _wait(self, work: Work, doing: str, suspect: str) -> None:
+    def _wait(self, work: Work, peer: int, what: Described, direction: str) -> None:
+        """Wait for a transfer ``direction`` (``from`` / ``to``) pipeline rank ``peer``."""
+
+        def describe() -> tuple[str, str]:
+            them = self.name(peer)
+            return f"{self.name(self.rank)}: {_text(what)} {direction} {them}", them
+
         if self.watchdog is None:  # in a step, whose region the failure board watches
-            _bounded(work, self.timeout, doing, suspect)
+            _settle(work, self._delta, self.timeout, describe)
             return
+        doing, suspect = describe()
         self.watchdog.watch(work, doing, suspect)
         try:
             work.wait()  # on CUDA: the current stream waits, the CPU does not
@@ -108,9 +125,7 @@ class Transport:
         for work, _, what, peer in sends:
             if id(work) not in done:
                 done.add(id(work))
-                self._wait(
-                    work, f"{self.name(self.rank)}: {what} to {self.name(peer)}", self.name(peer)
-                )
+                self._wait(work, peer, what, "to")
 
     def prune(self) -> None:
         """Forget sends that already completed, so their buffers can be freed early."""
@@ -118,15 +133,14 @@ class Transport:
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
     """One send (``send=True``) or receive of ``tensor`` with pipeline rank ``peer``;
     ``what`` names it in errors."""
 
     send: bool
     tensor: torch.Tensor
     peer: int
-    what: str = ""
+    what: Described = ""
 
 
 def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
@@ -140,9 +154,20 @@ def wait_bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
 
 def _bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
     """:func:`wait_bounded` without entering the board's region (the caller is in one)."""
+    _settle(work, datetime.timedelta(seconds=timeout), timeout, lambda: (doing, suspect))
+
+
+def _settle(
+    work: Work,
+    delta: datetime.timedelta,
+    timeout: float,
+    describe: Callable[[], tuple[str, str]],
+) -> None:
+    """:func:`_bounded` with its words, ``(doing, suspect)``, made only for an error."""
     try:
-        ok = work.wait(datetime.timedelta(seconds=timeout))
+        ok = work.wait(delta)
     except Exception as exc:
+        doing, suspect = describe()
         failure.reraise(exc, doing)
         raise PipelineError(
             f"{doing} failed ({one_line(exc, 200)}); {suspect} may have died or stalled "
@@ -150,6 +175,7 @@ def _bounded(work: Work, timeout: float, doing: str, suspect: str) -> None:
             f"$CONVEYOR_TIMEOUT)"
         ) from exc
     if ok is False:
+        doing, suspect = describe()
         failure.reraise(None, doing)
         raise PipelineError(
             f"{doing} did not finish within {timeout:g} s; {suspect} may have died or stalled"

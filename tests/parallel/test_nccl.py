@@ -232,8 +232,9 @@ def test_the_engine_posts_receives_ahead_where_the_program_says() -> None:
     """What the engine really posts in a step whose descriptions are known is its
     program's groups, in order, between the step's header and its loss sums: a tick
     ``ahead`` posts its receives alone and then, after the compute, its sends (rule 7
-    sends 1F1B's last rank ahead at each exchange), every group lists its sends before
-    its receives, and the whole replays under NCCL's rules."""
+    sends 1F1B's last rank ahead at each exchange, and rule 4 joins those receives to the
+    group it posted after its previous B), every group lists its sends before its
+    receives, and the whole replays under NCCL's rules."""
     from conveyor.runtime.program import ahead_ranks, rank_program
     from conveyor.schedules import get_schedule
 
@@ -257,8 +258,9 @@ def test_the_engine_posts_receives_ahead_where_the_program_says() -> None:
                 want.append(after)
         got = list(groups.values())[1:-1]  # without the header and the loss sums
         assert got == want, (rank, got, want)
-    ahead = sum(t.ahead and bool(t.sends) for t in rank_program(schedule, 1, join=True).ticks)
-    assert ahead == 6
+    last = rank_program(schedule, 1, join=True).ticks
+    assert not any(t.ahead and t.sends for t in last)
+    assert sum(bool(t.sends and t.recvs) for t in last) == 6
 
 
 # ------------------------------------------------------------------ context parallelism

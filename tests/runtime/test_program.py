@@ -57,10 +57,11 @@ def schedules(draw: st.DrawFn) -> Schedule:
 def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
     schedule: Schedule, train: bool, join: bool, pairs: bool
 ) -> None:
-    """Each side posts a message once, at its tick; with ``join`` a receive alone may join
-    the group the receiver posts just before (rule 4), never one with a group of its own
-    between; without, every receive is posted at its tick. With ``pairs`` (rule 5) a tick
-    may send two messages to one peer: both ends list them in the same order."""
+    """Each side posts a message once, at its tick; with ``join`` a receive that would go
+    ahead may join the last group the receiver posted (rule 4), never one with a group or a
+    pass of its own between (its own tick's group, sends after the compute, may follow);
+    without, every receive is posted at its tick. With ``pairs`` (rule 5) a tick may send
+    two messages to one peer: both ends list them in the same order."""
     programs = [rank_program(schedule, r, train, join, pairs) for r in range(schedule.ranks)]
     tick_of = ticks(schedule, train, pairs)
     sent: Counter[tuple[int, Message]] = Counter()
@@ -69,6 +70,7 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
     recv_order: dict[tuple[int, int, int], list[Message]] = {}
     for rank, program in enumerate(programs):
         posting = [t.tick for t in program.ticks if t.sends or t.recvs]
+        passes = [t.tick for t in program.ticks if t.boundary is not None]
         for step in program.ticks:
             assert step.rank == rank
             if not (pairs and train):
@@ -85,9 +87,10 @@ def test_every_message_is_posted_once_by_each_side_at_the_same_tick(
                 assert message.dst == rank != message.src
                 at = tick_of[message.producer]
                 assert join or step.tick == at
-                if step.tick != at:  # joined: no group of this rank between the two,
-                    assert step.tick < at  # and none of the group's receives are earlier
-                    assert not [t for t in posting if step.tick < t <= at], (rank, message)
+                if step.tick != at:  # joined: no group or pass of this rank between the
+                    assert step.tick < at  # two, and none of the group's receives earlier
+                    assert not [t for t in posting if step.tick < t < at], (rank, message)
+                    assert not [t for t in passes if step.tick < t < at], (rank, message)
                     assert step.sends and tick_of[step.recvs[0].producer] == at
                 received[at, message] += 1
     assert sent == received
@@ -220,16 +223,27 @@ def test_a_forward_only_step_runs_the_passes_its_stage_ends_name(
 def test_receives_go_ahead_of_the_later_action_only() -> None:
     """Rule 7 on 1F1B over 2 ranks, whose steady state exchanges an F output for a B's
     input gradient at every tick: the rank computing the B (longer, ending with the F)
-    posts its receive ahead; the other one posts its group after its F, as before; and
-    without known descriptions nothing but receives alone goes ahead."""
+    posts its receive ahead, and rule 4 joins it to the group that rank posted after its
+    previous B (one group per exchange, the receive two ticks early); the other rank posts
+    its group after its F, as before; and without known descriptions nothing but receives
+    alone goes ahead."""
     schedule = get_schedule("1f1b", 2, 8)
     ahead = ahead_ranks(schedule)
     first, last = rank_program(schedule, 0, join=True), rank_program(schedule, 1, join=True)
-    exchanges = [t.tick for t in last.ticks if t.sends and t.recvs]
+    at = ticks(schedule)
+    exchanges = sorted(ahead)
     assert len(exchanges) == 6 and all(ahead[t] == {1} for t in exchanges)
-    assert all(t.ahead == (t.tick in exchanges) for t in last.ticks if t.sends)
-    computed = [t.action for t in last.ticks if t.tick in exchanges]
-    assert all(a is not None and a.kind == "B" for a in computed)
+    groups = [t for t in last.ticks if t.sends or t.recvs]
+    for tick in exchanges:
+        (own,) = [t for t in last.ticks if t.tick == tick]
+        assert own.action is not None and own.action.kind == "B"
+        assert own.sends and not own.ahead  # the B's gradient, after it
+        assert all(at[m.producer] > tick for m in own.recvs)  # only a later tick's, joined
+        (holder,) = [g for g in groups if any(at[m.producer] == tick for m in g.recvs)]
+        assert holder.tick == tick - 2 and holder.action is not None
+        assert holder.action.kind == "B" and holder.sends and not holder.ahead
+    assert not any(t.ahead for t in last.ticks if t.sends)
+    assert len(groups) == 2 + 8  # two receives alone, then one group per B (15 unjoined)
     assert not any(t.ahead for t in first.ticks if t.sends)
     for program in (rank_program(schedule, 0), rank_program(schedule, 1)):
         assert all(t.ahead == bool(t.recvs and not t.sends) for t in program.ticks)
