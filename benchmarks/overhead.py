@@ -32,6 +32,12 @@ alternated step by step.
 
     python benchmarks/overhead.py --efficiency [--schedules 1f1b,zb-h1,zb-auto,zbv]
         [--rounds 6] [--steps 12] [--before] [--against DIR] [--json FILE]
+
+``--tiny``: tiny stages (8 x Linear(128)) on 2 processes, conveyor's 1F1B step against
+``torch.distributed.pipelining``'s ``Schedule1F1B`` in the same processes, alternated, and
+what each part of conveyor's step costs (``tiny_stages.py`` says how).
+
+    python benchmarks/overhead.py --tiny [--rounds 6] [--steps 40] [--against DIR]
 """
 
 from __future__ import annotations
@@ -310,7 +316,13 @@ def efficiency_rounds(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run both measurements and print them as markdown tables."""
+    """Run both measurements and print them as markdown tables (``--tiny``: the tiny-stage
+    comparison with torch of ``tiny_stages.py``, which takes the rest of the options)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tiny" in argv:
+        import tiny_stages  # beside this script
+
+        return tiny_stages.main([a for a in argv if a != "--tiny"])
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per run per round")
     p.add_argument("--rounds", type=int, default=5)

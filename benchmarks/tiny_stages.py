@@ -26,12 +26,10 @@ exclusive of the parts inside it; the timers' own cost measured and taken out):
 torch's step is split into its stages' compute (``forward_one_chunk``,
 ``backward_one_chunk``), the optimizer and the rest. Each round runs in fresh processes; ``--against
 DIR`` (another revision's checkout, e.g. ``git worktree add DIR REV``) runs that
-revision's conveyor in alternate rounds. ``--one-process`` also times the CPU of a step
-of both stages in one process (``conveyor.init(pp=2)``: the same program logic, no
-transfers), which drifts least on a shared machine.
+revision's conveyor in alternate rounds.
 
     python benchmarks/overhead.py --tiny [--rounds 6] [--steps 40] [--warmup 5]
-        [--against DIR] [--one-process] [--json FILE]
+        [--against DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -214,8 +212,10 @@ def worker(args: argparse.Namespace) -> None:
     conveyor.init()
     rank = dist.get_rank()
     x, y = batch()
-    pipe = conveyor.Pipeline(build_model(), loss_fn=nn.functional.mse_loss,
-                             microbatches=MICROBATCHES, schedule="1f1b", balance=[8, 8])  # fmt: skip
+    pipe = conveyor.Pipeline(
+        build_model(), loss_fn=nn.functional.mse_loss, microbatches=MICROBATCHES,
+        schedule="1f1b", balance=[8, 8],
+    )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
     model = build_model()
     size = len(model) // 2
@@ -276,34 +276,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def one_process_worker(args: argparse.Namespace) -> None:
-    """Both stages in this process (``conveyor.init(pp=2)``): CPU seconds per step."""
-    import conveyor
-
-    torch.set_num_threads(1)
-    x, y = batch()
-    pipe = conveyor.Pipeline(build_model(), loss_fn=nn.functional.mse_loss,
-                             microbatches=MICROBATCHES, schedule="1f1b", balance=[8, 8],
-                             context=conveyor.init(pp=2))  # fmt: skip
-    opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
-    cpu = []
-    for i in range(args.warmup + 4 * args.steps):
-        c0 = time.process_time()
-        pipe.train_step(x, y)
-        opt.step()
-        opt.zero_grad()
-        if i >= args.warmup:
-            cpu.append(time.process_time() - c0)
-    Path(args.out).write_text(json.dumps(cpu))
-
-
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
     """``args.rounds`` rounds in fresh processes, this checkout's and ``--against``'s
     alternated; the records per checkout."""
     roots = {"this checkout": str(Path(__file__).resolve().parents[1])}
     if args.against:
         roots = {"--against": str(Path(args.against).resolve()), **roots}
-    found: dict[str, Any] = {label: {"ranks": [], "one process": []} for label in roots}
+    found: dict[str, Any] = {label: {"ranks": []} for label in roots}
     for r in range(args.rounds):
         for label in list(roots) if r % 2 == 0 else list(roots)[::-1]:
             env = {**os.environ, "OVERHEAD_ROOT": roots[label], "PYTHONPATH": roots[label],
@@ -316,11 +295,6 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
                            "--out", out, "--round", str(r), *common]  # fmt: skip
                 subprocess.run(command, env=env, check=True, stderr=subprocess.DEVNULL)
                 found[label]["ranks"].append(json.loads(Path(out).read_text()))
-                if args.one_process:
-                    command = [sys.executable, os.path.abspath(__file__), "--one-process-worker",
-                               "--out", out, *common]  # fmt: skip
-                    subprocess.run(command, env=env, check=True, stderr=subprocess.DEVNULL)
-                    found[label]["one process"] += json.loads(Path(out).read_text())
     return found
 
 
@@ -341,7 +315,8 @@ def report(found: dict[str, Any], args: argparse.Namespace) -> None:
           "| torch | conveyor/torch CPU, rank 0 / 1 |")  # fmt: skip
     print("|---|---:|---:|---:|---|---|---|")
     for label, runs in found.items():
-        wall = {k: [w for rnd in runs["ranks"] for w in rnd[0][k]["wall"]] for k in ("conveyor", "torch")}
+        wall = {k: [w for rnd in runs["ranks"] for w in rnd[0][k]["wall"]]
+                for k in ("conveyor", "torch")}  # fmt: skip
         cpu = {
             k: [ms([c for rnd in runs["ranks"] for c in rnd[r][k]["cpu"]]) for r in (0, 1)]
             for k in ("conveyor", "torch")
@@ -356,11 +331,6 @@ def report(found: dict[str, Any], args: argparse.Namespace) -> None:
             + " / ".join(f"{v:.2f}" for v in cpu["conveyor"]) + " | "
             + " / ".join(f"{v:.2f}" for v in cpu["torch"]) + f" | {ratios} |"
         )
-    if args.one_process:
-        print("\nOne process, both stages (`conveyor.init(pp=2)`), CPU ms per step:\n")
-        print("| conveyor | CPU ms |\n|---|---:|")
-        for label, runs in found.items():
-            print(f"| {label} | {ms(runs['one process']):.3f} |")
     print("\nconveyor's step in parts, ms per step (medians; each part exclusive of those "
           "inside it), rank 0 / rank 1: main thread's CPU, then wall-clock\n")  # fmt: skip
     labels = list(found)
@@ -401,18 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="timed steps per library per round")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before each run")
     p.add_argument("--against", help="another checkout, run in alternate rounds")
-    p.add_argument("--one-process", action="store_true", help="also CPU in one process")
     p.add_argument("--json", help="also write every record to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--one-process-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
-    if args.one_process_worker:
-        one_process_worker(args)
         return 0
     found = rounds(args)
     report(found, args)

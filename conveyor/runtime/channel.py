@@ -228,6 +228,7 @@ class Remote(Mailbox):
                 f"rank {self.rank}: {action_name(consumer)} needs {action_name(producer)}, "
                 f"which no tick of this rank's program receives; the schedule is inconsistent"
             )
+
         def what() -> str:
             kind = "activations" if producer.kind == F else "gradients"
             return f"{action_name(consumer)} waiting for {kind} of {action_name(producer)}"
