@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from conveyor.context import Context
 from conveyor.errors import ConveyorError, PipelineError, one_line
@@ -25,7 +23,7 @@ from conveyor.runtime.compiled import CompileStats
 from conveyor.runtime.compute import StageCompute
 from conveyor.runtime.ends import LossFn, ModelEnds, StageEnds, model_loss
 from conveyor.runtime.memory import ActivationMeter, MemoryReport, simulated_peak
-from conveyor.runtime.microbatch import MicroBatches
+from conveyor.runtime.microbatch import Header, MicroBatches, header_message
 from conveyor.runtime.overlap import Pair, Spans, record
 from conveyor.runtime.program import (
     RankProgram,
@@ -41,16 +39,6 @@ from conveyor.runtime.timing import Timing
 from conveyor.schedules import Action, B, F, Schedule, W
 
 __all__ = ["Engine", "Header", "LossFn", "ModelEnds", "model_loss"]
-
-
-class Header(NamedTuple):
-    """What the first stage's batch tells every pipeline rank at a step's start
-    (:meth:`Engine.header`): its input shapes' signature, rows per micro-batch, and the
-    counts of a model's own token loss (None for other losses)."""
-
-    signature: int
-    sizes: tuple[int, ...]
-    counts: tuple[int, ...] | None
 
 
 class Engine:
@@ -131,30 +119,10 @@ class Engine:
 
     def header(self, batch: MicroBatches) -> Header:
         """What every pipeline rank learns from the first stage's batch at the step's start
-        (one message from its holder to each other rank): a number that changes when the
-        micro-batches' input shapes change, their rows (a scalar loss is weighted by them),
-        and the counts of a model's own token loss (:attr:`MicroBatches.counts`)."""
+        (one message from its holder to each other rank; :func:`header_message`)."""
         m = self.schedule.microbatches
-        signature = 0
-        if batch.inputs is not None:
-            shapes = [
-                (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
-                for mb in batch.inputs
-                for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
-            ]
-            signature = zlib.crc32(repr(shapes).encode())
-        sizes = batch.sizes if batch.sizes is not None else (0,) * m
-        has_counts = batch.counts is not None
-        head = torch.tensor([signature, *sizes, int(has_counts)], dtype=torch.int64)
-        counts = (
-            batch.counts.to(torch.int64)
-            if batch.counts is not None
-            else torch.zeros(m, dtype=torch.int64, device=self.ctx.device)
-        )
-        message = torch.cat([head.to(self.ctx.device), counts.to(self.ctx.device)])
-        values = self.channel.agree(message, batch.inputs is not None)
-        agreed = tuple(values[1 : m + 1])
-        return Header(values[0], agreed, tuple(values[m + 2 :]) if values[m + 1] else None)
+        message = header_message(batch, m, self.ctx.device)
+        return Header.read(self.channel.agree(message, batch.inputs is not None), m)
 
     def run(
         self,
@@ -198,8 +166,10 @@ class Engine:
         record(self._spans)
         try:
             self._walk(program, train, batch.inputs, mode != "predict")
-            channel.end()
+            # The loss sums go before the sends are waited for: the last stage's rank
+            # need not wake again to post them (gloo moves them once their receive is up).
             shared = channel.share(pack(state.loss, self.ctx.device)) if mode != "predict" else None
+            channel.end()
             for sync in syncs:
                 sync.finish()
         except BaseException:

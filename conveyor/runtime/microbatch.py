@@ -8,9 +8,10 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -159,6 +160,46 @@ class MicroBatches:
     def rows(self) -> int | None:
         """The rows of the whole batch (None where this process got no batch)."""
         return None if self.sizes is None else sum(self.sizes)
+
+
+class Header(NamedTuple):
+    """What the first stage's batch tells every pipeline rank at a step's start
+    (:func:`header_message`): its input shapes' signature, rows per micro-batch, and the
+    counts of a model's own token loss (None for other losses)."""
+
+    signature: int
+    sizes: tuple[int, ...]
+    counts: tuple[int, ...] | None
+
+    @classmethod
+    def read(cls, values: list[int], m: int) -> Header:
+        """The header of ``m`` micro-batches that :func:`header_message` wrote."""
+        counts = tuple(values[m + 2 :]) if values[m + 1] else None
+        return cls(values[0], tuple(values[1 : m + 1]), counts)
+
+
+def header_message(batch: MicroBatches, m: int, device: torch.device) -> torch.Tensor:
+    """The header of ``batch`` (``m`` micro-batches) as one integer tensor on ``device``: a
+    number that changes when the micro-batches' input shapes change, their rows (a scalar
+    loss is weighted by them), and the counts of a model's own token loss
+    (:attr:`MicroBatches.counts`)."""
+    signature = 0
+    if batch.inputs is not None:
+        shapes = [
+            (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+            for mb in batch.inputs
+            for x in ((mb,) if isinstance(mb, torch.Tensor) else pytree.tree_leaves(mb))
+        ]
+        signature = zlib.crc32(repr(shapes).encode())
+    sizes = batch.sizes if batch.sizes is not None else (0,) * m
+    has_counts = batch.counts is not None
+    head = torch.tensor([signature, *sizes, int(has_counts)], dtype=torch.int64)
+    counts = (
+        batch.counts.to(torch.int64)
+        if batch.counts is not None
+        else torch.zeros(m, dtype=torch.int64, device=device)
+    )
+    return torch.cat([head.to(device), counts.to(device)])
 
 
 Counter = Callable[[torch.Tensor], torch.Tensor]
