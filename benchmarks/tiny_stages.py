@@ -327,7 +327,8 @@ def report(found: dict[str, Any], args: argparse.Namespace) -> None:
         print(
             f"| {label} | {ms(wall['conveyor']):.2f} | {ms(wall['torch']):.2f} | "
             f"{ms(wall['conveyor']) / ms(wall['torch']):.2f} (rounds "
-            f"{', '.join(f'{v:.2f}' for v in per_round)}) | "
+            f"{', '.join(f'{v:.2f}' for v in per_round)}; their median "
+            f"{statistics.median(per_round):.2f}) | "
             + " / ".join(f"{v:.2f}" for v in cpu["conveyor"]) + " | "
             + " / ".join(f"{v:.2f}" for v in cpu["torch"]) + f" | {ratios} |"
         )
