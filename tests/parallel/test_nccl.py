@@ -261,6 +261,14 @@ def test_the_engine_posts_receives_ahead_where_the_program_says() -> None:
     last = rank_program(schedule, 1, join=True).ticks
     assert not any(t.ahead and t.sends for t in last)
     assert sum(bool(t.sends and t.recvs) for t in last) == 6
+    # The last stage's rank posts the loss sums before it waits for any of its sends, so
+    # it need not wake again to post them.
+    records = traces[1]
+    sums = max(r.batch for r in records if r.batch is not None)
+    (posted,) = [r.seq for r in records if r.batch == sums and r.kind == "send"]
+    sends = {r.seq for r in records if r.kind == "send"}
+    waited = [r.seq for r in records if r.kind == "wait" and set(r.waits_on) <= sends]
+    assert waited and min(waited) > posted, (posted, waited)
 
 
 # ------------------------------------------------------------------ context parallelism
