@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from conveyor.planning.hardware import Hardware
+from conveyor.planning.devices import Hardware
 
 LINK_EFFICIENCY = 0.8
 BASE_LATENCY = 8.4e-6

@@ -13,7 +13,7 @@ What autograd saves for the backward is counted per part the way the runtime's
 counted as the fused kernel GPUs run (the flash kernel's aten op, which saves its output
 and log-sum-exp instead of the sequence x sequence scores). Layers alike are traced twice
 and counted once. Everything scales linearly with the micro-batch size
-(:mod:`~conveyor.planning.estimate` multiplies), so one sequence is traced.
+(:mod:`~conveyor.planning.counted` multiplies), so one sequence is traced.
 """
 
 from __future__ import annotations

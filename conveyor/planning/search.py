@@ -5,7 +5,7 @@ node (a power of two dividing the attention heads and the key/value heads), expe
 parallelism over the data-parallel ranks (a divisor of both ``dp`` and the expert count),
 FSDP or not, each pipeline schedule of :data:`SCHEDULES`, micro-batches of 1 to 8
 sequences and recompute or not; the model is counted once and every layout is simulated
-(:func:`~conveyor.planning.estimate.predict`). Layouts that fit the memory limit come
+(:func:`~conveyor.planning.cluster.predict_layout`). Layouts that fit the memory limit come
 first, fastest (tokens per second per GPU) first; those over it follow, marked.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
+from conveyor.planning.cluster import Estimate, predict_layout
 from conveyor.planning.counting import count_model
-from conveyor.planning.estimate import Estimate, predict
-from conveyor.planning.hardware import Hardware, hardware
+from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.model_count import ModelCount
 
@@ -36,7 +36,7 @@ MICROBATCH_SIZES = (1, 2, 4, 8)
 
 @dataclass(frozen=True)
 class Ranked:
-    """One layout, predicted: its :class:`~conveyor.planning.estimate.Estimate` and whether
+    """One layout, predicted: its :class:`~conveyor.planning.cluster.Estimate` and whether
     every rank fits the limit."""
 
     estimate: Estimate
@@ -62,7 +62,7 @@ def rank_layouts(
 
     Args:
         model: A transformers config or a model built under :func:`conveyor.empty_weights`.
-        hardware: A preset's name or a :class:`~conveyor.planning.hardware.Hardware`.
+        hardware: A preset's name or a :class:`~conveyor.planning.devices.Hardware`.
         gpus: GPUs in the cluster.
         seq: Tokens per sequence.
         global_batch: Sequences per step.
@@ -103,7 +103,7 @@ _hardware = hardware
 
 def _predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate | None:
     try:
-        return predict(counted, hw, layout)
+        return predict_layout(counted, hw, layout)
     except ConfigError:  # a tp splitting no heads evenly; a schedule these micro-batches fail
         return None
 

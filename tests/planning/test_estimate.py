@@ -209,7 +209,7 @@ def test_activations_follow_the_schedule_and_recompute() -> None:
     assert parts_gb(one, 3)["activations"] < parts_gb(one, 0)["activations"]
     double = estimate(config, hardware="h100-sxm", layout=Layout(4, microbatch_size=2, **base))
     assert parts_gb(double)["activations"] == pytest.approx(2 * parts_gb(one)["activations"])
-    again = estimate(config, hardware="h100-sxm", layout=Layout(4, recompute=True, **base))
+    again = estimate(config, hardware="h100-sxm", layout=Layout(4, recompute="layer", **base))
     assert parts_gb(again, 1)["activations"] < parts_gb(one, 1)["activations"] / 5
     assert again.step_s > one.step_s
     assert again.tflops_per_gpu > one.tflops_per_gpu  # it executes the layers' forward twice

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
+from conveyor.planning.model_count import ATTENTION, MATMUL, Op
 
 HBM_EFFICIENCY = 0.84
 """Achievable share of HBM bandwidth for memory-bound operations."""
@@ -52,6 +53,8 @@ class Hardware:
         attention: Which FlashAttention-2 benchmark its attention rate follows
             (``"a100"`` or ``"h100"``).
         name: The preset's name, or ``""``.
+        action_overhead: Seconds the runtime adds to every F and B beyond its kernels
+            (0 on a GPU, whose kernels queue while the host goes on).
     """
 
     peak_tflops: float
@@ -63,6 +66,7 @@ class Hardware:
     matmul_tflops: float = 0.0
     attention: str = "h100"
     name: str = ""
+    action_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "hbm_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
@@ -89,6 +93,20 @@ class Hardware:
         rate = _interpolate(seq, _FA2[self.attention][causal]) * 1e12
         work = flops / 2 if causal else flops
         return max(work / rate, self.memory_seconds(nbytes))
+
+    def op_seconds(self, op: Op, share: float, tp: int, seq: int) -> float:
+        """Time of ``op`` (counted for one sequence) run ``op.count`` times on ``share``
+        sequences' worth of tokens, split over ``tp`` ranks; ``seq`` is the attention
+        kernel's sequence length."""
+        flops = op.flops * share / tp
+        moved = (op.bytes * share + op.fixed_bytes) / tp
+        if op.kind == MATMUL:
+            seconds = self.matmul_seconds(flops, moved)
+        elif op.kind == ATTENTION:
+            seconds = self.attention_seconds(flops, moved, seq, op.causal)
+        else:
+            seconds = max(flops / (self.peak_tflops * 1e12), self.memory_seconds(moved))
+        return seconds * op.count
 
     def memory_seconds(self, nbytes: float) -> float:
         """Time to move ``nbytes`` through HBM at its achievable rate."""
