@@ -27,9 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import RUNS, SOURCES, Model, Run
+from published_runs import FRAMEWORKS, RUNS, SOURCES, Model, Run
 
 from conveyor.planning import Estimate, Hardware, Layout, estimate, hardware
+from conveyor.planning.cluster import unit_balance
+from conveyor.planning.counted import counted_costs
+from conveyor.planning.counting import count_model
 
 MEMORY, THROUGHPUT, RATIO = 0.15, 0.20, 0.05
 """The issue's targets: relative error allowed for memory, throughput and schedule ratios."""
@@ -42,7 +45,10 @@ limit is not modelled: the SXM peak and matmul rate are kept)."""
 
 
 def config_of(model: Model) -> object:
-    """The transformers config of a published model."""
+    """The transformers config of a published model. A Megatron GPT's activation is one
+    fused GeLU kernel (``bias_gelu_fusion``), which saves its input alone; transformers'
+    ``gelu_new`` writes the tanh approximation out as separate element-wise operations,
+    each saving its own input, so the GPT configs take torch's GeLU (one kernel)."""
     from transformers import GPT2Config, LlamaConfig
 
     if model.arch == "gpt":
@@ -54,6 +60,7 @@ def config_of(model: Model) -> object:
             n_positions=model.seq,
             vocab_size=model.vocab,
             tie_word_embeddings=model.tied_embeddings,
+            activation_function="gelu",
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -70,11 +77,14 @@ def config_of(model: Model) -> object:
 
 
 def layout_of(run: Run) -> Layout:
-    """The run's layout in conveyor's terms (context parallelism has none: see ``predict``)."""
+    """The run's layout in conveyor's terms, as its framework laid it out (the split, what
+    recompute re-runs, when gradients are reduced)."""
+    framework = FRAMEWORKS[run.framework]
     return Layout(
         run.pp,
         tp=run.tp,
         dp=run.dp,
+        cp=run.cp,
         fsdp=run.fsdp,
         schedule=run.schedule,
         chunks=run.chunks,
@@ -82,7 +92,11 @@ def layout_of(run: Run) -> Layout:
         microbatch_size=run.microbatch_size,
         global_batch=run.global_batch,
         seq=run.seq,
-        recompute=run.recompute,
+        recompute=framework.recompute if run.recompute else False,
+        balance=framework.split,
+        dp_overlap=framework.dp_overlap,
+        p2p_overlap=framework.p2p_overlap,
+        attention=framework.attention,
     )
 
 
@@ -122,9 +136,7 @@ def predicted(run: Run, est: Estimate) -> dict[str, float]:
 
 
 def predict(run: Run) -> Row:
-    """One run predicted; a run conveyor cannot lay out gets ``why_not`` instead."""
-    if run.cp > 1:
-        return Row(run, {}, f"context parallelism (cp {run.cp}): conveyor plans none")
+    """One run predicted."""
     est = estimate(config_of(run.model), hardware=hardware_of(run), layout=layout_of(run))
     ours = predicted(run, est)
     return Row(run, {kind: (ours[kind], value) for kind, value in run.measured.items()})
@@ -248,8 +260,11 @@ def stages() -> str:
             continue
         seen.add(name)
         run = next(r for r in RUNS if r.source == "zb-table4" and r.label == f"{name} m={m}")
-        est = estimate(config_of(run.model), hardware=hardware_of(run), layout=layout_of(run))
-        ours = est.stage_times[p // 2]
+        layout = layout_of(run)
+        counted = count_model(config_of(run.model), layout.seq, layout.dtype, layout.attention)
+        costs = counted_costs(counted, hardware_of(run), layout)
+        stages = costs.costs(unit_balance(layout, len(counted.layers), costs.times(True)), True)
+        ours = stages[p // 2]
         cells = [
             f"{o * 1e3:.1f} / {t:.1f} ({o * 1e3 / t - 1:+.0%})"
             for o, t in zip(ours, (f, b, w), strict=True)

@@ -89,7 +89,7 @@ def estimate(model: Any, *, hardware: str | Hardware, layout: Layout) -> Estimat
             stages than decoder layers + 2, a ``balance`` that does not add up to the
             layers, or a schedule that cannot run the layout's micro-batches.
     """
-    counted = count_model(model, layout.seq, layout.dtype)
+    counted = count_model(model, layout.seq, layout.dtype, layout.attention)
     return predict_layout(counted, _hardware(hardware), layout)
 
 
@@ -99,8 +99,8 @@ _hardware = hardware
 def predict_layout(
     counted: ModelCount, hw: Hardware, layout: Layout, schedule: Schedule | None = None
 ) -> Estimate:
-    """:func:`estimate` on a model already counted at the layout's ``seq`` and ``dtype``
-    (``schedule``: the layout's, already built)."""
+    """:func:`estimate` on a model already counted at the layout's ``seq``, ``dtype`` and
+    ``attention`` (``schedule``: the layout's, already built)."""
     _check(counted, layout)
     costs = counted_costs(counted, hw, layout)
     balance = unit_balance(layout, len(counted.layers), costs.times(True))

@@ -58,6 +58,8 @@ class UnitCost:
         w_inputs: Bytes W reads that F saved or B made: the inputs and output
             gradients of its matrix multiplies (the Zero Bubble paper's M_W); 0 where
             unknown. :func:`~conveyor.planning.memory.held_until_w` decides what is held.
+        workspace: The most bytes of temporaries alive at once while its F or B runs,
+            beyond what it keeps (the loss's logits in fp32 and their gradient, say).
     """
 
     name: str
@@ -77,6 +79,7 @@ class UnitCost:
     attention: float = 0.0
     attention_saved: float = 0.0
     w_inputs: float = 0.0
+    workspace: float = 0.0
 
     @property
     def count(self) -> float:
@@ -102,6 +105,8 @@ class Costs:
         latency: Seconds per transfer between pipeline ranks.
         bandwidth: Bytes per second between pipeline ranks.
         overhead: Seconds the runtime adds to every F and B (its own bookkeeping).
+        blocking: Whether a rank waits for its sends before it computes on (Megatron-LM's
+            point-to-point calls); conveyor's runtime sends beside its compute.
     """
 
     layers: tuple[UnitCost, ...]
@@ -110,6 +115,7 @@ class Costs:
     latency: float
     bandwidth: float
     overhead: float = 0.0
+    blocking: bool = False
 
     def times(self, split: bool) -> list[float]:
         """Each unit's time for one micro-batch (see :meth:`UnitCost.time`)."""

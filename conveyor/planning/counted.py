@@ -26,7 +26,7 @@ from conveyor.planning import collectives
 from conveyor.planning.costs import LAYER, PRE, Costs, UnitCost
 from conveyor.planning.devices import Hardware
 from conveyor.planning.layout import Layout
-from conveyor.planning.model_count import ATTENTION, ModelCount, Op, Part
+from conveyor.planning.model_count import ATTENTION, MATMUL, ModelCount, Op, Part
 
 
 class _Units:
@@ -105,8 +105,14 @@ class _Units:
         dense, experts = self.params(part)
         if layout.fsdp == "reshard":
             f, b = self._reshard(f, b, w, dense + experts)
-        saved = part.saved_bytes * self.share / layout.tp
+        # Sequence parallelism splits every saved tensor by tp; without it those as wide
+        # as the hidden states are whole on every tp rank.
+        wide = 0.0 if layout.sequence_parallel else part.saved_hidden * (1 - 1 / layout.tp)
+        saved = (part.saved_bytes / layout.tp + wide) * self.share
         width = 2 if self.mixed else 4
+        w_reads = sum(
+            (o.bytes - o.out) * o.count for o in part.weight if o.kind == MATMUL and o.grows
+        )
         return UnitCost(
             name=part.name,
             forward=f,
@@ -123,6 +129,11 @@ class _Units:
             kind=part.name,
             input=self.hidden if part.name != PRE else 0.0,
             attention=attention_f,
+            attention_saved=sum(o.out * o.count for o in part.forward if o.kind == ATTENTION)
+            * self.share
+            / layout.tp,
+            w_inputs=w_reads * self.share / layout.tp,
+            workspace=part.workspace * self.share / layout.tp,
         )
 
     def _reshard(self, f: float, b: float, w: float, params: float) -> tuple[float, float]:
@@ -160,6 +171,7 @@ def counted_costs(counted: ModelCount, hw: Hardware, layout: Layout) -> Costs:
         latency,
         bandwidth,
         hw.action_overhead,
+        blocking=not layout.p2p_overlap,
     )
 
 

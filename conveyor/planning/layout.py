@@ -6,7 +6,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from conveyor.errors import ConfigError
 from conveyor.planning.memory import OPTIMIZERS, RECOMPUTE, Setting
-from conveyor.planning.model_count import DTYPES
+from conveyor.planning.model_count import ATTENTIONS, DTYPES
 from conveyor.schedules import SCHEDULE_NAMES
 
 SPLITS = ("even", "ends")
@@ -67,6 +67,11 @@ class Layout:
         dp_overlap: When a stage's gradient reduction runs: ``"stage"`` once its last
             backward has ended (conveyor's runtime), ``"backward"`` beside that backward
             (DDP's, FSDP's and Megatron's buckets), ``"none"`` after the whole step.
+        p2p_overlap: Pipeline sends run beside the compute (conveyor's runtime); False:
+            a rank waits for each of its sends (Megatron-LM's point-to-point calls).
+        attention: ``"flash"``: the fused kernel (FlashAttention; attention a model
+            writes by hand too); ``"math"``: as written, the scores materialized and
+            saved (a framework without a fused kernel).
     """
 
     pp: int
@@ -89,6 +94,8 @@ class Layout:
     distributed_optimizer: bool = False
     sequence_parallel: bool = True
     dp_overlap: str = "stage"
+    p2p_overlap: bool = True
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp", "dp", "cp", "ep", "chunks", "microbatch_size", "global_batch"):
@@ -119,6 +126,7 @@ class Layout:
         _one_of("fsdp", self.fsdp, (False, True, "reshard"))
         _one_of("recompute", self.recompute, RECOMPUTE)
         _one_of("dp_overlap", self.dp_overlap, OVERLAPS)
+        _one_of("attention", self.attention, ATTENTIONS)
         if self.fsdp and self.distributed_optimizer:
             raise ConfigError(
                 "Layout fsdp already shards the optimizer state; drop distributed_optimizer"

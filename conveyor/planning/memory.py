@@ -163,22 +163,23 @@ def stage_bytes(
     units: Sequence[UnitCost], recompute: bool | str
 ) -> tuple[float, float, float, float]:
     """One stage's bytes for one micro-batch: (kept from F until B, held on top of that
-    while B runs, held from B until W, the largest temporary of one action)."""
+    while B runs, held from B until W, the largest temporary of one of its actions)."""
     full = sum(u.activations for u in units)
     after = sum(held_until_w(u) for u in units)
+    temp = max((u.workspace for u in units), default=0.0)
     layers = [u for u in units if u.kind == LAYER]
     if recompute is True:  # the stage's input only; B runs the whole forward again
         kept = units[0].input
-        return kept, full - kept, after, 0.0
+        return kept, full - kept, after, temp
     if recompute == "layer":
         kept = sum(u.input for u in layers) + sum(u.activations for u in units if u.kind != LAYER)
         during = max((u.activations - u.input for u in layers), default=0.0)
-        return kept, during, after, 0.0
+        return kept, during, after, temp
     if recompute == "selective":
         kept = full - sum(u.attention_saved for u in layers)
         during = max((u.attention_saved for u in layers), default=0.0)
-        return kept, during, after - (full - kept), 0.0
-    return full, 0.0, after, 0.0
+        return kept, during, after - (full - kept), temp
+    return full, 0.0, after, temp
 
 
 def activation_peaks(
@@ -193,12 +194,12 @@ def activation_peaks(
     for program in schedule.actions:
         held = peak = 0.0
         for a in program:
-            kept, during, after, _ = per_stage[a.stage]
+            kept, during, after, temp = per_stage[a.stage]
             if a.kind == F:
                 held += kept
-                peak = max(peak, held)
+                peak = max(peak, held + temp)
             elif a.kind == B:
-                peak = max(peak, held + during)
+                peak = max(peak, held + during + temp)
                 held += (after - kept) if split else -kept
                 peak = max(peak, held)
             elif a.kind == W:

@@ -164,14 +164,20 @@ def stage_costs(
     split = schedule.split_backward
     plain = costs.costs(balance, split)
     shares = recomputed_shares(schedule) if recompute is True else [0.0] * schedule.stages
+    send = costs.comm(balance) if costs.blocking else 0.0
+    last = schedule.stages - 1
     out = []
-    for (f, b, w), units, share in zip(plain, costs.parts(balance), shares, strict=True):
+    for s, ((f, b, w), units, share) in enumerate(
+        zip(plain, costs.parts(balance), shares, strict=True)
+    ):
         again = f * share
         if recompute == "layer":
             again = sum(u.forward if split else u.forward_plain for u in units if u.kind == LAYER)
         elif recompute == "selective":
             again = sum(u.attention for u in units if u.kind == LAYER)
-        out.append((f + costs.overhead, b + costs.overhead + again, w))
+        f += costs.overhead + (send if s < last else 0.0)
+        b += costs.overhead + again + (send if s > 0 else 0.0)
+        out.append((f, b, w))
     return out
 
 

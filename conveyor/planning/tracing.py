@@ -32,7 +32,16 @@ from torch.utils.module_tracker import ModuleTracker
 from conveyor.errors import ConfigError
 from conveyor.partition.experts import is_experts_collection
 from conveyor.planning.model_count import Record
-from conveyor.planning.recording import FlashAttention, Recorder, SavedBytes, nbytes, tensors
+from conveyor.planning.recording import (
+    FlashAttention,
+    FusedDropout,
+    MathAttention,
+    Recorder,
+    SavedBytes,
+    Scores,
+    nbytes,
+    tensors,
+)
 
 ATTENTION_NAME = "conveyor-count"
 """The attention implementation a transformers model is counted with (see the docstring)."""
@@ -47,7 +56,10 @@ class Run:
         forward: The ops of F.
         backward: The ops of B.
         whole: The ops of B and W together.
-        saved: Bytes autograd saved in F.
+        saved: Bytes autograd saved in F (a hand-written attention's log-sum-exp too).
+        wide: Of ``saved``, the tensors as wide as the hidden states.
+        workspace: The most bytes of new tensors alive at once in F beyond what F
+            saved, or in B.
         routed: Bytes of hidden states sent to experts (once per expert chosen).
         reads: The ids of the parameters each part read in F.
         hidden: Bytes of the first layer's input (one sequence's hidden states).
@@ -57,6 +69,8 @@ class Run:
     backward: dict[int, list[Record]]
     whole: dict[int, list[Record]]
     saved: collections.Counter[int]
+    wide: collections.Counter[int]
+    workspace: dict[int, float]
     routed: collections.Counter[int]
     reads: dict[int, set[int]]
     hidden: float
@@ -92,7 +106,14 @@ class Parts:
         return self.last if self.backward else self.last + 2
 
 
-def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
+def trace(
+    model: nn.Module,
+    layers: list[nn.Module],
+    seq: int,
+    hidden: int = 0,
+    heads: int = 0,
+    fused: bool = True,
+) -> Run:
     """Run ``model`` on one sequence of ``seq`` tokens and record it (see the docstring).
 
     Args:
@@ -100,11 +121,18 @@ def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
             ``labels``.
         layers: Its decoder layers to trace, each called once per forward.
         seq: Tokens in the sequence.
+        hidden: Its hidden size (0: unknown).
+        heads: Its attention heads (0: unknown; attention written by hand is then counted
+            as written).
+        fused: Count attention as the flash kernel (SDPA's and attention written by hand);
+            else as it is written, SDPA as its math form.
     """
     params = {id(p): p for p in model.parameters()}
     parts = Parts(model, layers)
-    recorder = Recorder(params, parts)
-    saved = SavedBytes(set(params), parts)
+    scores = Scores(seq, heads if fused else 0)
+    flash = FlashAttention if fused else MathAttention
+    recorder = Recorder(params, parts, scores, lambda: parts.backward)
+    saved = SavedBytes(set(params), parts, hidden, scores)
     inputs: list[Tensor] = []
     routed: collections.Counter[int] = collections.Counter()
 
@@ -125,23 +153,32 @@ def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
         stack.enter_context(parts.tracker)
         parts.begin(backward=False)
         with (
-            FlashAttention(),
+            flash(),
+            FusedDropout(),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
         ):
             loss = _loss(model, ids)
-        forward = recorder.take()
+        forward, in_forward = recorder.take()
         reads = {k: set(v) for k, v in recorder.reads.items()}
         parts.begin(backward=True)
-        with FlashAttention(), recorder:
-            torch.autograd.grad(loss, inputs, retain_graph=True)
-        backward = recorder.take()
+        with flash(), recorder:
+            grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        backward, in_backward = recorder.take()
+        del grads
         parts.begin(backward=True)
         wanted = [p for p in model.parameters() if p.requires_grad]
-        with FlashAttention(), recorder:
+        with flash(), recorder:
             torch.autograd.grad(loss, [*inputs, *wanted], allow_unused=True)
-        whole = recorder.take()
-    return Run(forward, backward, whole, saved.bytes, routed, reads, nbytes(inputs[0]))
+        whole, _ = recorder.take()
+    kept = saved.bytes + recorder.lse
+    workspace = {
+        i: max(in_forward[i] - kept[i], in_backward[i], 0.0)
+        for i in set(in_forward) | set(in_backward)
+    }
+    return Run(
+        forward, backward, whole, kept, saved.wide, workspace, routed, reads, nbytes(inputs[0])
+    )
 
 
 @contextlib.contextmanager
