@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
+from conveyor.planning.costs import Costs
 from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import Hardware, hardware
@@ -24,6 +25,7 @@ from conveyor.planning.layout import Layout
 from conveyor.planning.model_count import ModelCount
 from conveyor.planning.prediction import predict, time_balance
 from conveyor.schedules import Schedule, get_schedule, zero_bubble_auto
+from conveyor.simulate import SimResult
 
 GB = 1e9
 
@@ -97,17 +99,25 @@ _hardware = hardware
 
 
 def predict_layout(
-    counted: ModelCount, hw: Hardware, layout: Layout, schedule: Schedule | None = None
+    counted: ModelCount,
+    hw: Hardware,
+    layout: Layout,
+    schedule: Schedule | None = None,
+    sims: dict[object, SimResult] | None = None,
+    costs: Costs | None = None,
 ) -> Estimate:
     """:func:`estimate` on a model already counted at the layout's ``seq``, ``dtype`` and
-    ``attention`` (``schedule``: the layout's, already built)."""
+    ``attention`` (``schedule``: the layout's, already built; ``sims``: simulations to
+    share, :func:`~conveyor.planning.prediction.predict`; ``costs``: its units, already
+    :func:`~conveyor.planning.counted.counted_costs`)."""
     _check(counted, layout)
-    costs = counted_costs(counted, hw, layout)
+    if costs is None:
+        costs = counted_costs(counted, hw, layout)
     balance = unit_balance(layout, len(counted.layers), costs.times(True))
     if schedule is None:
         schedule = layout_schedule(layout, costs.costs(balance, True), costs.comm(balance))
     setting = layout.setting(tp_buffer(counted, layout))
-    got = predict(schedule, costs, balance, setting, CountedSync(hw, layout))
+    got = predict(schedule, costs, balance, setting, CountedSync(hw, layout), sims)
     step = got.step
     tokens = layout.global_batch * layout.seq
     whole, layers_only = counted.forward_flops

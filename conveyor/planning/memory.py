@@ -191,21 +191,38 @@ def activation_peaks(
     """Per rank, the most activation bytes held at once, walked action by action."""
     per_stage = [stage_bytes(units, recompute) for units in parts]
     out = []
-    for program in schedule.actions:
+    for program in _programs(schedule):
         held = peak = 0.0
-        for a in program:
-            kept, during, after, temp = per_stage[a.stage]
-            if a.kind == F:
+        for code, stage in program:
+            kept, during, after, temp = per_stage[stage]
+            if code == 0:  # F
                 held += kept
                 peak = max(peak, held + temp)
-            elif a.kind == B:
+            elif code == 1:  # B
                 peak = max(peak, held + during + temp)
                 held += (after - kept) if split else -kept
                 peak = max(peak, held)
-            elif a.kind == W:
+            else:  # W
                 held -= after
         out.append(peak)
     return out
+
+
+_PROGRAMS: dict[int, tuple[Schedule, tuple[tuple[tuple[int, int], ...], ...]]] = {}
+
+
+def _programs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's program as (0 for F, 1 for B, 2 for W; stage) pairs, kept for the
+    schedules walked last (a search walks each many times)."""
+    found = _PROGRAMS.get(id(schedule))
+    if found is not None and found[0] is schedule:
+        return found[1]
+    codes = {F: 0, B: 1, W: 2}
+    made = tuple(tuple((codes[a.kind], a.stage) for a in program) for program in schedule.actions)
+    if len(_PROGRAMS) > 64:
+        _PROGRAMS.clear()
+    _PROGRAMS[id(schedule)] = (schedule, made)
+    return made
 
 
 __all__ = [

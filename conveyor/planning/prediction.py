@@ -205,30 +205,31 @@ def tail(
     schedule = sim.schedule
     parts = costs.parts(balance)
     last = W if schedule.split_backward else B
-    ends: dict[int, tuple[float, float]] = {}  # stage -> (end, start) of its last backward
-    busy: dict[int, float] = {}
-    first_f: dict[int, float] = {}
-    for event in sim.events:  # grouped by rank, in program order
-        a = event.action
-        busy[event.rank] = max(busy.get(event.rank, 0.0), event.end)
-        if a.kind == F:
-            first_f.setdefault(event.rank, event.end - event.start)
-        if a.kind == last and event.end >= ends.get(a.stage, (-1.0, 0.0))[0]:
-            ends[a.stage] = (event.end, event.start)
-    finish = 0.0
-    for rank in range(schedule.ranks):
+    finish, start = 0.0, 0
+    for rank, program in enumerate(schedule.actions):
+        events = sim.events[start : start + len(program)]  # this rank's, in program order
+        start += len(program)
+        if not events:
+            continue
+        busy = events[-1].end
+        first_f = next((e.end - e.start for e in events if e.action.kind == F), 0.0)
+        ends: dict[int, tuple[float, float]] = {}  # stage -> (end, start) of its last backward
         stages = schedule.stages_of(rank)
-        mine = [u for s in stages for u in parts[s]]
+        for e in reversed(events):
+            if e.action.kind == last and e.action.stage not in ends:
+                ends[e.action.stage] = (e.end, e.start)
+                if len(ends) == len(stages):
+                    break
         clock = 0.0
         for s in sorted(stages, key=lambda s: ends[s][0]):
             end, begin = ends[s]
-            start = {"stage": end, "backward": begin, "none": busy[rank]}[setting.dp_overlap]
-            clock = max(clock, start) + sync.reduce(parts[s])
+            when = {"stage": end, "backward": begin, "none": busy}[setting.dp_overlap]
+            clock = max(clock, when) + sync.reduce(parts[s])
             clock = max(clock, end)
         gathers = sum(sync.gather(parts[s]) for s in stages)
-        early = max(0.0, gathers - first_f.get(rank, 0.0))
-        done = max(busy[rank], clock) + early + sync.update(mine)
-        finish = max(finish, done)
+        early = max(0.0, gathers - first_f)
+        mine = [u for s in stages for u in parts[s]]
+        finish = max(finish, max(busy, clock) + early + sync.update(mine))
     return max(0.0, finish - sim.makespan)
 
 
@@ -238,10 +239,19 @@ def predict(
     balance: Sequence[int],
     setting: Setting,
     sync: Sync | None = None,
+    cache: dict[object, SimResult] | None = None,
 ) -> Prediction:
-    """``schedule`` on ``costs`` cut by ``balance``: simulated, its tail and its memory."""
+    """``schedule`` on ``costs`` cut by ``balance``: simulated, its tail and its memory.
+    ``cache`` keeps simulations by schedule and stage costs, for a caller that predicts
+    many layouts alike (FSDP or not changes no stage's time)."""
     per_stage = stage_costs(schedule, costs, balance, setting.recompute)
-    sim = simulate(schedule, per_stage, costs.comm(balance))
+    comm = costs.comm(balance)
+    key = (id(schedule), tuple(per_stage), comm)
+    sim = cache.get(key) if cache is not None else None
+    if sim is None:
+        sim = simulate(schedule, per_stage, comm)
+        if cache is not None:
+            cache[key] = sim
     return Prediction(
         schedule=schedule,
         balance=tuple(balance),

@@ -2,8 +2,11 @@
 backwards, every aten operation filed under the part of the model that ran it.
 
 The parts are what comes before the decoder layers (``pre``: the embeddings), each traced
-layer, and what comes after (``post``: final norm, head and loss). Which one runs is
-asked of torch's :class:`~torch.utils.module_tracker.ModuleTracker` (:class:`Parts`).
+layer, and what comes after (``post``: final norm, head and loss). Which one runs in F is
+asked of torch's :class:`~torch.utils.module_tracker.ModuleTracker` (:class:`Parts`); in a
+backward, it is the part whose forward made the autograd node running (:class:`Nodes`
+marks each node as F makes it), which holds for any module, also one that returns
+outputs nothing reads (BLOOM's attention returns its probabilities).
 
 - F: the forward and loss.
 - B: the gradients with respect to every layer's input only (``autograd.grad`` on those
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.module_tracker import ModuleTracker
 
 from conveyor.errors import ConfigError
@@ -77,10 +82,10 @@ class Run:
 
 
 class Parts:
-    """The index of the part running now: a traced layer while it is among the modules
-    :class:`~torch.utils.module_tracker.ModuleTracker` reports running; outside them, in F
-    the part after the last layer that ran (``pre`` before the first), and in a backward
-    the part before it (``post`` until the first layer's backward begins)."""
+    """The index of the part running now. In F: a traced layer while it is among the
+    modules :class:`~torch.utils.module_tracker.ModuleTracker` reports running; outside
+    them the part after the last layer that ran (``pre`` before the first). In a backward:
+    the part that made the autograd node running (:class:`Nodes`), ``post`` before any."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
         names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
@@ -90,20 +95,48 @@ class Parts:
         self.tracker = ModuleTracker()
         self.backward = False
         self.last: int | None = None
+        self.node: int | None = None  # the part of the backward's running node
 
     def begin(self, backward: bool) -> None:
         """A new pass begins: F, or a backward."""
-        self.backward, self.last = backward, None
+        self.backward, self.last, self.node = backward, None, None
 
     def __call__(self) -> int:
+        if self.backward:
+            return self.after if self.node is None else self.node
         for name in self.tracker.parents:
             i = self.index.get(name)
             if i is not None:
                 self.last = i
                 return i + 1
-        if self.last is None:
-            return self.after if self.backward else 0
-        return self.last if self.backward else self.last + 2
+        return 0 if self.last is None else self.last + 2
+
+
+class Nodes(TorchFunctionMode):
+    """Marks every autograd node the forward makes with the part running when it is made
+    (walking back from each result to the nodes not yet marked); a hook on the node sets
+    that part while a backward runs it."""
+
+    def __init__(self, parts: Parts) -> None:
+        super().__init__()
+        self.parts = parts
+        self.marked: dict[int, Any] = {}  # kept alive, so that no other node takes an id
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        part = self.parts()
+        stack: list[Any] = [t.grad_fn for t in tensors(out) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in self.marked:
+                continue
+            self.marked[id(node)] = node
+            node.register_prehook(functools.partial(self._enter, part))
+            stack.extend(n for n, _ in node.next_functions)
+        return out
+
+    def _enter(self, part: int, grads: Any) -> None:
+        self.parts.node = part
 
 
 def trace(
@@ -153,6 +186,7 @@ def trace(
         stack.enter_context(parts.tracker)
         parts.begin(backward=False)
         with (
+            Nodes(parts),
             flash(),
             FusedDropout(),
             recorder,
