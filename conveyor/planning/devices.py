@@ -75,8 +75,6 @@ class Hardware:
         memory_efficiency: The share of ``hbm_gbps`` a memory-bound operation reaches.
         latency_s: Seconds per message between ranks (0: NCCL's latencies,
             :mod:`~conveyor.planning.collectives`).
-        cores: Compute devices the ranks of one node share (0: one per rank): more ranks
-            than that take turns.
         matmul_table: Measured multiply rates, (smallest, middle dimension, TFLOP/s),
             used instead of MAMF and waves where given.
         attention_table: Measured attention rates, (sequence length, TFLOP/s of forward
@@ -97,7 +95,6 @@ class Hardware:
     launch_s: float = 0.0
     memory_efficiency: float = HBM_EFFICIENCY
     latency_s: float = 0.0
-    cores: int = 0
     matmul_table: tuple[RatePoint, ...] = ()
     attention_table: tuple[tuple[int, float], ...] = ()
 
