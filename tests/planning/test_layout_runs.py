@@ -15,6 +15,7 @@ from transformers import BloomConfig, LlamaConfig
 from conveyor.errors import ConfigError
 from conveyor.planning import PRESETS, Layout, estimate
 from conveyor.planning.collectives import all_gather, all_reduce
+from conveyor.planning.counted import counted_costs
 from conveyor.planning.counting import count_model
 from conveyor.planning.model_count import ATTENTION, MATMUL
 
@@ -42,6 +43,13 @@ def test_an_even_split_places_the_embeddings_and_the_head_on_the_end_stages() ->
     assert even.memory_parts[0]["parameters"] * GB == pytest.approx(4 * (2 * LAYER + EMBEDDINGS))
     assert even.memory_parts[1]["parameters"] * GB == pytest.approx(4 * 2 * LAYER)
     assert even.memory_parts[3]["parameters"] * GB == pytest.approx(4 * (2 * LAYER + HEAD))
+    # a head 64 times a layer's parameters: balanced by time its stage holds fewer layers,
+    # split evenly it holds as many
+    wide = llama()
+    wide.vocab_size = 65536
+    assert estimate(wide, hardware=H100, layout=Layout(4, **base)).balance != (2, 2, 2, 2)
+    timed = estimate(wide, hardware=H100, layout=Layout(4, balance="even", **base))
+    assert timed.balance == (2, 2, 2, 2)
     ends = estimate(llama(), hardware=H100, layout=Layout(4, balance="ends", **base))
     assert ends.balance == (1, 3, 3, 1)
     given = estimate(llama(), hardware=H100, layout=Layout(4, balance=(3, 2, 2, 1), **base))
@@ -150,6 +158,13 @@ def test_selective_recompute_runs_the_attention_again_at_b() -> None:
     (f0, b0, w0), (f1, b1, w1) = plain.stage_times[0], selective.stage_times[0]
     assert (f1, w1) == (f0, w0)
     assert b1 - b0 == pytest.approx(attention, rel=1e-9)
+    # Memory: F keeps all but the attention kernels' tensors; the B that runs them again
+    # holds one layer's at a time (one rank, F and B alternate: one micro-batch held).
+    units = counted_costs(counted, H100, layout).layers
+    kernels = [u.attention_saved for u in units if u.kind == "layer"]
+    assert max(kernels) > 0
+    saving = plain.memory_parts[0]["activations"] - selective.memory_parts[0]["activations"]
+    assert saving * GB == pytest.approx(sum(kernels) - max(kernels), rel=1e-6)
 
 
 def test_context_parallelism_splits_the_sequence_and_reduces_over_dp_times_cp() -> None:
