@@ -120,7 +120,10 @@ class Hardware:
         (:func:`conveyor.planning.machine.measure`); ``refresh`` measures again."""
         from conveyor.planning.machine import measure
 
-        return measure(refresh=refresh)
+        try:
+            return cls(**measure(refresh=refresh))
+        except (TypeError, ConfigError):  # cached by an older conveyor: measure again
+            return cls(**measure(refresh=True))
 
     def matmul_seconds(
         self, flops: float, nbytes: float, shape: tuple[int, int, int, int] | None = None

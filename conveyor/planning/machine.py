@@ -1,5 +1,6 @@
-"""This machine as a :class:`~conveyor.planning.devices.Hardware`, measured once by
-micro-benchmarks (:func:`measure`, behind :meth:`Hardware.measure`).
+"""This machine's :class:`~conveyor.planning.devices.Hardware` fields, measured once by
+micro-benchmarks (:func:`measure`, behind :meth:`Hardware.measure`, which makes them a
+``Hardware``: this module stays below it).
 
 What the counted source needs of a device, each timed here on the device conveyor's ranks
 run on (the GPU when there is one, else the CPU with the thread count a rank uses):
@@ -21,7 +22,6 @@ version, so each machine is measured once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -32,11 +32,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from conveyor.planning.devices import Hardware
+Fields = dict[str, Any]
+"""Keyword arguments of :class:`~conveyor.planning.devices.Hardware`."""
 
 SMALL = (16, 64, 256, 1024)
 """The smallest dimensions of the multiplies timed."""
@@ -45,10 +47,10 @@ MIDDLE = (256, 1024, 2048)
 SEQUENCES = (64, 256, 1024)
 """Sequence lengths the attention is timed at."""
 
-_MEASURED: dict[str, Hardware] = {}
+_MEASURED: dict[str, Fields] = {}
 
 
-def measure(*, refresh: bool = False) -> Hardware:
+def measure(*, refresh: bool = False) -> Fields:
     """This machine's device, measured once (see the module docstring) and cached for the
     process and on disk; ``refresh`` measures it again."""
     device = _device()
@@ -60,7 +62,7 @@ def measure(*, refresh: bool = False) -> Hardware:
     if hw is None:
         hw = _measure(device)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(hw)))
+        path.write_text(json.dumps(hw))
     _MEASURED[key] = hw
     return hw
 
@@ -69,13 +71,13 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
 
 
-def _load(path: Path) -> Hardware | None:
+def _load(path: Path) -> Fields | None:
     try:
-        fields = json.loads(path.read_text())
+        fields: Fields = json.loads(path.read_text())
         fields["matmul_table"] = tuple(tuple(p) for p in fields["matmul_table"])
         fields["attention_table"] = tuple(tuple(p) for p in fields["attention_table"])
-        return Hardware(**fields)
-    except (OSError, ValueError, TypeError, KeyError):  # none yet, or an older layout
+        return fields
+    except (OSError, ValueError, TypeError, KeyError):  # none yet, or unreadable
         return None
 
 
@@ -114,7 +116,7 @@ def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.02
     return min(times)  # a shared machine's other load only ever slows a timing
 
 
-def _measure(device: torch.device) -> Hardware:
+def _measure(device: torch.device) -> Fields:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     table = []
     for small in SMALL:
@@ -138,7 +140,7 @@ def _measure(device: torch.device) -> Hardware:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
         per_node = os.cpu_count() or 1
     best = max(rate for *_, rate in table)
-    return Hardware(
+    return dict(
         peak_tflops=best,
         hbm_gb=memory,
         hbm_gbps=bandwidth,

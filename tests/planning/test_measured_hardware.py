@@ -29,9 +29,9 @@ def test_the_machine_is_measured_once_and_cached_on_disk(
 ) -> None:
     calls: list[object] = []
 
-    def fake(device: object) -> Hardware:
+    def fake(device: object) -> dict[str, object]:
         calls.append(device)
-        return MEASURED
+        return dataclasses.asdict(MEASURED)
 
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "_measure", fake)
