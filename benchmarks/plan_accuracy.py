@@ -11,12 +11,18 @@ parameter-balanced split (``balance=None``).
 
     python benchmarks/plan_accuracy.py [--steps 10] [--rounds 3] [--warmup 3] [--microbatches 8]
         [--recompute] [--autocast] [--meta]
+    python benchmarks/plan_accuracy.py --counted [--steps 3] [--rounds 3] [--warmup 2]
 
 ``--recompute`` / ``--autocast`` (bf16) plan and run with those options: the planner's
 calibration runs the pipeline's own step, so its prediction should stay as close.
 ``--meta`` also plans the same model built under ``conveyor.empty_weights()`` (each unit
 timed on a real copy of it alone, calibration on each rank's own stages) and measures that
 plan in a ``Pipeline`` of a meta model: its choice and prediction beside the real model's.
+
+``--counted`` checks the other source instead: ``conveyor.planning.estimate`` against
+``Hardware.measure()`` beside the real step of a transformers Llama on every layout two
+processes can run here, and names the issue's layouts it cannot run
+(``benchmarks/counted_accuracy.py``).
 """
 
 from __future__ import annotations
@@ -281,8 +287,37 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also plan the model built on the meta device, and measure that plan",
     )
+    p.add_argument(
+        "--counted",
+        action="store_true",
+        help="the counted estimate on the measured machine beside the real step instead",
+    )
     args = p.parse_args(argv)
+    if args.counted:
+        return counted(args)
     return run_on_processes(__file__, PROCS, argv, worker, args)
+
+
+def counted(args: argparse.Namespace) -> int:
+    """``--counted``: every layout estimated and measured, one table."""
+    import counted_accuracy as accuracy
+    from common import on_processes
+
+    from conveyor.planning import Hardware
+
+    torch.set_num_threads(1)
+    hw = Hardware.measure()
+    estimates = accuracy.predict(hw, list(accuracy.LAYOUTS))
+    balances = {name: est.balance for name, est in estimates.items()}
+    results = on_processes(
+        PROCS, accuracy.measure, None, balances, args.rounds, args.steps, args.warmup
+    )
+    slow = accuracy.slowdown(hw, results)
+    print(f"{hw.name}: multiplies up to {hw.matmul_tflops * 1e3:.0f} GFLOP/s, memory "
+          f"{hw.hbm_gbps:.1f} GB/s, link {hw.latency_s * 1e6:.0f} us + {hw.intra_node_gbps:.2f} "
+          f"GB/s; the ranks ran {slow:.2f}x slower than that side by side\n")  # fmt: skip
+    print(accuracy.table(estimates, results, slow))
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ test_predictions.py checks it, so the page cannot go stale.
     python benchmarks/predictions.py --stages   # a middle stage's F, B, W against Zero
                                                 # Bubble's own profile (its Table 9)
 
-Targets (issue 48): memory within 15% of the published figure, the ratio between two
+Targets (issues 48 and 58): memory within 15% of the published figure, the ratio between two
 schedules of one setting within 5%, throughput (tokens, samples or TFLOP/s per GPU) within
 20%. Every row is reported, misses too; nothing is tuned to these rows (the constants are
 those of conveyor/planning/hardware.py and collectives.py, fixed before this comparison).
@@ -19,6 +19,7 @@ those of conveyor/planning/hardware.py and collectives.py, fixed before this com
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -27,22 +28,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import RUNS, SOURCES, Model, Run
+from published_runs import FRAMEWORKS, RUNS, SOURCES, Model, Run
 
 from conveyor.planning import Estimate, Hardware, Layout, estimate, hardware
+from conveyor.planning.cluster import unit_balance
+from conveyor.planning.counted import counted_costs
+from conveyor.planning.counting import count_model
 
 MEMORY, THROUGHPUT, RATIO = 0.15, 0.20, 0.05
 """The issue's targets: relative error allowed for memory, throughput and schedule ratios."""
 
-TITAN_H100 = Hardware(
-    989, 96, 2400, 8, 450, 50, matmul_tflops=794.5, attention="h100", name="h100 96GB"
-)
-"""torchtitan's H100s as its page describes them: 96 GB of HBM2e at 2.4 TB/s (the 500 W power
-limit is not modelled: the SXM peak and matmul rate are kept)."""
+TITAN_H100 = dataclasses.replace(hardware("h100-sxm"), hbm_gb=96, hbm_gbps=2400, name="h100 96GB")
+"""torchtitan's H100s as its page describes them: 96 GB of HBM2e at 2.4 TB/s, otherwise the
+H100 SXM preset (the 500 W power limit is not modelled: the SXM peak and matmul rate, its
+multiprocessors and launch cost are kept)."""
 
 
 def config_of(model: Model) -> object:
-    """The transformers config of a published model."""
+    """The transformers config of a published model. A Megatron GPT's activation is one
+    fused GeLU kernel (``bias_gelu_fusion``), which saves its input alone; transformers'
+    ``gelu_new`` writes the tanh approximation out as separate element-wise operations,
+    each saving its own input, so the GPT configs take torch's GeLU (one kernel)."""
     from transformers import GPT2Config, LlamaConfig
 
     if model.arch == "gpt":
@@ -54,6 +60,7 @@ def config_of(model: Model) -> object:
             n_positions=model.seq,
             vocab_size=model.vocab,
             tie_word_embeddings=model.tied_embeddings,
+            activation_function="gelu",
             bos_token_id=0,
             eos_token_id=0,
         )
@@ -70,11 +77,14 @@ def config_of(model: Model) -> object:
 
 
 def layout_of(run: Run) -> Layout:
-    """The run's layout in conveyor's terms (context parallelism has none: see ``predict``)."""
+    """The run's layout in conveyor's terms, as its framework laid it out (the split, what
+    recompute re-runs, when gradients are reduced)."""
+    framework = FRAMEWORKS[run.framework]
     return Layout(
         run.pp,
         tp=run.tp,
         dp=run.dp,
+        cp=run.cp,
         fsdp=run.fsdp,
         schedule=run.schedule,
         chunks=run.chunks,
@@ -82,7 +92,11 @@ def layout_of(run: Run) -> Layout:
         microbatch_size=run.microbatch_size,
         global_batch=run.global_batch,
         seq=run.seq,
-        recompute=run.recompute,
+        recompute=framework.recompute if run.recompute else False,
+        balance=framework.split,
+        dp_overlap=framework.dp_overlap,
+        p2p_overlap=framework.p2p_overlap,
+        attention=framework.attention,
     )
 
 
@@ -122,9 +136,7 @@ def predicted(run: Run, est: Estimate) -> dict[str, float]:
 
 
 def predict(run: Run) -> Row:
-    """One run predicted; a run conveyor cannot lay out gets ``why_not`` instead."""
-    if run.cp > 1:
-        return Row(run, {}, f"context parallelism (cp {run.cp}): conveyor plans none")
+    """One run predicted."""
     est = estimate(config_of(run.model), hardware=hardware_of(run), layout=layout_of(run))
     ours = predicted(run, est)
     return Row(run, {kind: (ours[kind], value) for kind, value in run.measured.items()})
@@ -144,12 +156,41 @@ def target(kind: str) -> float:
     return TARGETS.get(kind, THROUGHPUT)
 
 
+CAUSES = {
+    "fp8": "torchtitan trained with Float8 linear layers, whose fp8 copies and scales of "
+    "the weights a bf16 count does not have",
+    "cp": "context parallelism: the ring's exchanges are counted as hidden behind each "
+    "block's attention and its attention at the full rate of the shorter blocks; "
+    "torchtitan's throughput falls faster with cp than that",
+    "interleaved": "interleaving on Megatron-LM (2021): V times the messages, each waited "
+    "for; the prediction's interleaving is cheaper than the published system's",
+    "w-held": "ZB-2p against 1F1B: conveyor's runtime keeps a micro-batch's activations "
+    "whole until its W, so at the same cap its schedule has more bubble than the paper's",
+    "unexplained": "not explained yet",
+}
+"""Why a row misses: the tag its cell carries, and the cause (the page's legend)."""
+
+
+def cause(run: Run, kind: str) -> str:
+    """The tag of :data:`CAUSES` for a miss of ``kind`` (``"ratio"``: a schedule ratio)
+    on ``run``."""
+    if kind == "memory_gb" and run.source == "torchtitan-405b":
+        return "fp8"
+    if kind == "ratio" and run.schedule == "zb-auto":
+        return "w-held"
+    if run.cp > 1:
+        return "cp"
+    if run.framework == "megatron-lm" and run.schedule == "interleaved-1f1b":
+        return "interleaved"
+    return "unexplained"
+
+
 def _cell(row: Row, kind: str) -> str:
     if kind not in row.values:
         return "-"
     ours, theirs = row.values[kind]
     err = row.error(kind)
-    mark = "" if abs(err) <= target(kind) else " **miss**"
+    mark = "" if abs(err) <= target(kind) else f" **miss** [{cause(row.run, kind)}]"
     return f"{ours:.3g} / {theirs:.3g} ({err:+.0%}){mark}"
 
 
@@ -177,7 +218,8 @@ def line(row: Row) -> str:
     else:
         cells = [_cell(row, k) for k in kinds]
     name = f"{run.model.name}, {run.label}"
-    return f"| {name} | {shape} | {_schedule_name(run)} | " + " | ".join(cells) + " |"
+    head = f"| {name} | {run.framework} | {shape} | {_schedule_name(run)} | "
+    return head + " | ".join(cells) + " |"
 
 
 def table(rows: list[Row]) -> str:
@@ -187,17 +229,21 @@ def table(rows: list[Row]) -> str:
         kinds = kinds_of(key)
         columns = " | ".join(f"{UNITS[k]}: ours / theirs" for k in kinds)
         out += [f"**{source.citation}**", ""]
-        out += [f"| run | GPUs (pp x tp x dp) | schedule | {columns} |"]
-        out += ["|---|---|---|" + "---|" * len(kinds)]
+        out += [f"| run | framework | GPUs (pp x tp x dp) | schedule | {columns} |"]
+        out += ["|---|---|---|---|" + "---|" * len(kinds)]
         out += [line(r) for r in rows if r.run.source == key]
         out.append("")
     out += ["**Schedule ratios** (throughput of a schedule over the first one of its setting)", ""]
     out += ["| setting | schedules | ours | theirs | error |", "|---|---|---|---|---|"]
     for label, first, other, ours, theirs in ratios(rows):
         err = ours / theirs - 1
-        mark = "" if abs(err) <= RATIO else " **miss**"
+        mark = "" if abs(err) <= RATIO else f" **miss** [{cause(other, 'ratio')}]"
         pair = f"{_schedule_name(other)} / {_schedule_name(first)}"
         out.append(f"| {label} | {pair} | {ours:.3f} | {theirs:.3f} | {err:+.1%}{mark} |")
+    out += ["", "Frameworks (each row is predicted for conveyor's runtime laid out as it ran):"]
+    out += [f"- `{key}`: {f.name}; {f.sources}." for key, f in FRAMEWORKS.items()]
+    out += ["", "Causes of the misses:"]
+    out += [f"- [{tag}] {text}." for tag, text in CAUSES.items()]
     return "\n".join(out)
 
 
@@ -232,7 +278,7 @@ def summary(rows: list[Row]) -> str:
     ok = sum(abs(o / t - 1) <= RATIO for *_, o, t in found)
     parts.append(f"schedule ratios within 5%: {ok} of {len(found)}")
     skipped = sum(bool(r.why_not) for r in rows)
-    parts.append(f"not predicted: {skipped} of {len(rows)} rows (context parallelism)")
+    parts.append(f"not predicted: {skipped} of {len(rows)} rows")
     return "; ".join(parts) + "."
 
 
@@ -248,8 +294,11 @@ def stages() -> str:
             continue
         seen.add(name)
         run = next(r for r in RUNS if r.source == "zb-table4" and r.label == f"{name} m={m}")
-        est = estimate(config_of(run.model), hardware=hardware_of(run), layout=layout_of(run))
-        ours = est.stage_times[p // 2]
+        layout = layout_of(run)
+        counted = count_model(config_of(run.model), layout.seq, layout.dtype, layout.attention)
+        costs = counted_costs(counted, hardware_of(run), layout)
+        stages = costs.costs(unit_balance(layout, len(counted.layers), costs.times(True)), True)
+        ours = stages[p // 2]
         cells = [
             f"{o * 1e3:.1f} / {t:.1f} ({o * 1e3 / t - 1:+.0%})"
             for o, t in zip(ours, (f, b, w), strict=True)

@@ -62,6 +62,78 @@ class Model:
     tied_embeddings: bool
 
 
+@dataclass(frozen=True)
+class Framework:
+    """How a training framework ran a published row, in conveyor's ``Layout`` terms.
+
+    ``split``: where its layers sit (``Layout.balance``: ``"even"`` or ``"ends"``);
+    ``recompute``: what full recompute re-runs (``"layer"``: each transformer layer from its
+    input); ``dp_overlap``: when its gradient reduction runs (``Layout.dp_overlap``);
+    ``p2p_overlap``: whether its pipeline sends run beside the compute;
+    ``attention``: ``"flash"`` (a fused kernel) or ``"math"`` (the scores materialized and
+    saved); ``sources``: where each of these is stated.
+    """
+
+    name: str
+    split: str
+    recompute: str
+    dp_overlap: str
+    p2p_overlap: bool
+    attention: str
+    sources: str
+
+
+FRAMEWORKS: dict[str, Framework] = {
+    "zero-bubble": Framework(
+        "Zero Bubble's Megatron-LM fork (sail-sg, 2023)",
+        "ends",
+        "layer",
+        "none",
+        False,
+        "math",
+        "first and last stages one layer fewer: the paper's section 5.1; no recompute and "
+        "no data parallelism in Table 4; examples/pretrain_zero_bubble.sh at the tag "
+        "zero-bubble-v0.1.0 passes no --use-flash-attn (Megatron's unfused attention) "
+        "and no --overlap-p2p-communication (Megatron waits for its sends)",
+    ),
+    "megatron-lm": Framework(
+        "Megatron-LM (2021)",
+        "even",
+        "layer",
+        "none",
+        False,
+        "math",
+        "layers split evenly (every Table 1 row divides); full recompute per layer "
+        "(--activations-checkpoint-method uniform); gradients all-reduced after the "
+        "backward (its 2021 DistributedDataParallel); unfused attention (2021, before "
+        "FlashAttention); point-to-point calls that wait for their sends",
+    ),
+    "torchtitan": Framework(
+        "torchtitan (December 2024)",
+        "ends",
+        "layer",
+        "backward",
+        True,
+        "flash",
+        "generate_split_points gives the first and last stages one layer fewer here "
+        "([15, 16 x 6, 15], [7, 8 x 14, 7]); full activation checkpointing per block; "
+        "FSDP2 reduce-scatters during the backward",
+    ),
+    "llama3": Framework(
+        "Meta's Llama 3 training stack (2024)",
+        "ends",
+        "layer",
+        "backward",
+        True,
+        "flash",
+        "first and last stages one layer fewer (section 3.3.2); FSDP that does not "
+        "reshard after the forward, its reduce-scatters overlapped with the backward",
+    ),
+}
+"""The frameworks the published rows ran on (a prediction is of conveyor's runtime laid
+out as they laid theirs)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Run:
     """One published measurement: a model on a parallel layout under one schedule.
@@ -76,6 +148,7 @@ class Run:
     source: str
     label: str
     model: Model
+    framework: str
     hardware: str
     gpus: int
     pp: int
@@ -227,6 +300,7 @@ def _zb_runs() -> list[Run]:
                         source="zb-table4",
                         label=f"{name} m={m}",
                         model=model,
+                        framework="zero-bubble",
                         hardware="a100-80g",
                         gpus=p,
                         pp=p,
@@ -315,6 +389,7 @@ def _megatron_runs() -> list[Run]:
                 source="megatron-table1",
                 label=name,
                 model=model,
+                framework="megatron-lm",
                 hardware="a100-80g",
                 gpus=gpus,
                 pp=pp,
@@ -373,6 +448,7 @@ def _titan_runs() -> list[Run]:
             source="torchtitan-405b",
             label="405B 512xH100 FSDP8 TP8 PP8",
             model=_TITAN_405B,
+            framework="torchtitan",
             hardware="h100-sxm",
             gpus=512,
             pp=8,
@@ -396,6 +472,7 @@ def _titan_runs() -> list[Run]:
             source="torchtitan-405b",
             label=f"405B 512xH100 FSDP{fsdp} CP{cp} seq {seq}",
             model=_TITAN_405B,
+            framework="torchtitan",
             hardware="h100-sxm",
             gpus=512,
             pp=8,
@@ -464,6 +541,7 @@ def _llama_runs() -> list[Run]:
                 source="llama3-table4",
                 label=f"{gpus} GPUs seq {seq}",
                 model=_LLAMA3_405B,
+                framework="llama3",
                 hardware="h100-sxm",
                 gpus=gpus,
                 pp=pp,

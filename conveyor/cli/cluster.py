@@ -100,15 +100,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def table(ranked: list[Any], limit: float) -> str:
     """The ranked layouts as a markdown table."""
     head = (
-        "| # | pp | tp | dp | ep | fsdp | schedule | chunks | mbs | recompute "
+        "| # | pp | tp | cp | dp | ep | fsdp | schedule | chunks | mbs | recompute "
         "| tokens/s/GPU | MFU | step s | bubble | GB/GPU |"
     )
-    rows = [head, "|" + "---|" * 15]
+    rows = [head, "|" + "---|" * 16]
     for i, r in enumerate(ranked, 1):
         e, lay = r.estimate, r.layout
         mark = "" if r.fits else f" over {limit:g}"
+        fsdp = {False: "no", True: "yes"}.get(lay.fsdp, str(lay.fsdp))
         rows.append(
-            f"| {i} | {lay.pp} | {lay.tp} | {lay.dp} | {lay.ep} | {'yes' if lay.fsdp else 'no'} "
+            f"| {i} | {lay.pp} | {lay.tp} | {lay.cp} | {lay.dp} | {lay.ep} | {fsdp} "
             f"| {lay.schedule} | {lay.chunks} | {lay.microbatch_size} "
             f"| {'yes' if lay.recompute else 'no'} | {e.tokens_per_s_per_gpu:.0f} "
             f"| {e.mfu:.3f} | {e.step_s:.2f} | {e.bubble:.3f} | {e.memory_gb:.1f}{mark} |"
@@ -119,13 +120,12 @@ def table(ranked: list[Any], limit: float) -> str:
 def keywords(ranked: Any) -> str:
     """The ``conveyor.init`` and ``Pipeline`` keywords that run a layout."""
     lay = ranked.layout
-    init = f"conveyor.init(pp={lay.pp}, dp={lay.dp}, tp={lay.tp}" + (
-        f", ep={lay.ep})" if lay.ep > 1 else ")"
-    )
+    init = f"conveyor.init(pp={lay.pp}, dp={lay.dp}, tp={lay.tp}"
+    init += (f", cp={lay.cp}" if lay.cp > 1 else "") + (f", ep={lay.ep})" if lay.ep > 1 else ")")
     pipe = f"Pipeline(model, loss_fn=..., microbatches={lay.microbatches}"
     pipe += f', schedule="{lay.schedule}"'
     pipe += f", chunks={lay.chunks}" if lay.chunks > 1 else ""
-    pipe += ", fsdp=True" if lay.fsdp else ""
+    pipe += {True: ", fsdp=True", "reshard": ', fsdp="reshard"'}.get(lay.fsdp, "")
     pipe += ", tp_plan=..." if lay.tp > 1 else ""
     pipe += ", recompute=True" if lay.recompute else ""
     per_replica = lay.microbatch_size * lay.microbatches

@@ -40,10 +40,11 @@ from conveyor._options import Options
 from conveyor.context import current
 from conveyor.errors import ConfigError
 from conveyor.observe.trace import measured_costs
-from conveyor.planning.cost_model import balanced, predict_step, recomputed_shares
+from conveyor.planning.costs import Costs
+from conveyor.planning.memory import Setting
 from conveyor.planning.meta import as_module, is_meta, meta_copy
-from conveyor.planning.profile_data import Profile
-from conveyor.planning.unit_profile import LossFn
+from conveyor.planning.prediction import balanced, recomputed_shares, simulated
+from conveyor.planning.timing import LossFn
 from conveyor.runtime import microbatch
 from conveyor.runtime.timing import Timing
 from conveyor.schedules import Schedule
@@ -108,7 +109,7 @@ class Calibration:
     measured: float
     compile_skipped: bool = False
 
-    def apply(self, prof: Profile) -> Profile:
+    def apply(self, prof: Costs) -> Costs:
         """``prof`` with this family's scaled times and fitted latency.
 
         Args:
@@ -125,11 +126,12 @@ def calibrate_family(
     inputs: Any,
     targets: Any,
     loss_fn: LossFn | None,
-    prof: Profile,
+    prof: Costs,
     ranks: int,
     kind: Family,
     memory_limit: float | None = None,
     options: Options | None = None,
+    setting: Setting | None = None,
 ) -> Calibration | None:
     """Calibrate ``prof`` for one schedule family; a collective.
 
@@ -144,11 +146,13 @@ def calibrate_family(
         prof: The profile at the micro-batch count to calibrate.
         ranks: Pipeline ranks (the world size).
         kind: The family, as :func:`family` gives it.
-        memory_limit: Bytes per rank, as the planner's ``memory_limit`` (parameters,
-            gradients, activations held), for the reference's balance; or None.
+        memory_limit: Bytes per rank, as the planner's ``memory_limit``
+            (:mod:`~conveyor.planning.memory`), for the reference's balance; or None.
         options: The pipeline's options, so the reference runs its step (recompute,
             autocast; eager stages even with ``compile=``, see the module docstring), or
             None for a plain step.
+        setting: What the memory model counts (:class:`~conveyor.planning.memory.Setting`);
+            default: AdamW on the parameters as the model holds them.
 
     Returns:
         The calibration, or None when the reference cannot run here (too few
@@ -156,15 +160,16 @@ def calibrate_family(
     """
     split = kind[0]
     name, chunks = REFERENCES[kind]
+    recompute = options is not None and options.recompute is True
+    rules = setting or Setting(recompute=recompute)
     try:
         if ranks * chunks > len(prof.layers):
             return None
         ref = get_schedule(name, ranks, prof.microbatches, chunks)
-        bal = balanced(ref, prof, memory_limit)
+        bal = balanced(ref, prof, memory_limit, rules)
     except ConfigError:
         return None
     step, real = _run_reference(model, inputs, targets, loss_fn, ref, bal, options)
-    recompute = options is not None and options.recompute is True
     if recompute:  # a measured B re-ran its forward: scale the profile's B by B alone
         shares = recomputed_shares(ref)
         real = [(f, b - f * s, w) for (f, b, w), s in zip(real, shares, strict=True)]
@@ -185,7 +190,7 @@ def calibrate_family(
         balance=tuple(bal),
         scale=(f, b, w),
         latency=latency,
-        overhead=step - predict_step(ref, scaled, bal, recompute),
+        overhead=step - simulated(ref, scaled, bal, recompute).makespan,
         measured=step,
         compile_skipped=options is not None and options.compile_keywords() is not None,
     )
@@ -246,14 +251,14 @@ def _run_reference(
 
 
 def _fit_latency(
-    schedule: Schedule, prof: Profile, balance: Sequence[int], step: float, recompute: bool
+    schedule: Schedule, prof: Costs, balance: Sequence[int], step: float, recompute: bool
 ) -> float:
     """The link latency at which the simulated step of ``schedule`` is ``step`` (0 when
     even zero latency simulates a longer step)."""
 
     def sim(latency: float) -> float:
         linked = dataclasses.replace(prof, latency=latency)
-        return predict_step(schedule, linked, balance, recompute)
+        return simulated(schedule, linked, balance, recompute).makespan
 
     lo, hi = 0.0, step
     if sim(lo) >= step:

@@ -10,6 +10,10 @@ A tree all-reduce crosses log2(nodes) network steps each way, at 0.92 of the ban
 :func:`all_reduce`. Links run at 0.8 of their rate, the bus bandwidth ``nccl-tests``
 measures on 8 A100s (234.9 of 300 GB/s) and 8 H200s (366 of 450 GB/s).
 
+A measured link (:meth:`~conveyor.planning.devices.Hardware.measure`: ``latency_s`` > 0)
+replaces NCCL's latencies: every step costs the measured latency, and its bandwidth is
+used as measured.
+
 A group of ``size`` ranks ``stride`` apart (:meth:`conveyor.planning.layout.Layout.group`)
 lies inside one node when its ranks do, ranks packed onto nodes in order; otherwise its
 data crosses the network, one adapter per GPU.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from conveyor.planning.hardware import Hardware
+from conveyor.planning.devices import Hardware
 
 LINK_EFFICIENCY = 0.8
 BASE_LATENCY = 8.4e-6
@@ -38,13 +42,21 @@ def _nodes(hw: Hardware, size: int, stride: int) -> int:
 
 def _bandwidth(hw: Hardware, nodes: int) -> float:
     rate = hw.intra_node_gbps if nodes == 1 else hw.inter_node_gbps
-    return LINK_EFFICIENCY * rate * 1e9
+    return (1.0 if hw.latency_s else LINK_EFFICIENCY) * rate * 1e9
+
+
+def _base(hw: Hardware) -> float:
+    return 0.0 if hw.latency_s else BASE_LATENCY
+
+
+def _step(hw: Hardware, nccl: float) -> float:
+    return hw.latency_s or nccl
 
 
 def p2p(hw: Hardware, nbytes: float, same_node: bool) -> float:
     """One send between two GPUs: a step's latency plus the bytes over the link."""
-    step = NVLINK_STEP if same_node else NETWORK_STEP
-    return BASE_LATENCY + step + nbytes / _bandwidth(hw, 1 if same_node else 2)
+    step = _step(hw, NVLINK_STEP if same_node else NETWORK_STEP)
+    return _base(hw) + step + nbytes / _bandwidth(hw, 1 if same_node else 2)
 
 
 def all_reduce(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float:
@@ -55,15 +67,19 @@ def all_reduce(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float
     bw = _bandwidth(hw, nodes)
     inter = 2 * (nodes - 1)
     ring = (
-        BASE_LATENCY
-        + (2 * (size - 1) - inter) * NVLINK_STEP
-        + inter * NETWORK_STEP
+        _base(hw)
+        + (2 * (size - 1) - inter) * _step(hw, NVLINK_STEP)
+        + inter * _step(hw, NETWORK_STEP)
         + nbytes * 2 * (size - 1) / size / bw
     )
     per_node = max(1, size // nodes)
     tree = (
-        BASE_LATENCY
-        + 2 * ((per_node - 1) * NVLINK_TREE_STEP + math.log2(nodes) * NETWORK_STEP)
+        _base(hw)
+        + 2
+        * (
+            (per_node - 1) * _step(hw, NVLINK_TREE_STEP)
+            + math.log2(nodes) * _step(hw, NETWORK_STEP)
+        )
         + nbytes * 2 * (size - 1) / size / (TREE_DERATE * bw)
     )
     return min(ring, tree)
@@ -76,9 +92,9 @@ def all_gather(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float
     nodes = _nodes(hw, size, stride)
     inter = nodes - 1
     return (
-        BASE_LATENCY
-        + (size - 1 - inter) * NVLINK_STEP
-        + inter * NETWORK_STEP
+        _base(hw)
+        + (size - 1 - inter) * _step(hw, NVLINK_STEP)
+        + inter * _step(hw, NETWORK_STEP)
         + nbytes * (size - 1) / size / _bandwidth(hw, nodes)
     )
 
@@ -91,5 +107,5 @@ def all_to_all(hw: Hardware, nbytes: float, size: int, stride: int = 1) -> float
     if size <= 1:
         return 0.0
     nodes = _nodes(hw, size, stride)
-    step = NVLINK_STEP if nodes == 1 else NETWORK_STEP
-    return BASE_LATENCY + step + nbytes * (size - 1) / size / _bandwidth(hw, nodes)
+    step = _step(hw, NVLINK_STEP if nodes == 1 else NETWORK_STEP)
+    return _base(hw) + step + nbytes * (size - 1) / size / _bandwidth(hw, nodes)

@@ -13,7 +13,7 @@ What autograd saves for the backward is counted per part the way the runtime's
 counted as the fused kernel GPUs run (the flash kernel's aten op, which saves its output
 and log-sum-exp instead of the sequence x sequence scores). Layers alike are traced twice
 and counted once. Everything scales linearly with the micro-batch size
-(:mod:`~conveyor.planning.estimate` multiplies), so one sequence is traced.
+(:mod:`~conveyor.planning.counted` multiplies), so one sequence is traced.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from torch import Tensor, nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.experts import is_experts_collection, num_experts
-from conveyor.planning.model_count import DTYPES, ModelCount, Op, Part, Record
+from conveyor.planning.model_count import ATTENTIONS, DTYPES, ModelCount, Op, Part, Record
 from conveyor.planning.tracing import ATTENTION_NAME, Run, counting_attention, trace
 
 
-def count_model(model: Any, seq: int, dtype: str = "bf16") -> ModelCount:
+def count_model(model: Any, seq: int, dtype: str = "bf16", attention: str = "flash") -> ModelCount:
     """Count ``model`` for one sequence of ``seq`` tokens (see the module docstring).
 
     Args:
@@ -41,9 +41,12 @@ def count_model(model: Any, seq: int, dtype: str = "bf16") -> ModelCount:
             under :func:`conveyor.empty_weights` (or on the meta device).
         seq: Tokens per sequence.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        attention: ``"flash"``: attention as the fused kernel a GPU runs, written by hand
+            or not; ``"math"``: as written, or as SDPA's math form (the scores saved).
 
     Returns:
-        The counts; the same object for the same config, ``seq`` and ``dtype``.
+        The counts; the same object for the same config, ``seq``, ``dtype`` and
+        ``attention``.
 
     Raises:
         ConfigError: For a model that is neither, one with no decoder-layer list, or a
@@ -53,10 +56,12 @@ def count_model(model: Any, seq: int, dtype: str = "bf16") -> ModelCount:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if seq < 1:
         raise ConfigError(f"seq must be >= 1, got {seq}")
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
     if isinstance(model, nn.Module):
         with counting_attention():
-            return _count(_on_meta(model, dtype), seq, dtype)
-    return _count_config(_ConfigKey(model), seq, dtype)
+            return _count(_on_meta(model, dtype), seq, dtype, attention)
+    return _count_config(_ConfigKey(model), seq, dtype, attention)
 
 
 class _ConfigKey:
@@ -79,17 +84,20 @@ class _ConfigKey:
 
 
 @functools.lru_cache(maxsize=16)
-def _count_config(key: _ConfigKey, seq: int, dtype: str) -> ModelCount:
+def _count_config(key: _ConfigKey, seq: int, dtype: str, attention: str) -> ModelCount:
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(key.config)
     _training(config)
     with counting_attention(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, attn_implementation=ATTENTION_NAME
-        )
+        try:
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, attn_implementation=ATTENTION_NAME
+            )
+        except ValueError:  # attention written by hand (BLOOM's): counted as it runs
+            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         model.tie_weights()  # transformers 5.0 leaves a model built on meta untied
-        return _count(model.to(DTYPES[dtype]), seq, dtype)
+        return _count(model.to(DTYPES[dtype]), seq, dtype, attention)
 
 
 def _on_meta(model: nn.Module, dtype: str) -> nn.Module:
@@ -133,7 +141,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
-def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
+def _count(model: nn.Module, seq: int, dtype: str, attention: str) -> ModelCount:
     """Count ``model``, a copy of the caller's: only the layers traced stay in its list."""
     layers = decoder_layers(model)
     everything = list(layers)
@@ -148,7 +156,9 @@ def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
     for i in reversed(range(len(everything))):
         if i not in kept:
             del layers[i]
-    run = trace(model, list(layers), seq)
+    heads = _config_int(model, "num_attention_heads", "n_head")
+    hidden = _config_int(model, "hidden_size", "n_embd")
+    run = trace(model, list(layers), seq, hidden, heads, fused=attention == "flash")
     # Layers alike share one Part object (and the estimate's per-part times with it).
     made = {
         i: _part(run, j + 1, "layer", layer_params[i], expert_owner) for j, i in enumerate(traced)
@@ -157,11 +167,11 @@ def _count(model: nn.Module, seq: int, dtype: str) -> ModelCount:
     parts += [made[stands_for[i]] for i in range(len(everything))]
     parts.append(_part(run, len(traced) + 1, "post", outside, expert_owner))
     both = run.reads.get(0, set()) & run.reads.get(len(traced) + 1, set())
-    heads = _config_int(model, "num_attention_heads", "n_head")
     return ModelCount(
         name=type(model).__name__,
         seq=seq,
         dtype=dtype,
+        attention=attention,
         parts=tuple(parts),
         hidden_bytes=run.hidden / seq,
         heads=heads,
@@ -201,6 +211,8 @@ def _part(
         backward=_ops(run.backward.get(index, [])),
         weight=_ops(_minus(run.whole.get(index, []), run.backward.get(index, []))),
         saved_bytes=float(run.saved[index]),
+        saved_hidden=float(run.wide[index]),
+        workspace=float(run.workspace.get(index, 0.0)),
         params=sum(p.numel() for p in params.values()),
         param_tensors=len(params),
         expert_params=sum(p.numel() for k, p in params.items() if k in expert_owner),
@@ -211,7 +223,10 @@ def _part(
 
 def _ops(records: list[Record]) -> tuple[Op, ...]:
     counts = collections.Counter(records)
-    return tuple(Op(*key, count=c) for key, c in counts.items())
+    return tuple(
+        Op(r.kind, r.flops, r.bytes, r.fixed, r.causal, c, r.shape, r.grows, r.out)
+        for r, c in counts.items()
+    )
 
 
 def _minus(whole: list[Record], part: list[Record]) -> list[Record]:

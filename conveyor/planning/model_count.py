@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -12,7 +13,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The ``dtype`` names a layout takes, and the torch dtype each traces in."""
 
 MATMUL, ATTENTION, OTHER = "matmul", "attention", "other"
-Record = tuple[str, float, float, float, bool]  # an op's kind, flops, bytes, fixed bytes, causal
+ATTENTIONS = ("flash", "math")
+"""How attention is counted: as the fused flash kernel, or as written (scores saved)."""
+
+
+class Record(NamedTuple):
+    """One aten operation as traced (the fields of :class:`Op` but its count)."""
+
+    kind: str
+    flops: float
+    bytes: float
+    fixed: float
+    causal: bool
+    shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    grows: str = ""
+    out: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,12 @@ class Op:
         fixed_bytes: Bytes of parameters it reads (they do not).
         causal: A fused attention with a causal mask (its kernel skips half the scores).
         count: How many times the part runs it.
+        shape: A matrix multiply's (batch, m, n, k): ``batch`` products of an m x k and a
+            k x n matrix; zeros for other operations.
+        grows: Which of them grows with the tokens: ``"m"`` (the rows of an input or its
+            gradient), ``"k"`` (a weight gradient sums over the tokens), ``"batch"``, or
+            ``""``.
+        out: Bytes of its outputs (of ``bytes``).
     """
 
     kind: str
@@ -34,6 +55,9 @@ class Op:
     fixed_bytes: float
     causal: bool
     count: int
+    shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    grows: str = ""
+    out: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,11 @@ class Part:
         name: ``"pre"``, ``"layer"`` or ``"post"``.
         forward, backward, weight: Its operations in F, B and W.
         saved_bytes: What autograd saves in F for the backward, per sequence.
+        saved_hidden: Of ``saved_bytes``, the tensors as wide as the hidden states (norm
+            and dropout inputs, residuals: on every tensor-parallel rank whole unless
+            sequence parallelism splits them).
+        workspace: The most bytes of temporaries alive at once during its F or B beyond
+            what it saves (the loss's logits in fp32 and their gradient, say).
         params: Its parameters (a tied weight counts in every part that reads it).
         param_tensors: How many parameter tensors those are.
         expert_params: Of ``params``, those in expert collections (split over ``ep``).
@@ -62,6 +91,8 @@ class Part:
     expert_params: int
     experts: int
     routed_bytes: float = 0.0
+    saved_hidden: float = 0.0
+    workspace: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,7 @@ class ModelCount:
         heads: Attention heads of its config (0 if it has none to read).
         tied_params: Parameters read by both ends (a tied embedding), counted in both parts.
         kv_heads: Key/value heads of its config (``heads`` without grouped-query attention).
+        attention: How its attention was counted (:data:`ATTENTIONS`).
     """
 
     name: str
@@ -87,6 +119,7 @@ class ModelCount:
     heads: int = 0
     tied_params: int = 0
     kv_heads: int = 0
+    attention: str = "flash"
 
     @property
     def layers(self) -> tuple[Part, ...]:

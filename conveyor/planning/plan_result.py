@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.planning.calibration import Calibration
-from conveyor.planning.cost_model import Candidate
-from conveyor.planning.profile_data import Profile
+from conveyor.planning.candidate import Candidate
+from conveyor.planning.costs import Costs
 from conveyor.schedules import Schedule
 
 
@@ -21,8 +21,8 @@ class Plan:
         microbatches: Micro-batches per step.
         balance: Units per stage.
         predicted_step: Seconds per training step.
-        peak_memory: Bytes per rank: parameters, gradients and the activations held at the
-            schedule's peak (:mod:`~conveyor.planning.cost_model`).
+        peak_memory: Bytes per rank at the schedule's peak, as the one memory model counts
+            them (:mod:`~conveyor.planning.memory`).
         alternatives: Every candidate, fastest fitting first, then those that do not fit.
         built: The schedule object to pass to ``Pipeline(schedule=...)`` (for ``zb-auto``
             it is fitted to the measured costs, so pass it rather than the name).
@@ -47,7 +47,7 @@ class Plan:
     alternatives: list[Candidate]
     built: Schedule
     memory_limit: float | None = None
-    profile: Profile | None = None
+    profile: Costs | None = None
     calibration: Calibration | None = None
     recompute: bool = False
     basis: str = ""

@@ -3,7 +3,8 @@
 For every micro-batch count in a small set (p, 2p, 4p, 8p, capped by the batch size) the
 model is profiled at that micro-batch size (:func:`conveyor.planning.profiler.profile`).
 Every schedule that can run (stages = ranks x chunks <= profiled units) is balanced and
-predicted (:func:`conveyor.planning.cost_model.evaluate`), from the profile calibrated by
+predicted (:func:`conveyor.planning.candidate.evaluate`: the one prediction,
+:mod:`~conveyor.planning.prediction`), from the profile calibrated by
 short real runs in a distributed world (:mod:`conveyor.planning.calibration`). The fastest
 candidate that fits the memory limit wins, or the simplest of those within :data:`TIE` of it.
 Under a tight limit the V schedules ``v-half`` and ``v-min`` (a half and a third of 1F1B's
@@ -17,6 +18,7 @@ reference pipelines (:mod:`conveyor.planning.meta`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +29,6 @@ from torch import nn
 
 from conveyor._options import Options
 from conveyor.errors import ConfigError
-from conveyor.partition.cuts import balance as min_max_balance
 from conveyor.planning.calibration import (
     CALIBRATION_STEPS,
     REFERENCES,
@@ -35,11 +36,13 @@ from conveyor.planning.calibration import (
     calibrate_family,
     family,
 )
-from conveyor.planning.cost_model import Candidate, evaluate
+from conveyor.planning.candidate import Candidate, evaluate
+from conveyor.planning.costs import Costs
+from conveyor.planning.memory import OPTIMIZERS, Setting, state_bytes_of
 from conveyor.planning.plan_result import Plan
-from conveyor.planning.profile_data import Profile
+from conveyor.planning.prediction import time_balance
 from conveyor.planning.profiler import profile, units
-from conveyor.planning.unit_profile import LossFn
+from conveyor.planning.timing import LossFn
 from conveyor.planning.vocab import evaluate_vocab, vocab_units
 from conveyor.runtime import microbatch
 from conveyor.schedules import Schedule
@@ -55,7 +58,7 @@ OUTLIER = 3.0
 
 # A simulated candidate, the schedule it ran, the profile it was predicted on and the
 # calibration of its family.
-Row = tuple[Candidate, Schedule, Profile, Calibration | None]
+Row = tuple[Candidate, Schedule, Costs, Calibration | None]
 
 
 def plan(
@@ -68,12 +71,13 @@ def plan(
     *,
     microbatch_counts: Sequence[int] | None = None,
     schedules: Sequence[str] | None = None,
-    profiles: dict[int, Profile] | None = None,
+    profiles: dict[int, Costs] | None = None,
     calibrate: bool = True,
     param_shards: int = 1,
     options: Options | None = None,
     device: torch.device | str | None = None,
     vocab: bool | None = None,
+    optimizer: str = "adamw",
 ) -> Plan:
     """The fastest configuration for ``ranks`` pipeline ranks within ``memory_limit``.
 
@@ -90,14 +94,15 @@ def plan(
         loss_fn: ``loss_fn(output, targets)``; None: the loss the model computes itself
             (e.g. a transformers model given ``labels`` among the inputs).
         ranks: Pipeline ranks.
-        memory_limit: The most bytes any pipeline rank may need for its stages'
-            parameters, their gradients and the activations the schedule holds at once
-            (optimizer state, buffers and transfers not counted: exactly what
-            :mod:`~conveyor.planning.cost_model` counts), or None for no limit.
+        memory_limit: The most bytes any pipeline rank may need, as the one memory model
+            counts them (:mod:`~conveyor.planning.memory`: its stages' parameters,
+            gradients and ``optimizer`` state, the activations the schedule holds at
+            once, the pipeline's send and receive buffers), or None for no limit.
         microbatch_counts: Micro-batch counts to try (default p, 2p, 4p, 8p, capped by
             the batch size).
         schedules: Schedule names to try (default all).
-        profiles: Micro-batch count -> :class:`Profile`; skips profiling those counts.
+        profiles: Micro-batch count -> :class:`~conveyor.planning.costs.Costs`; skips
+            profiling those counts.
         calibrate: Calibrate each count's profile by short real runs
             (:func:`~conveyor.planning.calibration.calibrate_family`, about a second per
             count); used only when the world is ``ranks`` processes.
@@ -115,15 +120,20 @@ def plan(
             (``vocab_parallel``, :mod:`~conveyor.planning.vocab`); None: where the model
             has them and takes the loss (the runtime's rule,
             :func:`conveyor.vocab.setup.vocab_loss`); False: never.
+        optimizer: The optimizer whose state the memory model counts: ``"adamw"``,
+            ``"adam"`` (two states per parameter in its dtype) or ``"sgd"`` (none).
 
     Returns:
         The chosen configuration and every candidate, ranked.
 
     Raises:
-        ConfigError: ``ranks < 1``, no schedule can run, or no candidate fits the limit.
+        ConfigError: ``ranks < 1``, an unknown optimizer, no schedule can run, or no
+            candidate fits the limit.
     """
     if ranks < 1:
         raise ConfigError(f"ranks must be >= 1, got {ranks}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     batch = microbatch.batch_size(inputs, "inputs")
     first = microbatch.divide(inputs, min(batch, ranks), "inputs")[0]
     cut = units(model, first)
@@ -145,10 +155,11 @@ def plan(
     cache = dict(profiles or {})
     real = calibrate and _distributed() and dist.get_world_size() == ranks
     recomputes = options is not None and options.recompute is True  # every stage, asked for
+    setting = Setting(optimizer=optimizer, recompute=recomputes)
     rows: list[Row] = []
     seed, weights = (options.init_seed, options.weights) if options is not None else (0, None)
 
-    def measured(m: int) -> Profile:
+    def measured(m: int) -> Costs:
         return profile(
             model, inputs, targets, loss_fn, m, device=device, init_seed=seed, weights=weights
         )
@@ -168,7 +179,16 @@ def plan(
         prof = cache[m].sharded(param_shards)
         cals = {
             kind: calibrate_family(
-                model, inputs, targets, loss_fn, prof, ranks, kind, memory_limit, options
+                model,
+                inputs,
+                targets,
+                loss_fn,
+                prof,
+                ranks,
+                kind,
+                memory_limit,
+                options,
+                setting,
             )
             if real
             else None
@@ -182,7 +202,7 @@ def plan(
                 if name == "zb-auto":
                     cal = cals[True, False]
                     fitted = cal.apply(prof) if cal else prof
-                    built = _auto_schedule(ranks, m, fitted, memory_limit)
+                    built = _auto_schedule(ranks, m, fitted, memory_limit, setting)
                     if built is None:
                         continue
                 else:
@@ -192,13 +212,13 @@ def plan(
             cal = cals[family(built)]
             fitted = cal.apply(prof) if cal else prof
             overhead = cal.overhead if cal else 0.0
-            cand = evaluate(built, fitted, memory_limit, overhead, recompute=recomputes)
+            cand = evaluate(built, fitted, memory_limit, setting, overhead)
             rows.append((cand, built, fitted, cal))
             if found is not None and name != "zb-auto" and not recomputes:
-                cand = evaluate_vocab(built, fitted, found, memory_limit, overhead)
+                cand = evaluate_vocab(built, fitted, found, memory_limit, setting, overhead)
                 rows.append((cand, built, fitted, cal))
     if rows and not recomputes and memory_limit is not None and not any(r[0].fits for r in rows):
-        rows += _with_recompute(rows, memory_limit)
+        rows += _with_recompute(rows, memory_limit, setting)
     if not rows:
         raise ConfigError(
             f"no schedule can run {ranks} ranks on a model of {n_units} units with "
@@ -251,28 +271,36 @@ def _basis(cal: Calibration | None, real: bool, options: Options | None) -> str:
     return text
 
 
-def _with_recompute(rows: Sequence[Row], limit: float) -> list[Row]:
+def _with_recompute(rows: Sequence[Row], limit: float, setting: Setting) -> list[Row]:
     """Every candidate again with recompute (zb-auto's, fitted to no limit, left out)."""
     out = []
+    again_setting = dataclasses.replace(setting, recompute=True)
     for cand, built, prof, cal in rows:
         if cand.schedule == "zb-auto" or cand.vocab:
             continue
         overhead = cal.overhead if cal else 0.0
-        again = evaluate(built, prof, limit, overhead, recompute=True)
+        again = evaluate(built, prof, limit, again_setting, overhead)
         out.append((again, built, prof, cal))
     return out
 
 
-def _auto_schedule(ranks: int, m: int, prof: Profile, limit: float | None) -> Schedule | None:
-    """``zb-auto`` fitted to this profile (time-balanced), or None when nothing fits."""
-    bal = min_max_balance(prof.times(True), ranks)
+def _auto_schedule(
+    ranks: int, m: int, prof: Costs, limit: float | None, setting: Setting
+) -> Schedule | None:
+    """``zb-auto`` fitted to this profile (time-balanced), or None when nothing fits: its
+    cap is the micro-batches of activations each rank has room for beside its state and
+    its send and receive buffers."""
+    bal = time_balance(prof.times(True), ranks)
     cap: float | None = None
     if limit is not None:
-        params = prof.parameter_bytes(bal)
-        acts = prof.activation_bytes(bal)
-        room = [
-            (limit - 2 * p) / a if a > 0 else float(m) for p, a in zip(params, acts, strict=True)
+        parts = prof.parts(bal)
+        state = [
+            sum(state_bytes_of(units, setting).values())
+            + (2 * units[-1].output if ranks > 1 else 0)
+            for units in parts
         ]
+        acts = prof.activation_bytes(bal)
+        room = [(limit - p) / a if a > 0 else float(m) for p, a in zip(state, acts, strict=True)]
         cap = min(min(room), float(m))
         if cap < 1:
             return None
@@ -284,12 +312,12 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _step_compute(prof: Profile) -> float:
+def _step_compute(prof: Costs) -> float:
     """Seconds of F and whole backward of one step's micro-batches, all units together."""
     return sum(prof.times(False)) * prof.microbatches
 
 
-def _outliers(profiles: dict[int, Profile], counts: Sequence[int]) -> list[int]:
+def _outliers(profiles: dict[int, Costs], counts: Sequence[int]) -> list[int]:
     totals = {m: _step_compute(profiles[m]) for m in counts if m in profiles}
     if len(totals) < 3:
         return []

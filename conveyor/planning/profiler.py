@@ -5,7 +5,7 @@ The model is cut into its smallest units with the same splitter the pipeline use
 sequence, a leaf-module call or parameter-reading operation of a traced graph), so a
 balance over these units is exactly a ``balance=`` the pipeline accepts. Each unit runs on
 one real micro-batch chained from the previous unit's output
-(:func:`conveyor.planning.unit_profile.measure_unit`); in a distributed world every rank
+(:func:`conveyor.planning.timing.measure_unit`); in a distributed world every rank
 profiles at once and all take the mean.
 
 A model on the meta device (:func:`conveyor.empty_weights`) is never made real: each unit
@@ -28,12 +28,17 @@ from conveyor.partition import split_model
 from conveyor.partition.annotations import stage_marks, stage_of
 from conveyor.partition.execution import ExecutionSequence
 from conveyor.partition.sequential import layers_of, split_sequential
+from conveyor.planning.costs import Costs, UnitCost, mean_layers
 from conveyor.planning.link import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, measure_link_speed
 from conveyor.planning.meta import RealUnits, is_meta, profiling_device, release
-from conveyor.planning.profile_data import LayerProfile, Profile, mean_layers
-from conveyor.planning.unit_profile import Clock, LossFn, measure_unit, own_loss
+from conveyor.planning.timing import Clock, LossFn, measure_unit, own_loss
 from conveyor.runtime import microbatch
 from conveyor.weights import Weights
+
+# Engine bookkeeping per F/B action (tensor wrapping, pytree walks, the send/receive
+# calls themselves), measured on CPU/gloo as (measured step - simulated step) / actions
+# of 1F1B on the benchmark model; ``benchmarks/plan_accuracy.py`` re-checks it.
+ACTION_OVERHEAD = 60e-6
 
 _ANNOTATED = (
     "the model has pipeline_stage annotations, which fix its split; remove them to let "
@@ -85,7 +90,7 @@ def profile(
     device: torch.device | str | None = None,
     init_seed: int = 0,
     weights: Weights = None,
-) -> Profile:
+) -> Costs:
     """Measure every unit of ``model`` on the first of ``microbatches`` micro-batches.
 
     In a distributed world this is a collective: every rank profiles at the same time and
@@ -134,7 +139,9 @@ def profile(
         dist.all_gather_object(gathered, layers)
         layers = mean_layers(gathered)
     size = microbatch.batch_size(inputs, "inputs")
-    return Profile(layers, microbatches, -(-size // microbatches), latency, bandwidth)
+    return Costs(
+        layers, microbatches, -(-size // microbatches), latency, bandwidth, ACTION_OVERHEAD
+    )
 
 
 def _profile_units(
@@ -146,7 +153,7 @@ def _profile_units(
     repeats: int,
     warmup: int,
     meta: tuple[torch.device | str | None, int, Weights],
-) -> tuple[LayerProfile, ...]:
+) -> tuple[UnitCost, ...]:
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     real: RealUnits | None = None
@@ -165,7 +172,7 @@ def _profile_units(
         else microbatch.to_device(microbatch.first(targets, microbatches, "targets"), device)
     )
     last_loss = loss_fn if loss_fn is not None else own_loss
-    out: list[LayerProfile] = []
+    out: list[UnitCost] = []
     for i, unit in enumerate(parts):
         last = i == len(parts) - 1
         timed = real.real(unit) if real is not None else unit
@@ -193,4 +200,4 @@ def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
     return [p for layer in model for p in layer.parameters()]
 
 
-__all__ = ["profile", "units"]
+__all__ = ["ACTION_OVERHEAD", "profile", "units"]

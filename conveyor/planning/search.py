@@ -1,12 +1,16 @@
 """Every layout of a model on a cluster, predicted and ranked: :func:`rank_layouts`.
 
-The layouts are every product ``pp * tp * dp = gpus`` with tensor parallelism inside a
-node (a power of two dividing the attention heads and the key/value heads), expert
-parallelism over the data-parallel ranks (a divisor of both ``dp`` and the expert count),
-FSDP or not, each pipeline schedule of :data:`SCHEDULES`, micro-batches of 1 to 8
-sequences and recompute or not; the model is counted once and every layout is simulated
-(:func:`~conveyor.planning.estimate.predict`). Layouts that fit the memory limit come
-first, fastest (tokens per second per GPU) first; those over it follow, marked.
+The layouts are every product ``pp * tp * cp * dp = gpus`` with tensor parallelism inside
+a node (a power of two dividing the attention heads and the key/value heads), context
+parallelism of 1, 2, 4 or 8 ranks (each sequence cut into ``2 * cp`` equal chunks),
+expert parallelism over the data-parallel ranks (a divisor of both ``dp`` and the expert
+count), FSDP gathered once per step, resharded after every use (schedules that do not
+split the backward) or none, each pipeline schedule of :data:`SCHEDULES`, micro-batches of
+1 to 8 sequences and recompute or not: what conveyor's runtime runs. The model is counted
+once; schedules built once for every layout that runs them, and a simulation is shared by
+the layouts that differ only in what it does not see (FSDP's tail, say)
+(:func:`~conveyor.planning.cluster.predict_layout`). Layouts that fit the memory limit
+come first, fastest (tokens per second per GPU) first; those over it follow, marked.
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
+from conveyor.planning.cluster import Estimate, layout_schedule, predict_layout
+from conveyor.planning.costs import Costs
+from conveyor.planning.counted import counted_costs
 from conveyor.planning.counting import count_model
-from conveyor.planning.estimate import Estimate, predict
-from conveyor.planning.hardware import Hardware, hardware
+from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.model_count import ModelCount
+from conveyor.schedules import Schedule
+from conveyor.simulate import SimResult
 
 SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1),
@@ -32,11 +40,12 @@ SCHEDULES: tuple[tuple[str, int], ...] = (
 """(schedule, chunks) tried for every pipeline of 2 ranks or more (one rank runs ``1f1b``)."""
 
 MICROBATCH_SIZES = (1, 2, 4, 8)
+CONTEXT_PARALLEL = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
 class Ranked:
-    """One layout, predicted: its :class:`~conveyor.planning.estimate.Estimate` and whether
+    """One layout, predicted: its :class:`~conveyor.planning.cluster.Estimate` and whether
     every rank fits the limit."""
 
     estimate: Estimate
@@ -62,7 +71,7 @@ def rank_layouts(
 
     Args:
         model: A transformers config or a model built under :func:`conveyor.empty_weights`.
-        hardware: A preset's name or a :class:`~conveyor.planning.hardware.Hardware`.
+        hardware: A preset's name or a :class:`~conveyor.planning.devices.Hardware`.
         gpus: GPUs in the cluster.
         seq: Tokens per sequence.
         global_batch: Sequences per step.
@@ -84,10 +93,11 @@ def rank_layouts(
     if not limit > 0:
         raise ConfigError(f"the memory limit must be a number of GB > 0, got {limit!r}")
     counted = count_model(model, seq, dtype)
+    search = _Search(counted, hw)
     ranked = [
         Ranked(est, est.fits(limit))
         for layout in layouts(counted, hw, gpus, seq, global_batch, dtype)
-        if (est := _predict(counted, hw, layout)) is not None
+        if (est := search.predict(layout)) is not None
     ]
     if not ranked:
         raise ConfigError(
@@ -101,11 +111,37 @@ def rank_layouts(
 _hardware = hardware
 
 
-def _predict(counted: ModelCount, hw: Hardware, layout: Layout) -> Estimate | None:
-    try:
-        return predict(counted, hw, layout)
-    except ConfigError:  # a tp splitting no heads evenly; a schedule these micro-batches fail
-        return None
+class _Search:
+    """Predicts layouts of one count, sharing schedules and simulations among them."""
+
+    def __init__(self, counted: ModelCount, hw: Hardware) -> None:
+        self.counted, self.hw = counted, hw
+        self.schedules: dict[tuple[str, int, int, int], Schedule | None] = {}
+        self.sims: dict[object, SimResult] = {}
+        self.costs: dict[tuple[object, ...], Costs] = {}
+
+    def predict(self, layout: Layout) -> Estimate | None:
+        key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+        if key not in self.schedules:
+            try:
+                self.schedules[key] = layout_schedule(layout, [], 0.0)
+            except ConfigError:  # too few micro-batches for this schedule
+                self.schedules[key] = None
+        schedule = self.schedules[key]
+        if schedule is None:
+            return None
+        # Within one search the units' costs depend on these alone (not on the schedule,
+        # recompute or FSDP gathered once per step): costed once for the layouts alike.
+        shape = (layout.pp, layout.tp, layout.cp, layout.dp, layout.ep, layout.microbatch_size)
+        alike = (*shape, layout.microbatches, layout.fsdp == "reshard")
+        try:
+            if alike not in self.costs:
+                self.costs[alike] = counted_costs(self.counted, self.hw, layout)
+            return predict_layout(
+                self.counted, self.hw, layout, schedule, self.sims, self.costs[alike]
+            )
+        except ConfigError:  # a tp or cp that splits no heads evenly
+            return None
 
 
 def layouts(
@@ -115,38 +151,41 @@ def layouts(
     layers = len(counted.layers)
     experts = max((p.experts for p in counted.layers), default=0)
     for tp in _powers_of_two(min(hw.gpus_per_node, gpus)):
-        if gpus % tp:  # a tp that cannot split the heads: predict refuses it
-            continue
-        for pp in _divisors(gpus // tp):
-            if pp > layers + 2:
+        for cp in CONTEXT_PARALLEL:
+            if gpus % (tp * cp) or seq % (2 * cp):
                 continue
-            dp = gpus // (tp * pp)
-            for ep in _divisors(dp) if experts else (1,):
-                if experts and experts % ep:
+            for pp in _divisors(gpus // (tp * cp)):
+                if pp > layers + 2:
                     continue
-                for fsdp in (False, True) if dp > 1 else (False,):
-                    for mbs in MICROBATCH_SIZES:
-                        if global_batch % (dp * mbs):
-                            continue
-                        m = global_batch // (dp * mbs)
-                        for schedule, chunks in SCHEDULES if pp > 1 else (("1f1b", 1),):
-                            if pp * chunks > layers + 2 or m < pp:
-                                continue
-                            for recompute in (False, True):
-                                yield Layout(
-                                    pp,
-                                    tp=tp,
-                                    dp=dp,
-                                    fsdp=fsdp,
-                                    ep=ep,
-                                    schedule=schedule,
-                                    chunks=chunks,
-                                    microbatch_size=mbs,
-                                    global_batch=global_batch,
-                                    seq=seq,
-                                    recompute=recompute,
-                                    dtype=dtype,
-                                )
+                dp = gpus // (tp * cp * pp)
+                for ep in _divisors(dp) if experts else (1,):
+                    if experts and experts % ep:
+                        continue
+                    yield from _runs(pp, tp, cp, dp, ep, layers, seq, global_batch, dtype)
+
+
+def _runs(
+    pp: int, tp: int, cp: int, dp: int, ep: int, layers: int, seq: int, batch: int, dtype: str
+) -> Iterator[Layout]:
+    """The layouts of one mesh: FSDP, micro-batch size, schedule and recompute."""
+    sharded = dp * cp > 1  # FSDP shards over the replicas and the cp ranks
+    for mbs in MICROBATCH_SIZES:
+        if batch % (dp * mbs):
+            continue
+        m = batch // (dp * mbs)
+        for schedule, chunks in SCHEDULES if pp > 1 else (("1f1b", 1),):
+            if pp * chunks > layers + 2 or m < pp:
+                continue
+            fsdps: tuple[bool | str, ...] = (False,)
+            if sharded:
+                fsdps = (False, True) if schedule.startswith("zb") else (False, True, "reshard")
+            for fsdp in fsdps:
+                for recompute in (False, True):
+                    yield Layout(
+                        pp, tp=tp, dp=dp, cp=cp, fsdp=fsdp, ep=ep, schedule=schedule,
+                        chunks=chunks, microbatch_size=mbs, global_batch=batch, seq=seq,
+                        recompute=recompute, dtype=dtype,
+                    )  # fmt: skip
 
 
 def _powers_of_two(top: int) -> list[int]:

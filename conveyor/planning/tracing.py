@@ -2,8 +2,11 @@
 backwards, every aten operation filed under the part of the model that ran it.
 
 The parts are what comes before the decoder layers (``pre``: the embeddings), each traced
-layer, and what comes after (``post``: final norm, head and loss). Which one runs is
-asked of torch's :class:`~torch.utils.module_tracker.ModuleTracker` (:class:`Parts`).
+layer, and what comes after (``post``: final norm, head and loss). Which one runs in F is
+asked of torch's :class:`~torch.utils.module_tracker.ModuleTracker` (:class:`Parts`); in a
+backward, it is the part whose forward made the autograd node running (:class:`Nodes`
+marks each node as F makes it), which holds for any module, also one that returns
+outputs nothing reads (BLOOM's attention returns its probabilities).
 
 - F: the forward and loss.
 - B: the gradients with respect to every layer's input only (``autograd.grad`` on those
@@ -21,18 +24,29 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.module_tracker import ModuleTracker
 
 from conveyor.errors import ConfigError
 from conveyor.partition.experts import is_experts_collection
 from conveyor.planning.model_count import Record
-from conveyor.planning.recording import FlashAttention, Recorder, SavedBytes, nbytes, tensors
+from conveyor.planning.recording import (
+    FlashAttention,
+    FusedDropout,
+    MathAttention,
+    Recorder,
+    SavedBytes,
+    Scores,
+    nbytes,
+    tensors,
+)
 
 ATTENTION_NAME = "conveyor-count"
 """The attention implementation a transformers model is counted with (see the docstring)."""
@@ -47,7 +61,10 @@ class Run:
         forward: The ops of F.
         backward: The ops of B.
         whole: The ops of B and W together.
-        saved: Bytes autograd saved in F.
+        saved: Bytes autograd saved in F (a hand-written attention's log-sum-exp too).
+        wide: Of ``saved``, the tensors as wide as the hidden states.
+        workspace: The most bytes of new tensors alive at once in F beyond what F
+            saved, or in B.
         routed: Bytes of hidden states sent to experts (once per expert chosen).
         reads: The ids of the parameters each part read in F.
         hidden: Bytes of the first layer's input (one sequence's hidden states).
@@ -57,16 +74,18 @@ class Run:
     backward: dict[int, list[Record]]
     whole: dict[int, list[Record]]
     saved: collections.Counter[int]
+    wide: collections.Counter[int]
+    workspace: dict[int, float]
     routed: collections.Counter[int]
     reads: dict[int, set[int]]
     hidden: float
 
 
 class Parts:
-    """The index of the part running now: a traced layer while it is among the modules
-    :class:`~torch.utils.module_tracker.ModuleTracker` reports running; outside them, in F
-    the part after the last layer that ran (``pre`` before the first), and in a backward
-    the part before it (``post`` until the first layer's backward begins)."""
+    """The index of the part running now. In F: a traced layer while it is among the
+    modules :class:`~torch.utils.module_tracker.ModuleTracker` reports running; outside
+    them the part after the last layer that ran (``pre`` before the first). In a backward:
+    the part that made the autograd node running (:class:`Nodes`), ``post`` before any."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
         names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
@@ -76,23 +95,58 @@ class Parts:
         self.tracker = ModuleTracker()
         self.backward = False
         self.last: int | None = None
+        self.node: int | None = None  # the part of the backward's running node
 
     def begin(self, backward: bool) -> None:
         """A new pass begins: F, or a backward."""
-        self.backward, self.last = backward, None
+        self.backward, self.last, self.node = backward, None, None
 
     def __call__(self) -> int:
+        if self.backward:
+            return self.after if self.node is None else self.node
         for name in self.tracker.parents:
             i = self.index.get(name)
             if i is not None:
                 self.last = i
                 return i + 1
-        if self.last is None:
-            return self.after if self.backward else 0
-        return self.last if self.backward else self.last + 2
+        return 0 if self.last is None else self.last + 2
 
 
-def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
+class Nodes(TorchFunctionMode):
+    """Marks every autograd node the forward makes with the part running when it is made
+    (walking back from each result to the nodes not yet marked); a hook on the node sets
+    that part while a backward runs it."""
+
+    def __init__(self, parts: Parts) -> None:
+        super().__init__()
+        self.parts = parts
+        self.marked: dict[int, Any] = {}  # kept alive, so that no other node takes an id
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        part = self.parts()
+        stack: list[Any] = [t.grad_fn for t in tensors(out) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in self.marked:
+                continue
+            self.marked[id(node)] = node
+            node.register_prehook(functools.partial(self._enter, part))
+            stack.extend(n for n, _ in node.next_functions)
+        return out
+
+    def _enter(self, part: int, grads: Any) -> None:
+        self.parts.node = part
+
+
+def trace(
+    model: nn.Module,
+    layers: list[nn.Module],
+    seq: int,
+    hidden: int = 0,
+    heads: int = 0,
+    fused: bool = True,
+) -> Run:
     """Run ``model`` on one sequence of ``seq`` tokens and record it (see the docstring).
 
     Args:
@@ -100,11 +154,18 @@ def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
             ``labels``.
         layers: Its decoder layers to trace, each called once per forward.
         seq: Tokens in the sequence.
+        hidden: Its hidden size (0: unknown).
+        heads: Its attention heads (0: unknown; attention written by hand is then counted
+            as written).
+        fused: Count attention as the flash kernel (SDPA's and attention written by hand);
+            else as it is written, SDPA as its math form.
     """
     params = {id(p): p for p in model.parameters()}
     parts = Parts(model, layers)
-    recorder = Recorder(params, parts)
-    saved = SavedBytes(set(params), parts)
+    scores = Scores(seq, heads if fused else 0)
+    flash = FlashAttention if fused else MathAttention
+    recorder = Recorder(params, parts, scores, lambda: parts.backward)
+    saved = SavedBytes(set(params), parts, hidden, scores)
     inputs: list[Tensor] = []
     routed: collections.Counter[int] = collections.Counter()
 
@@ -125,23 +186,33 @@ def trace(model: nn.Module, layers: list[nn.Module], seq: int) -> Run:
         stack.enter_context(parts.tracker)
         parts.begin(backward=False)
         with (
-            FlashAttention(),
+            Nodes(parts),
+            flash(),
+            FusedDropout(),
             recorder,
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
         ):
             loss = _loss(model, ids)
-        forward = recorder.take()
+        forward, in_forward = recorder.take()
         reads = {k: set(v) for k, v in recorder.reads.items()}
         parts.begin(backward=True)
-        with FlashAttention(), recorder:
-            torch.autograd.grad(loss, inputs, retain_graph=True)
-        backward = recorder.take()
+        with flash(), recorder:
+            grads = torch.autograd.grad(loss, inputs, retain_graph=True)
+        backward, in_backward = recorder.take()
+        del grads
         parts.begin(backward=True)
         wanted = [p for p in model.parameters() if p.requires_grad]
-        with FlashAttention(), recorder:
+        with flash(), recorder:
             torch.autograd.grad(loss, [*inputs, *wanted], allow_unused=True)
-        whole = recorder.take()
-    return Run(forward, backward, whole, saved.bytes, routed, reads, nbytes(inputs[0]))
+        whole, _ = recorder.take()
+    kept = saved.bytes + recorder.lse
+    workspace = {
+        i: max(in_forward[i] - kept[i], in_backward[i], 0.0)
+        for i in set(in_forward) | set(in_backward)
+    }
+    return Run(
+        forward, backward, whole, kept, saved.wide, workspace, routed, reads, nbytes(inputs[0])
+    )
 
 
 @contextlib.contextmanager

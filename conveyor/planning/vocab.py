@@ -12,6 +12,7 @@ to T).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,10 @@ from torch import nn
 
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import rows_per_rank
-from conveyor.planning.cost_model import ACTION_OVERHEAD, Candidate, balanced, peak_memory
-from conveyor.planning.profile_data import LayerProfile, Profile
+from conveyor.planning.candidate import Candidate
+from conveyor.planning.costs import Costs, UnitCost
+from conveyor.planning.memory import Setting, compute_width, state_bytes_of
+from conveyor.planning.prediction import balanced, peaks, stage_costs
 from conveyor.schedules import Schedule
 from conveyor.schedules.simulation import simulate
 from conveyor.schedules.vocab import with_vocab
@@ -42,6 +45,8 @@ class VocabUnits:
     rows: int
     widening: float
     vanish: bool = False
+    tensors: int = 1
+    """How many weight tensors the layers hold (1 when tied)."""
     """The split with the layers stood in for has no units for them: a graph torch.export
     captured, where the model takes the embedding as ``inputs_embeds`` and the output
     stand-in reads no parameter; else they stay units that cost nothing."""
@@ -85,7 +90,7 @@ def vocab_units(
     exported = sample is not None and _exported(model, sample)
     return VocabUnits(
         embedding=first[0], output=last[-1], parameter_bytes=size, rows=layers.rows,
-        widening=layers.rows / layers.hidden, vanish=exported,
+        widening=layers.rows / layers.hidden, vanish=exported, tensors=len(weights),
     )  # fmt: skip
 
 
@@ -104,9 +109,10 @@ def _exported(model: Any, sample: Any) -> bool:
 
 def evaluate_vocab(
     schedule: Schedule,
-    prof: Profile,
+    prof: Costs,
     found: VocabUnits,
     limit: float | None,
+    setting: Setting,
     overhead: float = 0.0,
 ) -> Candidate:
     """``schedule`` with vocabulary passes: balanced and predicted (see the module doc)."""
@@ -116,39 +122,42 @@ def evaluate_vocab(
     layers = list(prof.layers)
     for i in {found.embedding, found.output}:
         u = layers[i]
-        layers[i] = LayerProfile(u.name, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, u.output)
+        layers[i] = UnitCost(u.name, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, u.output, input=u.input)
     if found.vanish:  # the balance counts the split's own units
         gone = {found.embedding, found.output}
         layers = [u for i, u in enumerate(layers) if i not in gone]
-    stripped = Profile(tuple(layers), prof.microbatches, prof.microbatch_size, prof.latency,
-                       prof.bandwidth)  # fmt: skip
-    bal = balanced(schedule, stripped, None)
+    stripped = dataclasses.replace(prof, layers=tuple(layers))
+    bal = balanced(schedule, stripped, None, setting)
     passes = (
         _forward(emb, split) / ranks,
         _forward(out, split) / ranks,
         _backward(out, split) / ranks,
         _backward(emb, split) / ranks,
     )
-    costs = [
-        (a + ACTION_OVERHEAD, c + ACTION_OVERHEAD, w) for a, c, w in stripped.costs(bal, split)
-    ]
+    costs = stage_costs(schedule, stripped, bal)
     placed = with_vocab(schedule, _per_rank(costs, schedule))
     result = simulate(placed, costs, stripped.comm(bal), vocab=passes)
     step = result.makespan + overhead
-    # The rows and their gradients, and one micro-batch's logits (held from S to T), on
-    # the first ranks, which hold the most rows.
+    # The rows' weights, gradients and optimizer state, and one micro-batch's logits
+    # (held from S to T), on the first ranks, which hold the most rows.
     held = rows_per_rank(found.rows, ranks)
     logits = int(emb.output * found.widening * held / found.rows)  # the embedding's tokens
-    shared = 2 * -(-(found.parameter_bytes * held) // found.rows) + logits
-    peaks = [p + shared for p in peak_memory(schedule, stripped, bal)]
+    width = compute_width(setting, emb if emb.count else out)
+    rows = UnitCost(
+        "vocabulary rows", 0.0, 0.0, 0.0, 0.0, 0.0, 0, -(-(found.parameter_bytes * held) //
+        found.rows), 0, params=found.parameter_bytes * held / found.rows / width,
+        tensors=found.tensors,
+    )  # fmt: skip
+    shared = sum(state_bytes_of([rows], setting).values()) + logits
+    need = [p + shared for p in peaks(schedule, stripped, bal, setting)]
     return Candidate(
         schedule=schedule.name,
         chunks=schedule.chunks,
         microbatches=schedule.microbatches,
         balance=tuple(bal),
         predicted_step=step,
-        peak_memory=tuple(peaks),
-        fits=limit is None or max(peaks) <= limit,
+        peak_memory=tuple(round(p) for p in need),
+        fits=limit is None or max(need) <= limit,
         vocab=True,
         bubble=result.bubble,
     )
@@ -160,11 +169,11 @@ def _weight(module: nn.Module) -> torch.Tensor:
     return weight
 
 
-def _forward(u: LayerProfile, split: bool) -> float:
+def _forward(u: UnitCost, split: bool) -> float:
     return u.forward if split else u.forward_plain
 
 
-def _backward(u: LayerProfile, split: bool) -> float:
+def _backward(u: UnitCost, split: bool) -> float:
     return u.backward_input + u.backward_weight if split else u.backward
 
 

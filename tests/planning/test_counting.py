@@ -72,4 +72,7 @@ def test_each_layers_work_is_its_own() -> None:
     assert sorted(map(repr, first.backward)) == sorted(map(repr, second.backward))
     assert sorted(map(repr, first.weight)) == sorted(map(repr, second.weight))
     assert pre.backward == ()
-    assert pre.weight == (Op(OTHER, 0.0, s * h * 2 + s * 8 + 512 * h * 2, 0, False, 1),)
+    weight_grad = 512 * h * 2
+    assert pre.weight == (
+        Op(OTHER, 0.0, s * h * 2 + s * 8 + weight_grad, 0, False, 1, out=weight_grad),
+    )

@@ -2,7 +2,9 @@
 (untied, an uneven split) and a tiny GPT-2 (tied embedding and head) train at pp=2 on two
 gloo processes with 1F1B, the stage split of ``est.balance``, AdamW and
 ``track_memory=True``. Per rank, the parameters, gradients and optimizer state are the
-estimate's bytes exactly; the activation peak the runtime measures is within 10%.
+estimate's bytes exactly; the activation peak the runtime measures (what autograd saves)
+is within 10% of the estimate's walk without the temporaries of an action (which the
+estimate's memory adds on top).
 
 What is left between the activation numbers (about 2-3% here, the estimate below): the
 captured graph materializes the causal mask and SDPA saves a float copy per layer (the
@@ -13,14 +15,19 @@ the flash kernel's random-number seed and offset (24 bytes per layer) do not exi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 import conveyor
-from conveyor.planning import Layout, estimate
-from conveyor.planning.counting import decoder_layers
+from conveyor.planning import Layout, estimate, hardware
+from conveyor.planning.cluster import unit_balance
+from conveyor.planning.counted import counted_costs
+from conveyor.planning.counting import count_model, decoder_layers
+from conveyor.planning.memory import activation_peaks
+from conveyor.schedules import get_schedule
 from tests.support import distributed
 
 SEQ, MICROBATCH, BATCH, VOCAB = 32, 2, 8, 256
@@ -91,6 +98,18 @@ def _train(rank: int, balances: dict[str, tuple[int, ...]]) -> dict[str, dict[st
     return out
 
 
+def _saved_peaks(config: Any) -> list[float]:
+    """Per rank, the estimate's activation peak without the temporaries of an action (its
+    memory walk counts them, the runtime's meter counts only what is saved)."""
+    counted = count_model(config, SEQ, LAYOUT.dtype)
+    costs = counted_costs(counted, hardware("h100-sxm"), LAYOUT)
+    units = tuple(dataclasses.replace(u, workspace=0.0) for u in costs.layers)
+    costs = dataclasses.replace(costs, layers=units)
+    balance = unit_balance(LAYOUT, len(counted.layers), costs.times(True))
+    schedule = get_schedule(LAYOUT.schedule, LAYOUT.pp, LAYOUT.microbatches)
+    return activation_peaks(schedule, costs.parts(balance), False, False)
+
+
 def _layers_named(names: list[str]) -> set[int]:
     return {int(n.split(".")[2]) for n in names if n.split(".")[1] in ("layers", "h")}
 
@@ -114,7 +133,8 @@ def test_memory_parts_equal_the_runtime_on_two_ranks() -> None:
             for part in ("parameters", "gradients", "optimizer"):
                 exact = pytest.approx(predicted[part] * GB, rel=1e-9)
                 assert measured[part] == exact, (part, where)
-            ratio = predicted["activations"] * GB / measured["activations"]
+            assert predicted["activations"] * GB > _saved_peaks(_config(kind))[rank]
+            ratio = _saved_peaks(_config(kind))[rank] / measured["activations"]
             assert abs(ratio - 1) <= 0.10, (ratio, where)
             # Today within 4% (the gap is the module docstring's list); tracing with the
             # key/value cache on made GPT-2's estimate 5% high (its copies of keys and values).

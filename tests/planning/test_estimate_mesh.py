@@ -12,6 +12,7 @@ from transformers import LlamaConfig, MixtralConfig
 from conveyor.errors import ConfigError
 from conveyor.planning import PRESETS, Layout, estimate
 from conveyor.planning.collectives import all_reduce
+from conveyor.planning.counting import count_model
 from conveyor.planning.search import rank_layouts
 from conveyor.schedules import get_schedule
 from conveyor.simulate import simulate
@@ -87,10 +88,22 @@ def test_a_data_parallel_group_pp_times_tp_apart_crosses_the_network() -> None:
         BASE + 2 * NET_STEP + 1e9 / NETWORK, rel=1e-12
     )
     est = estimate(llama(), hardware=H100, layout=layout)
-    # balance (4, 4): the last rank holds 4 layers, the final norm and the head; tp 4
-    params = (4 * 983_552 + 262_400) / 4
-    reduce = BASE + 2 * NET_STEP + 4 * params / NETWORK  # fp32 gradients
-    assert est.sync_s == pytest.approx(reduce + ADAMW * params / HBM, rel=1e-12)
+    # balance (4, 4), tp 4: the first rank holds 4 layers and the embeddings, the last 4
+    # layers, the final norm and the head. Each rank's fp32 gradients are reduced once its
+    # last backward has ended (conveyor's runtime), then it steps its optimizer; the step
+    # ends with the later of the two.
+    assert est.balance == (4, 4)
+    sim = simulate(get_schedule("1f1b", 2, layout.microbatches), list(est.stage_times),
+                   comm=BASE + NV_STEP + 256 * 2 * 256 / 4 / NVLINK)  # fmt: skip
+    ends = [max(e.end for e in sim.events if e.rank == r) for r in (0, 1)]
+    done = []
+    rank_params = ((4 * 983_552 + 262_144) / 4, (4 * 983_552 + 262_400) / 4)
+    for end, params in zip(ends, rank_params, strict=True):
+        reduce = BASE + 2 * NET_STEP + 4 * params / NETWORK
+        done.append(end + reduce + ADAMW * params / HBM)
+    assert ends[1] < ends[0]  # the last stage's last backward ends first
+    assert est.sync_s == pytest.approx(max(done) - sim.makespan, rel=1e-12)
+    assert est.step_s == pytest.approx(max(done), rel=1e-12)
 
 
 def test_every_stage_in_one_node_sends_over_nvlink() -> None:
@@ -151,13 +164,18 @@ def test_an_expert_all_to_all_between_replicas_crosses_the_network() -> None:
 
 def test_a_recomputed_layer_keeps_its_input_split_by_tp() -> None:
     """6 layers on pp 4 split (1, 2, 2, 1); 1F1B's second rank holds pp - 1 = 3
-    micro-batches at its peak; with recompute each of its 2 layers keeps only its input,
-    256 x 2 bytes x 256 tokens, of which sequence parallelism leaves 1/4 on each rank."""
-    layout = Layout(4, tp=4, global_batch=8, seq=256, recompute=True)
+    micro-batches at its peak; with layer recompute each of its 2 layers keeps only its
+    input, 256 x 2 bytes x 256 tokens, of which sequence parallelism leaves 1/4 on each
+    rank, and the B of one of them holds a layer's whole activations (1/4 of them)
+    while it runs, with that backward's temporaries."""
+    layout = Layout(4, tp=4, global_batch=8, seq=256, recompute="layer")
     est = estimate(llama(layers=6), hardware=H100, layout=layout)
     assert est.balance == (1, 2, 2, 1)
-    kept = 3 * 2 * 256 * 2 * 256 / 4
-    assert est.memory_parts[1]["activations"] * 1e9 == pytest.approx(kept, rel=1e-12)
+    counted = count_model(llama(layers=6), 256).layers[1]
+    layer, temporaries = counted.saved_bytes / 4, counted.workspace / 4
+    kept = 256 * 2 * 256 / 4
+    want = 3 * 2 * kept + (layer - kept) + temporaries
+    assert est.memory_parts[1]["activations"] * 1e9 == pytest.approx(want, rel=1e-12)
 
 
 def test_a_tp_that_cannot_split_the_heads_is_refused_and_never_ranked() -> None:

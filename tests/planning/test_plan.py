@@ -15,9 +15,9 @@ import conveyor
 from conveyor.cli.plan import main as plan_main
 from conveyor.errors import ConfigError
 from conveyor.partition.cuts import balance_within
+from conveyor.planning.costs import Costs, UnitCost
 from conveyor.planning.planner import OUTLIER, TIE, plan
-from conveyor.planning.profile_data import LayerProfile, Profile
-from conveyor.planning.profiler import profile
+from conveyor.planning.profiler import ACTION_OVERHEAD, profile
 from tests.support.models import readme_model
 
 
@@ -67,11 +67,11 @@ def test_balance_within_limit_and_error() -> None:
         balance_within([1, 1, 1, 1], 2, [1, 1, 1, 5], 4)
 
 
-def _uniform_profile(microbatches: int) -> Profile:
+def _uniform_profile(microbatches: int) -> Costs:
     """4 equal units with 1 MB of activations each and a slow link (3 ms per transfer):
     GPipe, which sends each direction in one burst, beats the interleaving schedules but
     holds all micro-batches at once."""
-    unit = LayerProfile(
+    unit = UnitCost(
         "unit",
         forward=1e-3,
         forward_plain=1e-3,
@@ -82,7 +82,13 @@ def _uniform_profile(microbatches: int) -> Profile:
         parameters=1 << 10,
         output=1 << 10,
     )
-    return Profile((unit,) * 4, microbatches, 2, latency=3e-3, bandwidth=1e12)
+    return Costs((unit,) * 4, microbatches, 2, 3e-3, 1e12, ACTION_OVERHEAD)
+
+
+# A rank's state per unit of _uniform_profile (1 KB of fp32 parameters): weights,
+# gradients and AdamW's two states; and its buffers: one micro-batch's output sent, one
+# received (1 KB each).
+STATE, BUFFERS = 4 * 2**10, 2 * 2**10
 
 
 def test_fastest_schedule_does_not_fit_so_plan_picks_the_next() -> None:
@@ -95,8 +101,8 @@ def test_fastest_schedule_does_not_fit_so_plan_picks_the_next() -> None:
     }
     free = plan(model, x, y, nn.functional.mse_loss, 2, **kwargs)
     assert free.schedule == "gpipe"
-    # 2 units x 8 micro-batches x 1 MB of activations, plus parameters and gradients.
-    assert max(free.peak_memory) == 16 * 2**20 + 2 * 2 * 2**10
+    # 2 units x 8 micro-batches x 1 MB of activations, the units' state and the buffers.
+    assert max(free.peak_memory) == 16 * 2**20 + 2 * STATE + BUFFERS
     assert free.predicted_step < free.alternatives[1].predicted_step
     bounded = plan(model, x, y, nn.functional.mse_loss, 2, 8 * 2**20, **kwargs)
     assert bounded.schedule == "zb-h1"  # the fastest that holds at most 2 micro-batches
@@ -348,7 +354,7 @@ def test_the_planner_chooses_the_same_among_near_ties() -> None:
 def test_recompute_is_charged_where_the_runtime_recomputes() -> None:
     """Under recompute every B re-runs its forward except where it follows that F at once
     (the runtime keeps those activations): 1F1B's last stage on every micro-batch."""
-    from conveyor.planning.cost_model import recomputed_shares
+    from conveyor.planning.prediction import recomputed_shares
     from conveyor.schedules import get_schedule
 
     assert recomputed_shares(get_schedule("gpipe", 2, 4)) == [1.0, 1.0]
@@ -357,15 +363,15 @@ def test_recompute_is_charged_where_the_runtime_recomputes() -> None:
 
 # ----------------------------------------------- under a memory limit: the V schedules
 def test_planner_picks_a_v_schedule_under_a_memory_limit() -> None:
+    from conveyor.planning.costs import Costs, UnitCost
     from conveyor.planning.planner import plan
-    from conveyor.planning.profile_data import LayerProfile, Profile
 
-    unit = LayerProfile(
+    unit = UnitCost(
         "unit", forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
         backward_weight=1e-3, backward=2e-3, activations=1 << 20, parameters=1 << 10,
         output=1 << 10,
     )  # fmt: skip
-    prof = Profile((unit,) * 8, 16, 2, latency=1e-5, bandwidth=1e12)
+    prof = Costs((unit,) * 8, 16, 2, 1e-5, 1e12, ACTION_OVERHEAD)
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)])
     x, y = torch.randn(32, 2), torch.randn(32, 2)
     kwargs: dict[str, Any] = {
@@ -375,12 +381,13 @@ def test_planner_picks_a_v_schedule_under_a_memory_limit() -> None:
     }
     free = plan(model, x, y, nn.functional.mse_loss, 4, **kwargs)
     assert free.schedule == "zbv"
-    # One unit per stage (8 stages on 4 ranks): a micro-batch of a rank's share is 2 MB.
+    # One unit per stage (8 stages on 4 ranks): a micro-batch of a rank's share is 2 MB;
+    # its 2 units' weights, gradients and AdamW states, a micro-batch sent and received.
     need = {c.schedule: max(c.peak_memory) for c in free.alternatives}
-    params = 2 * 2 * (1 << 10)
-    assert need["zbv"] == 8 * 2**20 + params  # 4 micro-batches x 2 MB
-    assert need["v-half"] == 6 * 2**20 + params
-    assert need["v-min"] == 4 * 2**20 + params
+    state = 2 * 4 * (1 << 10) + 2 * (1 << 10)
+    assert need["zbv"] == 8 * 2**20 + state  # 4 micro-batches x 2 MB
+    assert need["v-half"] == 6 * 2**20 + state
+    assert need["v-min"] == 4 * 2**20 + state
     half = plan(model, x, y, nn.functional.mse_loss, 4, 7 * 2**20, **kwargs)
     assert half.schedule == "v-half" and half.chunks == 2 and not half.recompute
     least = plan(model, x, y, nn.functional.mse_loss, 4, 5 * 2**20, **kwargs)
@@ -445,7 +452,7 @@ def test_pipeline_auto_under_a_memory_limit_fits_where_zbv_does_not(
 
     measured = planner.profile
 
-    def steady(*args: Any, **kwargs: Any) -> Profile:
+    def steady(*args: Any, **kwargs: Any) -> Costs:
         prof = measured(*args, **kwargs)
         times = dict(forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
                      backward_weight=1e-3, backward=2e-3)  # fmt: skip

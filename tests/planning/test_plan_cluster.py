@@ -53,16 +53,15 @@ def test_ranks_every_layout_and_prints_the_best_as_keywords(
     assert head and int(head.group(1)) > 50
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     assert len(rows) == 4
-    speeds = [float(r.split("|")[11]) for r in rows]
+    speeds = [float(r.split("|")[12]) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     first = [c.strip() for c in rows[0].split("|")[1:-1]]
-    pp, tp, dp = int(first[1]), int(first[2]), int(first[3])
-    assert pp * tp * dp == 8
+    pp, tp, cp, dp = int(first[1]), int(first[2]), int(first[3]), int(first[4])
+    assert pp * tp * cp * dp == 8
     best = out.splitlines()[-1]
-    assert best.startswith(
-        f"best: conveyor.init(pp={pp}, dp={dp}, tp={tp}); Pipeline(model, loss_fn=..., "
-    )
-    assert f'schedule="{first[6]}"' in best
+    mesh = f"pp={pp}, dp={dp}, tp={tp}" + (f", cp={cp}" if cp > 1 else "")
+    assert best.startswith(f"best: conveyor.init({mesh}); Pipeline(model, loss_fn=..., ")
+    assert f'schedule="{first[7]}"' in best
 
 
 def test_a_memory_limit_marks_layouts_over_it_and_exit_2_when_none_fits(

@@ -24,9 +24,9 @@ import conveyor
 from conveyor.errors import ConfigError
 from conveyor.partition import split_model
 from conveyor.planning import profiler
+from conveyor.planning.costs import UnitCost
 from conveyor.planning.meta import RealUnits, release
 from conveyor.planning.planner import Plan, plan
-from conveyor.planning.profile_data import LayerProfile
 from tests.support import distributed, real_models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ class Watch:
         self.seen: list[tuple[int, int]] = []  # (alive beyond before, the unit's bytes)
         measure = profiler.measure_unit
 
-        def watched(index: int, unit: nn.Module, *args: Any) -> tuple[LayerProfile, Any]:
+        def watched(index: int, unit: nn.Module, *args: Any) -> tuple[UnitCost, Any]:
             alive = _real_parameter_bytes()
             extra = sum(b for i, b in alive.items() if i not in self.before)
             own = sum(p.numel() * p.element_size() for p in unit.parameters())
@@ -197,14 +197,14 @@ def deterministic_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     measures of sizes stays measured."""
     measure = profiler.measure_unit
 
-    def sized(*args: Any) -> tuple[LayerProfile, Any]:
+    def sized(*args: Any) -> tuple[UnitCost, Any]:
         layer, out = measure(*args)
         t = (layer.parameters + layer.output + layer.activations + 4096) * 1e-9
         times = {
             "forward": t, "forward_plain": t, "backward_input": t, "backward_weight": t,
             "backward": 2 * t,
         }  # fmt: skip
-        return LayerProfile(**{**layer.__dict__, **times}), out
+        return UnitCost(**{**layer.__dict__, **times}), out
 
     monkeypatch.setattr(profiler, "measure_unit", sized)
     yield

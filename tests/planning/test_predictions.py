@@ -78,3 +78,18 @@ def test_the_page_is_the_scripts_output(predictions: Any) -> None:
     assert _block("predictions-table") == predictions.table(rows)
     assert _block("predictions-summary") == predictions.summary(rows)
     assert _block("predictions-stages") == predictions.stages()
+
+
+def test_every_miss_names_its_cause_and_every_row_its_framework(predictions: Any) -> None:
+    table = _block("predictions-table")
+    misses = [line for line in table.splitlines() if "**miss**" in line]
+    assert misses
+    tags = [t for line in misses for t in line.split("**miss** [")[1:]]
+    assert len(tags) == sum(line.count("**miss**") for line in misses)
+    for tag in tags:
+        cause = tag.split("]")[0]
+        assert cause in predictions.CAUSES and cause != "unexplained", tag
+        assert f"- [{cause}] " in table  # its legend
+    for run in predictions.RUNS:
+        assert f"| {run.model.name}, {run.label} | {run.framework} |" in table
+        assert f"- `{run.framework}`: " in table

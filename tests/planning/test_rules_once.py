@@ -44,22 +44,24 @@ def test_local_shard_is_a_dtensors_own_part_and_leaves_tensors() -> None:
 
 def test_the_planners_vocabulary_memory_counts_the_ranks_holding_the_most_rows() -> None:
     """5 rows over 2 ranks: the first holds 3 (torch.chunk's), so the planner counts 3/5
-    of the layers' bytes and logits per rank, not half of them."""
-    from conveyor.planning.profile_data import LayerProfile, Profile
+    of the layers' bytes (weights, gradients and AdamW's two states: 4 times the weights
+    in their own dtype) and logits per rank, not half of them."""
+    from conveyor.planning.costs import Costs, UnitCost
+    from conveyor.planning.memory import Setting
     from conveyor.planning.vocab import VocabUnits, evaluate_vocab
     from conveyor.schedules import get_schedule
 
-    def unit(i: int, parameters: int) -> LayerProfile:
-        return LayerProfile(f"unit {i}", 1e-3, 1e-3, 1e-3, 1e-3, 2e-3, 100, parameters, 400)
+    def unit(i: int, parameters: int) -> UnitCost:
+        return UnitCost(f"unit {i}", 1e-3, 1e-3, 1e-3, 1e-3, 2e-3, 100, parameters, 400)
 
-    prof = Profile(tuple(unit(i, 1000) for i in range(6)), 4, 2, 1e-5, 1e9)
+    prof = Costs(tuple(unit(i, 1000) for i in range(6)), 4, 2, 1e-5, 1e9)
     schedule = get_schedule("1f1b", 2, 4)
 
     def peaks(rows: int) -> list[float]:
         found = VocabUnits(embedding=0, output=5, parameter_bytes=10_000, rows=rows,
                            widening=rows / 8)  # fmt: skip
-        return list(evaluate_vocab(schedule, prof, found, None).peak_memory)
+        return list(evaluate_vocab(schedule, prof, found, None, Setting()).peak_memory)
 
     even, odd = peaks(4), peaks(5)
-    # parameters and gradients: 2 x (6000 - 5000); logits: 400 x 3/8 - 400 x 2/8
-    assert [o - e for o, e in zip(odd, even, strict=True)] == [2 * 1000 + 150 - 100] * 2
+    # weights, gradients and states: 4 x (6000 - 5000); logits: 400 x 3/8 - 400 x 2/8
+    assert [o - e for o, e in zip(odd, even, strict=True)] == [4 * 1000 + 150 - 100] * 2

@@ -1,4 +1,5 @@
-"""Profile one unit on one micro-batch: time F, B, W and the whole backward, size its bytes.
+"""Time one unit on one micro-batch: F, B, W and the whole backward, and size its bytes (the
+measured source of :class:`~conveyor.planning.costs.UnitCost`).
 
 The unit's F, B and W are timed the way the runtime runs them (``LinearWeightStore``
 capture, ``backward_input``, ``flush``), and its whole backward the
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from conveyor.planning.profile_data import LayerProfile
+from conveyor.planning.costs import UnitCost
 from conveyor.runtime.call import StageCaller
 from conveyor.runtime.compute import LossFn, grad_leaves
 from conveyor.runtime.deferred_linear import LinearWeightStore
@@ -69,7 +70,7 @@ def measure_unit(
     repeats: int,
     warmup: int,
     clock: Clock,
-) -> tuple[LayerProfile, Any]:
+) -> tuple[UnitCost, Any]:
     """Time and size one unit on one micro-batch.
 
     Gradients already in the unit's ``.grad`` are left as they were.
@@ -140,7 +141,7 @@ def measure_unit(
         out, _, _, _ = forward(split=False)
     saved = meter.taken
     med = statistics.median
-    layer = LayerProfile(
+    layer = UnitCost(
         name=f"unit {index}: {_describe(unit)}",
         forward=med(f_split),
         forward_plain=med(f_plain),
@@ -150,6 +151,9 @@ def measure_unit(
         activations=saved,
         parameters=sum(p.numel() * p.element_size() for p in unit.parameters()),
         output=_nbytes(out) if loss_fn is None else 0,
+        params=sum(p.numel() for p in unit.parameters()),
+        tensors=len(params),
+        input=0 if first else _nbytes(value),
     )
     detached = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
     return layer, detached

@@ -1,0 +1,234 @@
+"""This machine's :class:`~conveyor.planning.devices.Hardware` fields, measured once by
+micro-benchmarks (:func:`measure`, behind :meth:`Hardware.measure`, which makes them a
+``Hardware``: this module stays below it).
+
+What the counted source needs of a device, each timed here on the device conveyor's ranks
+run on (the GPU when there is one, else the CPU with the thread count a rank uses):
+
+- matrix multiplies: the rate of ``(small x middle) @ (middle x middle)`` for a grid of
+  sizes (:data:`SMALL`, :data:`MIDDLE`), used by the shape nearest a counted multiply;
+- attention: ``scaled_dot_product_attention`` with a causal mask, forward and backward,
+  at a few sequence lengths;
+- memory bandwidth: a large element-wise copy's bytes read and written per second;
+- a kernel's launch: the time of an operation on one element;
+- the link between processes: latency and bandwidth of a send between two ranks
+  (:func:`~conveyor.planning.link.measure_link_speed`), on the process group when one is
+  running, else between two processes started for it.
+
+The result is kept for the process and in a file under ``~/.cache/conveyor`` (or
+``$CONVEYOR_CACHE``) named for the host, the device, the thread count and torch's
+version, so each machine is measured once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Fields = dict[str, Any]
+"""Keyword arguments of :class:`~conveyor.planning.devices.Hardware`."""
+
+SMALL = (16, 64, 256, 1024)
+"""The smallest dimensions of the multiplies timed."""
+MIDDLE = (256, 1024, 2048)
+"""The two other dimensions of the multiplies timed."""
+SEQUENCES = (64, 256, 1024)
+"""Sequence lengths the attention is timed at."""
+
+_MEASURED: dict[str, Fields] = {}
+
+
+def measure(*, refresh: bool = False) -> Fields:
+    """This machine's device, measured once (see the module docstring) and cached for the
+    process and on disk; ``refresh`` measures it again."""
+    device = _device()
+    key = f"{platform.node()}-{device.type}-{torch.get_num_threads()}t-torch{torch.__version__}"
+    if not refresh and key in _MEASURED:
+        return _MEASURED[key]
+    path = _cache_dir() / f"hardware-{key}.json"
+    hw = None if refresh else _load(path)
+    if hw is None:
+        hw = _measure(device)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(hw))
+    _MEASURED[key] = hw
+    return hw
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
+
+
+def _load(path: Path) -> Fields | None:
+    try:
+        fields: Fields = json.loads(path.read_text())
+        fields["matmul_table"] = tuple(tuple(p) for p in fields["matmul_table"])
+        fields["attention_table"] = tuple(tuple(p) for p in fields["attention_table"])
+        return fields
+    except (OSError, ValueError, TypeError, KeyError):  # none yet, or unreadable
+        return None
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.02) -> float:
+    """Seconds of one call of ``fn``: the best of five timings, each repeated until it
+    lasts ``least``."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    calls = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        if time.perf_counter() - t0 >= least or calls >= 1 << 16:
+            break
+        calls *= 4
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return min(times)  # a shared machine's other load only ever slows a timing
+
+
+def _measure(device: torch.device) -> Fields:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = []
+    for small in SMALL:
+        for middle in MIDDLE:
+            if small > middle:
+                continue
+            a = torch.randn(small, middle, device=device, dtype=dtype)
+            b = torch.randn(middle, middle, device=device, dtype=dtype)
+            t = _seconds(functools.partial(torch.mm, a, b), device)
+            table.append((small, middle, 2 * small * middle * middle / t / 1e12))
+    big = torch.empty(1 << 24, device=device, dtype=torch.float32)  # 64 MiB
+    out = torch.empty_like(big)
+    bandwidth = 2 * big.nbytes / _seconds(lambda: torch.add(big, 1.0, out=out), device) / 1e9
+    one, one_out = big[:1], out[:1]
+    launch = _seconds(lambda: torch.add(one, 1.0, out=one_out), device)
+    latency, link = _link()
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory / 1e9
+        per_node = torch.cuda.device_count()
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        per_node = os.cpu_count() or 1
+    best = max(rate for *_, rate in table)
+    return dict(
+        peak_tflops=best,
+        hbm_gb=memory,
+        hbm_gbps=bandwidth,
+        gpus_per_node=per_node,
+        intra_node_gbps=link / 1e9,
+        inter_node_gbps=link / 1e9,
+        matmul_tflops=best,
+        name=f"measured {device.type} ({platform.node()})",
+        launch_s=launch,
+        memory_efficiency=1.0,
+        latency_s=latency,
+        matmul_table=tuple(table),
+        attention_table=_attention(device, dtype),
+    )
+
+
+def _attention(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, float], ...]:
+    """(sequence, TFLOP/s) of causal attention's forward and backward, FLOPs counted as
+    :meth:`Hardware.attention_seconds` takes them: 4 s^2 d in F, 2.5 times that in B,
+    half of it under the causal mask."""
+    heads, dim = 4, 64
+    out = []
+    for seq in SEQUENCES:
+        q, k, v = (
+            torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+
+        def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(o.sum(), (q, k, v))
+
+        flops = 3.5 * 4 * seq * seq * heads * dim / 2
+        out.append((seq, flops / _seconds(step, device) / 1e12))
+    return tuple(out)
+
+
+def _link() -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a send between two ranks."""
+    from conveyor.planning.link import measure_link_speed
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return measure_link_speed(large=1 << 26, rounds=5)
+    # Two fresh interpreters (not multiprocessing's spawn, which re-runs the caller's
+    # script unless it guards its main).
+    port = _free_port()
+    code = f"from conveyor.planning.machine import link_rank; link_rank({{}}, {port})"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code.format(r)], stdout=subprocess.PIPE, env=env)
+        for r in range(2)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    latency, bandwidth = json.loads(out.decode().strip().splitlines()[-1])
+    return float(latency), float(bandwidth)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def link_rank(rank: int, port: int) -> None:
+    """One of the two processes :func:`measure` starts to time the link; rank 0 prints
+    ``[latency, bandwidth]``."""
+    from conveyor.planning.link import measure_link_speed
+
+    torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 1 else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # 64 MiB messages, beyond the noise; the best of three, as others' load only slows
+        tries = [measure_link_speed(large=1 << 26, rounds=5) for _ in range(3)]
+        result = (min(t[0] for t in tries), max(t[1] for t in tries))
+        if rank == 0:
+            print(json.dumps(list(result)), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["MIDDLE", "SEQUENCES", "SMALL", "link_rank", "measure"]
