@@ -22,9 +22,11 @@ from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
 from conveyor.planning.prediction import predict, time_balance
 from conveyor.schedules import Schedule, get_schedule, zero_bubble_auto
+from conveyor.schedules.simulation import W_MEMORY
 from conveyor.simulate import SimResult
 
 GB = 1e9
@@ -115,7 +117,9 @@ def predict_layout(
         costs = counted_costs(counted, hw, layout)
     balance = unit_balance(layout, len(counted.layers), costs.times(True))
     if schedule is None:
-        schedule = layout_schedule(layout, costs.costs(balance, True), costs.comm(balance))
+        schedule = layout_schedule(
+            layout, costs.costs(balance, True), costs.comm(balance), w_share(costs.parts(balance))
+        )
     setting = layout.setting(tp_buffer(counted, layout))
     got = predict(schedule, costs, balance, setting, CountedSync(hw, layout), sims)
     step = got.step
@@ -205,12 +209,18 @@ def unit_balance(layout: Layout, layers: int, times: Sequence[float]) -> list[in
 
 
 def layout_schedule(
-    layout: Layout, costs: list[tuple[float, float, float]], comm: float
+    layout: Layout,
+    costs: list[tuple[float, float, float]],
+    comm: float,
+    w_memory: float = W_MEMORY,
 ) -> Schedule:
-    """The layout's schedule (``zb-auto`` fitted to the stage costs)."""
+    """The layout's schedule (``zb-auto`` fitted to the stage costs and the share of a
+    micro-batch's activations held from B until W)."""
     m = layout.microbatches
     if layout.schedule == "zb-auto":
-        return zero_bubble_auto(layout.pp, m, costs, layout.microbatch_cap, comm, layout.chunks)
+        return zero_bubble_auto(
+            layout.pp, m, costs, layout.microbatch_cap, comm, layout.chunks, w_memory=w_memory
+        )
     return get_schedule(layout.schedule, layout.pp, m, layout.chunks)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from conveyor.planning.costs import LAYER, Costs, UnitCost
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W
+from conveyor.schedules.simulation import W_MEMORY
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
 """The kinds a rank's memory is told apart by."""
@@ -78,11 +79,22 @@ class Setting:
 def held_until_w(unit: UnitCost) -> float:
     """Bytes of ``unit``'s activations held from a micro-batch's B until its W.
 
-    The one place this share comes from. conveyor's runtime keeps a micro-batch's
-    activations whole until its W today; a runtime that kept only what W reads would
-    hold ``unit.w_inputs`` (the Zero Bubble paper's M_W).
+    The one place this share comes from. conveyor's runtime frees a micro-batch's graph at
+    B and keeps what its weight GEMMs read (the Zero Bubble paper's M_W):
+    ``unit.w_inputs``; where that is unknown (0), :data:`W_MEMORY` of its activations.
     """
-    return unit.activations
+    return unit.w_inputs if unit.w_inputs > 0 else W_MEMORY * unit.activations
+
+
+def w_share(parts: Sequence[Sequence[UnitCost]]) -> float:
+    """The largest share of a stage's activations held from B until W, in [0, 1]: the
+    ``w_memory`` a split-backward schedule is fitted with, so that its cap is kept."""
+    shares = [
+        sum(held_until_w(u) for u in part) / full
+        for part in parts
+        if (full := sum(u.activations for u in part)) > 0
+    ]
+    return min(max(shares, default=W_MEMORY), 1.0)
 
 
 def state_bytes(setting: Setting, unit: UnitCost) -> tuple[float, float, float, float]:

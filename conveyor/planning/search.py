@@ -26,6 +26,7 @@ from conveyor.planning.counted import counted_costs
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
+from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
 from conveyor.schedules import Schedule
 from conveyor.simulate import SimResult
@@ -116,20 +117,11 @@ class _Search:
 
     def __init__(self, counted: ModelCount, hw: Hardware) -> None:
         self.counted, self.hw = counted, hw
-        self.schedules: dict[tuple[str, int, int, int], Schedule | None] = {}
+        self.schedules: dict[tuple[str, int, int, int, float], Schedule | None] = {}
         self.sims: dict[object, SimResult] = {}
         self.costs: dict[tuple[object, ...], Costs] = {}
 
     def predict(self, layout: Layout) -> Estimate | None:
-        key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-        if key not in self.schedules:
-            try:
-                self.schedules[key] = layout_schedule(layout, [], 0.0)
-            except ConfigError:  # too few micro-batches for this schedule
-                self.schedules[key] = None
-        schedule = self.schedules[key]
-        if schedule is None:
-            return None
         # Within one search the units' costs depend on these alone (not on the schedule,
         # recompute or FSDP gathered once per step): costed once for the layouts alike.
         shape = (layout.pp, layout.tp, layout.cp, layout.dp, layout.ep, layout.microbatch_size)
@@ -137,9 +129,22 @@ class _Search:
         try:
             if alike not in self.costs:
                 self.costs[alike] = counted_costs(self.counted, self.hw, layout)
-            return predict_layout(
-                self.counted, self.hw, layout, schedule, self.sims, self.costs[alike]
-            )
+        except ConfigError:  # a tp or cp that splits no heads evenly
+            return None
+        costs = self.costs[alike]
+        # zb-auto fitted to what the model holds from B until W (uniform costs: shared)
+        share = round(w_share([list(costs.layers)]), 2) if layout.schedule == "zb-auto" else 1.0
+        key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks, share)
+        if key not in self.schedules:
+            try:
+                self.schedules[key] = layout_schedule(layout, [], 0.0, share)
+            except ConfigError:  # too few micro-batches for this schedule
+                self.schedules[key] = None
+        schedule = self.schedules[key]
+        if schedule is None:
+            return None
+        try:
+            return predict_layout(self.counted, self.hw, layout, schedule, self.sims, costs)
         except ConfigError:  # a tp or cp that splits no heads evenly
             return None
 

@@ -252,3 +252,39 @@ def test_wave_quantization_slows_a_stage_of_narrow_multiplies() -> None:
     assert flat.matmul_seconds(flops, 0, (1, 1024, 5120, 5120)) == pytest.approx(
         flops / 271.2e12 + a100.launch_s, rel=1e-12
     )
+
+
+def test_a_split_backward_holds_what_w_reads_and_zb_auto_is_fitted_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From B to W the runtime keeps what the weight GEMMs read (``w_inputs``, the paper's
+    M_W), W_MEMORY of the activations where that is unknown; the estimate fits ``zb-auto``
+    to the count's largest stage share, so that its cap holds in bytes."""
+    import conveyor.planning.cluster as cluster
+    from conveyor.planning.costs import UnitCost
+    from conveyor.planning.memory import held_until_w, w_share
+    from conveyor.schedules import zero_bubble_auto
+    from conveyor.schedules.simulation import W_MEMORY
+
+    def unit(activations: float, w_inputs: float) -> UnitCost:
+        return UnitCost("u", 1.0, 1.0, 1.0, 1.0, 2.0, activations, 0.0, 0.0, w_inputs=w_inputs)
+
+    assert held_until_w(unit(100.0, 40.0)) == 40.0
+    assert held_until_w(unit(100.0, 0.0)) == pytest.approx(W_MEMORY * 100.0)
+    assert w_share([[unit(100.0, 40.0)], [unit(50.0, 10.0), unit(50.0, 20.0)]]) == 0.4
+    told: list[float] = []
+
+    def spy(*args: object, w_memory: float, **kwargs: object) -> object:
+        told.append(w_memory)
+        return zero_bubble_auto(*args, w_memory=w_memory, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cluster, "zero_bubble_auto", spy)
+    layout = Layout(4, global_batch=16, seq=64, dtype="fp32", optimizer="sgd",
+                    schedule="zb-auto", microbatch_cap=4)  # fmt: skip
+    estimate(llama(), hardware=H100, layout=layout)
+    costs = counted_costs(count_model(llama(), seq=64, dtype="fp32"), H100, layout)
+    share = max(
+        sum(held_until_w(u) for u in part) / sum(u.activations for u in part)
+        for part in costs.parts(cluster.unit_balance(layout, 8, costs.times(True)))
+    )
+    assert told == [pytest.approx(share)] and 0.2 < share < 0.95
