@@ -260,9 +260,11 @@ class Sharded:
         for module in collections:  # their own units first, as torchtitan does
             unit: Any = fully_shard(module, mesh=edp, reshard_after_forward=per_action)
             unit.set_gradient_divide_factor(float(divide))
-            if divide != edp.size() and dist.get_backend(edp.get_group()) == "gloo":
+            gloo = dist.get_backend(edp.get_group()) == "gloo"
+            if edp.size() > 1 and divide != edp.size() and gloo:
                 # FSDP reduces by another factor than its mesh's size with PREMUL_SUM,
-                # which gloo lacks: a sum, then the division.
+                # which gloo lacks: a sum, then the division. (Over one rank there is no
+                # reduction, and FSDP then divides by nothing: the sum path would divide.)
                 unit.set_force_sum_reduction_for_comms(True)
         for stage in stages.values():
             if per_action:
