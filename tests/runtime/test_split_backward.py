@@ -4,7 +4,6 @@ until W a micro-batch keeps only what its weights' backward reads."""
 from __future__ import annotations
 
 import gc
-import math
 import weakref
 from collections.abc import Callable
 
@@ -260,27 +259,18 @@ def test_autocast_keeps_low_precision_pairs_and_adds_full_precision_gradients() 
 
 
 def _gpt_layer(width: int, heads: int) -> nn.Module:
-    """A GPT layer as the Zero Bubble paper counts it (its Table 1): norm, fused q/k/v,
-    attention scores with dropout, projection, MLP of 4 h, dropouts after both."""
+    """A GPT layer as the Zero Bubble paper counts it (its Table 1): the one
+    ``benchmarks/split_backward_memory.py`` measures."""
+    import importlib.util
+    from pathlib import Path
 
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, s, h = x.shape
-            heads_of = (b, s, heads, h // heads)
-            q, k, v = (t.view(heads_of).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(h, -1))
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(h // heads)
-            causal = torch.ones(s, s, dtype=torch.bool).tril()
-            att = F.dropout(att.masked_fill(~causal, float("-inf")).softmax(-1), 0.1)
-            x = x + F.dropout(self.proj((att @ v).transpose(1, 2).reshape(b, s, h)), 0.1)
-            return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), 0.1)
-
-    return Layer()
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "split_backward_memory.py"
+    spec = importlib.util.spec_from_file_location("split_backward_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layer: nn.Module = module.paper_layer(width, heads)
+    return layer
 
 
 def test_held_from_b_to_w_is_what_the_weight_gradients_read() -> None:
