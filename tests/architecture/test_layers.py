@@ -169,6 +169,20 @@ def test_the_layout_page_lists_every_module_with_its_docstring() -> None:
 
 FIRST_IMPORT = """
 import importlib, sys
+from importlib.machinery import SourceFileLoader
+
+# Each module's source is compiled once, as a bytecode cache would keep it (the
+# environment may forbid writing .pyc files); every import still executes it afresh.
+compiled = {}
+compile_source = SourceFileLoader.source_to_code
+
+def source_to_code(self, data, path, *args, **kwargs):
+    key = (path, bytes(data))
+    if key not in compiled:
+        compiled[key] = compile_source(self, data, path, *args, **kwargs)
+    return compiled[key]
+
+SourceFileLoader.source_to_code = source_to_code
 failed = []
 for name in sys.argv[1:]:
     for loaded in [m for m in sys.modules if m == "conveyor" or m.startswith("conveyor.")]:

@@ -20,6 +20,8 @@ import torch
 import conveyor
 from conveyor.context import forget
 from tests.support import distributed, nccl_model
+from tests.support import tp_models as M
+from tests.support.captures import captured
 from tests.support.nccl_record import recording
 from tests.support.tp_models import LR, batches, tiny
 
@@ -60,7 +62,28 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
 
 
-def _layouts(rank: int, root: str, names: list[str]) -> dict[str, Any]:
+def _captured_models() -> dict[str, torch.nn.Module]:
+    """Each layout's model built and captured here, as its ranks' Pipeline captures it, on
+    the first micro-batch of replica 0's rows (tests/support/captures.py: the forked ranks
+    split that graph instead of each exporting it again). Not the meta one (built on meta)
+    nor vocab (its ranks capture it without the vocabulary layers)."""
+    models = {}
+    for name, layout in LAYOUTS.items():
+        if layout.get("meta") or layout["pipe"].get("vocab_parallel"):
+            continue
+        model = model_of(layout["kind"])
+        if layout["pipe"].get("tp_plan"):
+            models[name] = M.captured(model, layout["pipe"]["tp_plan"], layout["init"]["tp"])
+        else:
+            dp = layout["init"].get("dp", 1)
+            batch = {k: v[::dp] for k, v in batches()[0].items()}
+            models[name] = captured(model, batch, 2)
+    return models
+
+
+def _layouts(
+    rank: int, root: str, names: list[str], models: dict[str, torch.nn.Module]
+) -> dict[str, Any]:
     """Each layout on this rank: build, train one step, save_pretrained; this rank's
     trained values (whole tensors) by name, and what the save posted (``name/posted``)."""
     out = {}
@@ -73,7 +96,8 @@ def _layouts(rank: int, root: str, names: list[str]) -> dict[str, Any]:
                 model = model_of(layout["kind"])
             options = {"weights": str(Path(root) / "source"), **layout["pipe"]}
         else:
-            model, options = model_of(layout["kind"]), layout["pipe"]
+            model = models[name] if name in models else model_of(layout["kind"])
+            options = layout["pipe"]
         batch = {k: v[ctx.dp_rank :: ctx.dp_size] for k, v in batches()[0].items()}
         pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=2, sample=(batch, None),
                                  **options)  # fmt: skip
@@ -91,7 +115,9 @@ def _layouts(rank: int, root: str, names: list[str]) -> dict[str, Any]:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("pretrained")
     model_of("llama").save_pretrained(root / "source")  # what the meta layout loads
-    results = distributed.run(_layouts, 4, str(root), list(LAYOUTS), timeout=600, fork=True)
+    results = distributed.run(
+        _layouts, 4, str(root), list(LAYOUTS), _captured_models(), timeout=600, fork=True
+    )
     return root, results
 
 

@@ -248,7 +248,17 @@ def _tp_plan(plan: str) -> Any:
     return hand_plan()
 
 
-def _tp_world(rank: int, cases: list[str]) -> dict[str, Any]:
+def _tp_models(cases: list[str]) -> dict[str, nn.Module]:
+    """Each case's model built and captured here, as its ranks' Pipeline captures it
+    (tests/support/captures.py: the 8 forked ranks split that graph instead of each
+    exporting it again)."""
+    from tests.support import tp_models as M
+
+    return {name: M.captured(M.tiny(TP_CASES[name][0]), _tp_plan(TP_CASES[name][1]), 2)
+            for name in cases}  # fmt: skip
+
+
+def _tp_world(rank: int, cases: list[str], models: dict[str, nn.Module]) -> dict[str, Any]:
     from tests.support import tp_models as M
 
     ctx = conveyor.init(pp=2, cp=2, tp=2, timeout=300)
@@ -256,9 +266,9 @@ def _tp_world(rank: int, cases: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"ranks": {"tp": ctx.tp_rank, "pp": ctx.pp_rank}}
     batches = tp_batches()
     for name in cases:
-        kind, plan, strategy = TP_CASES[name]
+        _, plan, strategy = TP_CASES[name]
         pipe = conveyor.Pipeline(
-            M.tiny(kind), loss_fn=None, microbatches=3, tp_plan=_tp_plan(plan),
+            models[name], loss_fn=None, microbatches=3, tp_plan=_tp_plan(plan),
             cp_attention=strategy, sample=(batches[0], None),
         )  # fmt: skip
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
@@ -279,7 +289,7 @@ def test_pp2_cp2_tp2_transformers_with_tp_plan() -> None:
     from tests.support import tp_models as M
 
     cases = list(TP_CASES)
-    results = distributed.run(_tp_world, 8, cases, fork=True, timeout=1500)
+    results = distributed.run(_tp_world, 8, cases, _tp_models(cases), fork=True, timeout=1500)
     for name in cases:
         want, norms = unsplit(M.tiny(TP_CASES[name][0]), tp_batches())
         held: set[str] = set()
