@@ -64,9 +64,18 @@ def test_the_bounds_never_exceed_a_prediction_and_place_stages_as_the_schedule()
 
 
 @pytest.mark.parametrize("limit", [None, 0.03, 1e-6])
-def test_the_top_k_are_the_exhaustive_rankings_first_k(limit: float | None) -> None:
+def test_the_top_k_are_the_exhaustive_rankings_first_k(
+    limit: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = llama()
     full = rank_layouts(config, **ARGS, memory_limit_gb=limit)
+    predicted = []
+    plain = _Search.predict
+    monkeypatch.setattr(
+        _Search, "predict", lambda self, lay: predicted.append(lay) or plain(self, lay)
+    )
+    _same(rank_layouts(config, **ARGS, memory_limit_gb=limit, top=5), full[:5])
+    assert len(predicted) < len(full) / 4  # the bounds spared most of them
     if limit == 0.03:  # some fit, most do not: the search goes on among those over it
         assert 0 < sum(r.fits for r in full) < 10
     for top in (1, 10, 40):
