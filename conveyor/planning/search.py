@@ -21,7 +21,7 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.planning.bounds import memory_bound, step_bound
-from conveyor.planning.cluster import Estimate, layout_schedule, predict_layout, unit_balance
+from conveyor.planning.cluster import GB, Estimate, layout_schedule, predict_layout, unit_balance
 from conveyor.planning.costs import Costs
 from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
 from conveyor.planning.counting import count_model
@@ -29,6 +29,7 @@ from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
+from conveyor.planning.prediction import peaks
 from conveyor.schedules import Schedule
 from conveyor.simulate import SimResult
 
@@ -158,7 +159,8 @@ class _Search:
             return None
         key = (id(costs), layout.pp * layout.chunks)
         if key not in self.balances:
-            self.balances[key] = unit_balance(layout, len(costs.layers), costs.times(True))
+            layers = len(self.counted.layers)
+            self.balances[key] = unit_balance(layout, layers, costs.times(True))
         balance = self.balances[key]
         setting = layout.setting(tp_buffer(self.counted, layout))
         return step_bound(costs, balance, layout), memory_bound(costs, balance, layout, setting)
@@ -171,10 +173,20 @@ class _Search:
         balance = self.balances[(id(costs), layout.pp * layout.chunks)]
         return step_bound(costs, balance, layout, CountedSync(self.hw, layout))
 
-    def predict(self, layout: Layout) -> Estimate | None:
+    def memory_gb(self, layout: Layout) -> float | None:
+        """The layout's :attr:`~conveyor.planning.cluster.Estimate.memory_gb` without
+        simulating it, for a layout :meth:`bounds` took (None: its schedule cannot run)."""
         costs = self.costed(layout)
-        if costs is None:
+        schedule = None if costs is None else self.schedule(layout, costs)
+        if costs is None or schedule is None:
             return None
+        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
+        setting = layout.setting(tp_buffer(self.counted, layout))
+        return max(peaks(schedule, costs, balance, setting)) / GB
+
+    def schedule(self, layout: Layout, costs: Costs) -> Schedule | None:
+        """The layout's schedule, built once for the layouts alike (None: too few
+        micro-batches for it)."""
         # zb-auto fitted to what the model holds from B until W (uniform costs: shared)
         share = round(w_share([list(costs.layers)]), 2) if layout.schedule == "zb-auto" else 1.0
         key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks, share)
@@ -183,7 +195,13 @@ class _Search:
                 self.schedules[key] = layout_schedule(layout, [], 0.0, share)
             except ConfigError:  # too few micro-batches for this schedule
                 self.schedules[key] = None
-        schedule = self.schedules[key]
+        return self.schedules[key]
+
+    def predict(self, layout: Layout) -> Estimate | None:
+        costs = self.costed(layout)
+        if costs is None:
+            return None
+        schedule = self.schedule(layout, costs)
         if schedule is None:
             return None
         try:
@@ -205,6 +223,7 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
         return layout.global_batch * layout.seq / step / layout.gpus
 
     found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
+    deferred: list[tuple[tuple[float, float], int, Layout]] = []  # known to be over
 
     def predicted(i: int, layout: Layout, best: list[tuple[float, int]], wanted: int) -> None:
         if len(best) >= wanted:  # the bound with the tail: costlier, so only now
@@ -224,6 +243,9 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
             best = sorted(f[:2] for f in found if f[2].fits is fits)
             if len(best) >= wanted and -fastest(layout, step) > best[wanted - 1][0]:
                 break  # this one and every one after it ranks below the best `wanted`
+            if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
+                deferred.append(((step, gb), i, layout))  # over: simulated only if needed
+                continue
             predicted(i, layout, best, wanted)
         return [r for *_, r in sorted(found, key=lambda f: f[:2]) if r.fits is fits][:wanted]
 
@@ -233,8 +255,7 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
     fitting = ranked_among(True, top, maybe)
     if len(fitting) == top:
         return fitting
-    seen = {f[1] for f in found}
-    return fitting + ranked_among(False, top - len(fitting), [t for t in over if t[1] not in seen])
+    return fitting + ranked_among(False, top - len(fitting), over + deferred)
 
 
 def layouts(
