@@ -225,13 +225,19 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
     found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
     deferred: list[tuple[tuple[float, float], int, Layout]] = []  # known to be over
 
-    def predicted(i: int, layout: Layout, best: list[tuple[float, int]], wanted: int) -> None:
+    def predicted(
+        i: int, layout: Layout, step: float, fits: bool, best: list[tuple[float, int]], wanted: int
+    ) -> None:
+        # (with fewer than `wanted` found, phase 1 predicts or defers every layout)
         if len(best) >= wanted:  # the bound with the tail: costlier, so only now
-            step = search.tail_bound(layout)
+            tail = search.tail_bound(layout)
             if layout.recompute is True:  # never faster than without (see _Search.steps)
-                step = max(step, search.steps.get(replace(layout, recompute=False), 0.0))
-            if (-fastest(layout, step), i) > best[wanted - 1]:
+                tail = max(tail, search.steps.get(replace(layout, recompute=False), 0.0))
+            if (-fastest(layout, tail), i) > best[wanted - 1]:
                 return
+        if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
+            deferred.append(((step, gb), i, layout))  # over: simulated only if needed
+            return
         est = search.predict(layout)
         if est is not None:
             found.append((-est.tokens_per_s_per_gpu, i, Ranked(est, est.fits(limit))))
@@ -243,10 +249,7 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
             best = sorted(f[:2] for f in found if f[2].fits is fits)
             if len(best) >= wanted and -fastest(layout, step) > best[wanted - 1][0]:
                 break  # this one and every one after it ranks below the best `wanted`
-            if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
-                deferred.append(((step, gb), i, layout))  # over: simulated only if needed
-                continue
-            predicted(i, layout, best, wanted)
+            predicted(i, layout, step, fits, best, wanted)
         return [r for *_, r in sorted(found, key=lambda f: f[:2]) if r.fits is fits][:wanted]
 
     # Layouts whose memory bound is over the limit cannot fit; the others might.
