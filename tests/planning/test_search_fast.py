@@ -93,7 +93,7 @@ def test_top_must_be_a_positive_integer() -> None:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 58 item 6 not met yet: the bounds leave ~250 layouts to simulate (~85 s)",
+    reason="issue 58 item 6 not met yet: the bounds leave ~100 layouts to simulate (~35 s CPU)",
 )
 def test_llama_405b_on_16384_gpus_ranks_in_under_10_s() -> None:
     config = LlamaConfig(
