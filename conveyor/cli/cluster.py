@@ -1,7 +1,8 @@
 """``conveyor plan --model CONFIG --hardware NAME --gpus N --seq S --global-batch B``.
 
 Ranks every layout of the model on a cluster nobody has to own
-(:func:`conveyor.planning.search.rank_layouts`), prints the fastest ones with their memory
+(:func:`conveyor.planning.search.rank_layouts`, simulating only those that can make the
+printed top), prints the fastest ones with their memory
 per GPU (those over the limit marked), and the best as the keywords that run it.
 """
 
@@ -74,23 +75,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         seq=args.seq,
         global_batch=args.global_batch,
         memory_limit_gb=args.memory_limit,
+        top=args.top,
     )
     seconds = time.perf_counter() - start
     hw = ranked[0].estimate.hardware
     limit = hw.hbm_gb if args.memory_limit is None else args.memory_limit
     over = sum(not r.fits for r in ranked)
     print(
-        f"{len(ranked)} layouts of {args.gpus} x {hw.name or 'GPU'} ranked in {seconds:.1f} s; "
-        f"{over} over the {limit:g} GB limit"
+        f"the {len(ranked)} fastest layouts of {args.gpus} x {hw.name or 'GPU'} ranked in "
+        f"{seconds:.1f} s; {over} of them over the {limit:g} GB limit"
     )
-    print(table(ranked[: args.top], limit))
+    print(table(ranked, limit))
     best = ranked[0]
     if not best.fits:
         smallest = min(ranked, key=lambda r: r.estimate.memory_gb)
         print(
-            f"conveyor plan: error: no layout fits {limit:g} GB per GPU (the smallest needs "
-            f"{smallest.estimate.memory_gb:.1f} GB); use more GPUs, a smaller global batch or "
-            "raise --memory-limit"
+            f"conveyor plan: error: no layout fits {limit:g} GB per GPU (the smallest of "
+            f"these needs {smallest.estimate.memory_gb:.1f} GB); use more GPUs, a smaller "
+            "global batch or raise --memory-limit"
         )
         return 2
     print(f"best: {keywords(best)}")

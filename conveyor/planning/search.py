@@ -16,18 +16,20 @@ come first, fastest (tokens per second per GPU) first; those over it follow, mar
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor.errors import ConfigError
-from conveyor.planning.cluster import Estimate, layout_schedule, predict_layout
+from conveyor.planning.bounds import memory_bound, step_bound
+from conveyor.planning.cluster import GB, Estimate, layout_schedule, predict_layout, unit_balance
 from conveyor.planning.costs import Costs
-from conveyor.planning.counted import counted_costs
+from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
+from conveyor.planning.prediction import peaks
 from conveyor.schedules import Schedule
 from conveyor.simulate import SimResult
 
@@ -67,6 +69,7 @@ def rank_layouts(
     global_batch: int,
     memory_limit_gb: float | None = None,
     dtype: str = "bf16",
+    top: int | None = None,
 ) -> list[Ranked]:
     """Every valid layout of ``model`` on ``gpus`` GPUs, ranked (see the module docstring).
 
@@ -78,6 +81,10 @@ def rank_layouts(
         global_batch: Sequences per step.
         memory_limit_gb: The most memory a GPU may use; default: its HBM.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        top: Only the first ``top`` of that ranking, the same layouts in the same order
+            with the same predictions, found by branch and bound: a layout is predicted
+            only while its lower bounds (:mod:`~conveyor.planning.bounds`) can still
+            beat the ``top`` best predicted so far. None: every layout.
 
     Returns:
         The layouts: those that fit first, each group fastest first.
@@ -86,7 +93,8 @@ def rank_layouts(
         ConfigError: For sizes below 1, or when no layout of ``gpus`` can take
             ``global_batch`` (e.g. fewer sequences than data-parallel replicas).
     """
-    for name, value in (("gpus", gpus), ("seq", seq), ("global_batch", global_batch)):
+    sizes = [("gpus", gpus), ("seq", seq), ("global_batch", global_batch)]
+    for name, value in [*sizes, *([("top", top)] if top is not None else [])]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
     hw = _hardware(hardware)
@@ -95,11 +103,15 @@ def rank_layouts(
         raise ConfigError(f"the memory limit must be a number of GB > 0, got {limit!r}")
     counted = count_model(model, seq, dtype)
     search = _Search(counted, hw)
-    ranked = [
-        Ranked(est, est.fits(limit))
-        for layout in layouts(counted, hw, gpus, seq, global_batch, dtype)
-        if (est := search.predict(layout)) is not None
-    ]
+    every = layouts(counted, hw, gpus, seq, global_batch, dtype)
+    if top is None:
+        ranked = [
+            Ranked(est, est.fits(limit))
+            for layout in every
+            if (est := search.predict(layout)) is not None
+        ]
+    else:
+        ranked = best_layouts(search, list(every), limit, top)
     if not ranked:
         raise ConfigError(
             f"no layout of {gpus} GPUs can run a global batch of {global_batch} sequences of "
@@ -119,19 +131,62 @@ class _Search:
         self.counted, self.hw = counted, hw
         self.schedules: dict[tuple[str, int, int, int, float], Schedule | None] = {}
         self.sims: dict[object, SimResult] = {}
-        self.costs: dict[tuple[object, ...], Costs] = {}
+        self.costs: dict[tuple[object, ...], Costs | None] = {}
+        self.balances: dict[tuple[int, int], list[int]] = {}
+        # Each layout's predicted step. A recomputing layout runs its twin's schedule on
+        # its twin's stages, with no action shorter and some Bs longer (the forward
+        # again): its simulated step is no shorter, so the twin's step bounds it.
+        self.steps: dict[Layout, float] = {}
 
-    def predict(self, layout: Layout) -> Estimate | None:
+    def costed(self, layout: Layout) -> Costs | None:
+        """The layout's units, costed (None: a tp or cp that splits no heads evenly)."""
         # Within one search the units' costs depend on these alone (not on the schedule,
         # recompute or FSDP gathered once per step): costed once for the layouts alike.
         shape = (layout.pp, layout.tp, layout.cp, layout.dp, layout.ep, layout.microbatch_size)
         alike = (*shape, layout.microbatches, layout.fsdp == "reshard")
-        try:
-            if alike not in self.costs:
+        if alike not in self.costs:
+            try:
                 self.costs[alike] = counted_costs(self.counted, self.hw, layout)
-        except ConfigError:  # a tp or cp that splits no heads evenly
+            except ConfigError:
+                self.costs[alike] = None
+        return self.costs[alike]
+
+    def bounds(self, layout: Layout) -> tuple[float, float] | None:
+        """Lower bounds on the layout's (step seconds, GB of its fullest rank), or None
+        for a layout that cannot be costed."""
+        costs = self.costed(layout)
+        if costs is None:
             return None
-        costs = self.costs[alike]
+        key = (id(costs), layout.pp * layout.chunks)
+        if key not in self.balances:
+            layers = len(self.counted.layers)
+            self.balances[key] = unit_balance(layout, layers, costs.times(True))
+        balance = self.balances[key]
+        setting = layout.setting(tp_buffer(self.counted, layout))
+        return step_bound(costs, balance, layout), memory_bound(costs, balance, layout, setting)
+
+    def tail_bound(self, layout: Layout) -> float:
+        """:func:`~conveyor.planning.bounds.step_bound` with the tail, for a layout
+        :meth:`bounds` took."""
+        costs = self.costed(layout)
+        assert costs is not None
+        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
+        return step_bound(costs, balance, layout, CountedSync(self.hw, layout))
+
+    def memory_gb(self, layout: Layout) -> float | None:
+        """The layout's :attr:`~conveyor.planning.cluster.Estimate.memory_gb` without
+        simulating it, for a layout :meth:`bounds` took (None: its schedule cannot run)."""
+        costs = self.costed(layout)
+        schedule = None if costs is None else self.schedule(layout, costs)
+        if costs is None or schedule is None:
+            return None
+        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
+        setting = layout.setting(tp_buffer(self.counted, layout))
+        return max(peaks(schedule, costs, balance, setting)) / GB
+
+    def schedule(self, layout: Layout, costs: Costs) -> Schedule | None:
+        """The layout's schedule, built once for the layouts alike (None: too few
+        micro-batches for it)."""
         # zb-auto fitted to what the model holds from B until W (uniform costs: shared)
         share = round(w_share([list(costs.layers)]), 2) if layout.schedule == "zb-auto" else 1.0
         key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks, share)
@@ -140,13 +195,70 @@ class _Search:
                 self.schedules[key] = layout_schedule(layout, [], 0.0, share)
             except ConfigError:  # too few micro-batches for this schedule
                 self.schedules[key] = None
-        schedule = self.schedules[key]
+        return self.schedules[key]
+
+    def predict(self, layout: Layout) -> Estimate | None:
+        costs = self.costed(layout)
+        if costs is None:
+            return None
+        schedule = self.schedule(layout, costs)
         if schedule is None:
             return None
         try:
-            return predict_layout(self.counted, self.hw, layout, schedule, self.sims, costs)
+            est = predict_layout(self.counted, self.hw, layout, schedule, self.sims, costs)
         except ConfigError:  # a tp or cp that splits no heads evenly
             return None
+        self.steps[layout] = est.step_s
+        return est
+
+
+def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: int) -> list[Ranked]:
+    """The first ``top`` of the ranking of ``candidates`` (those that fit ``limit`` GB
+    first, each group fastest first, ties in the order given), predicting only the
+    layouts whose lower bounds can still place them there: a bound never exceeds the
+    prediction, so every layout left out ranks below the ``top`` returned."""
+    bounded = [(b, i, lay) for i, lay in enumerate(candidates) if (b := search.bounds(lay))]
+
+    def fastest(layout: Layout, step: float) -> float:  # as Estimate.tokens_per_s_per_gpu
+        return layout.global_batch * layout.seq / step / layout.gpus
+
+    found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
+    deferred: list[tuple[tuple[float, float], int, Layout]] = []  # known to be over
+
+    def predicted(
+        i: int, layout: Layout, step: float, fits: bool, best: list[tuple[float, int]], wanted: int
+    ) -> None:
+        # (with fewer than `wanted` found, phase 1 predicts or defers every layout)
+        if len(best) >= wanted:  # the bound with the tail: costlier, so only now
+            tail = search.tail_bound(layout)
+            if layout.recompute is True:  # never faster than without (see _Search.steps)
+                tail = max(tail, search.steps.get(replace(layout, recompute=False), 0.0))
+            if (-fastest(layout, tail), i) > best[wanted - 1]:
+                return
+        if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
+            deferred.append(((step, gb), i, layout))  # over: simulated only if needed
+            return
+        est = search.predict(layout)
+        if est is not None:
+            found.append((-est.tokens_per_s_per_gpu, i, Ranked(est, est.fits(limit))))
+
+    def ranked_among(
+        fits: bool, wanted: int, pool: list[tuple[tuple[float, float], int, Layout]]
+    ) -> list[Ranked]:
+        for (step, _), i, layout in sorted(pool, key=lambda t: (t[0][0], t[1])):
+            best = sorted(f[:2] for f in found if f[2].fits is fits)
+            if len(best) >= wanted and -fastest(layout, step) > best[wanted - 1][0]:
+                break  # this one and every one after it ranks below the best `wanted`
+            predicted(i, layout, step, fits, best, wanted)
+        return [r for *_, r in sorted(found, key=lambda f: f[:2]) if r.fits is fits][:wanted]
+
+    # Layouts whose memory bound is over the limit cannot fit; the others might.
+    maybe = [t for t in bounded if t[0][1] <= limit]
+    over = [t for t in bounded if t[0][1] > limit]
+    fitting = ranked_among(True, top, maybe)
+    if len(fitting) == top:
+        return fitting
+    return fitting + ranked_among(False, top - len(fitting), over + deferred)
 
 
 def layouts(
