@@ -14,7 +14,7 @@ test_predictions.py checks it, so the page cannot go stale.
 Targets (issues 48 and 58): memory within 15% of the published figure, the ratio between two
 schedules of one setting within 5%, throughput (tokens, samples or TFLOP/s per GPU) within
 20%. Every row is reported, misses too; nothing is tuned to these rows (the constants are
-those of conveyor/planning/hardware.py and collectives.py, fixed before this comparison).
+those of conveyor/planning/devices.py and collectives.py, fixed before this comparison).
 """
 
 from __future__ import annotations
