@@ -74,8 +74,8 @@ class Pipeline(LastStep, ModuleState):
         sample: ``(inputs, targets)`` to capture a model ``torch.fx`` cannot trace at
             construction (else on the first batch), and for ``schedule="auto"``.
         memory_limit: for ``schedule="auto"``: the most bytes a pipeline rank may need
-            for its stages' parameters, their gradients and the activations the schedule
-            holds at once (optimizer state not counted; docs/guide/planner.md).
+            for its stages' parameters, their gradients, AdamW's states and the
+            activations the schedule holds at once (docs/guide/planner.md).
         recompute: True (every stage) or global stage indices whose forward is re-run at B
             (under F's RNG state, so dropout repeats its masks) instead of keeping its
             activations.
