@@ -20,36 +20,11 @@ import conveyor
 from conveyor.context_parallel import op
 from conveyor.context_parallel.rotation import Stacked
 from conveyor.losses import TokenCrossEntropy
-from tests.context_parallel.test_pipeline import ROWS, VOCAB, check, padded_batches
+from tests.context_parallel.test_pipeline import ROWS, VOCAB, Block, check, padded_batches
 from tests.support.helpers import assert_close, rel_err, reset_context
 
 LOSS = TokenCrossEntropy(shift=True)
 BALANCE = [3, 3]
-
-
-class Block(nn.Module):
-    """A pre-norm block whose attention is ``scaled_dot_product_attention`` (causal), with
-    attention dropout in training mode."""
-
-    def __init__(self, width: int, heads: int, dropout: float) -> None:
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.ln = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (
-            z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln(x)).split(c, 2)
-        )
-        p = self.dropout if self.training else 0.0
-        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        x = x + self.out(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(x)
 
 
 def net(dropout: float = 0.0) -> nn.Sequential:

@@ -122,11 +122,12 @@ def test_predict_gives_whole_sequences() -> None:
 
 
 class Block(nn.Module):
-    """A pre-norm block whose attention is ``scaled_dot_product_attention``."""
+    """A pre-norm block whose attention is ``scaled_dot_product_attention`` (causal), with
+    attention dropout in training mode."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.ln = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.out = nn.Linear(width, width)
@@ -139,7 +140,8 @@ class Block(nn.Module):
         q, k, v = (
             z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.ln(x)).split(c, 2)
         )
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, c))
         return x + self.mlp(x)
 
