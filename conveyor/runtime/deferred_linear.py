@@ -53,6 +53,15 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 _CONV_DEFAULTS = (None, None, None, 1, 0, 1, 1)
 
 
+def _cast(
+    weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Under autocast the input comes cast already; the parameters are cast here."""
+    if cast is None:
+        return weight, bias
+    return weight.to(cast), None if bias is None else bias.to(cast)
+
+
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -63,9 +72,7 @@ class _DeferredLinear(torch.autograd.Function):
         cast: torch.dtype | None,
         target: tuple[torch.Tensor, torch.Tensor | None, Any, bool],
     ) -> torch.Tensor:
-        if cast is not None:  # autocast: x comes cast already, the parameters are cast here
-            weight = weight.to(cast)
-            bias = None if bias is None else bias.to(cast)
+        weight, bias = _cast(weight, bias, cast)
         if target[3]:  # x @ weight (+ bias): torch.addmm / matmul on a [in, out] weight
             if bias is None:
                 return torch.matmul(x, weight)
@@ -109,9 +116,7 @@ class _DeferredConv(torch.autograd.Function):
         cast: torch.dtype | None,
         conv: tuple[Callable[..., torch.Tensor], tuple[Any, Any, Any, int]],
     ) -> torch.Tensor:
-        if cast is not None:
-            weight = weight.to(cast)
-            bias = None if bias is None else bias.to(cast)
+        weight, bias = _cast(weight, bias, cast)
         call, spec = conv
         return call(x, weight, bias, *spec)
 
