@@ -35,7 +35,7 @@ def test_readme_is_a_page_long() -> None:
 def test_readme_names_the_site_and_the_fast_lane() -> None:
     text = README.read_text(encoding="utf-8")
     assert "mkdocs serve" in text
-    assert '`OMP_NUM_THREADS=1 python -m pytest -q -m "not slow"`' in text
+    assert '`OMP_NUM_THREADS=1 python -m pytest -q -m "not slow" -n 2`' in text
 
 
 def test_quick_start_is_two_commands_with_pinned_torch() -> None:
