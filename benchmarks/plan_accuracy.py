@@ -315,8 +315,11 @@ def counted(args: argparse.Namespace) -> int:
     slow = accuracy.slowdown(hw, results)
     print(f"{hw.name}: multiplies up to {hw.matmul_tflops * 1e3:.0f} GFLOP/s, memory "
           f"{hw.hbm_gbps:.1f} GB/s, link {hw.latency_s * 1e6:.0f} us + {hw.intra_node_gbps:.2f} "
-          f"GB/s; the ranks ran {slow:.2f}x slower than that side by side\n")  # fmt: skip
+          f"GB/s, {hw.action_overhead * 1e6:.0f} us per action; the ranks ran {slow:.2f}x "
+          f"slower than that side by side\n")  # fmt: skip
     print(accuracy.table(estimates, results, slow))
+    print("\nPer stage, one micro-batch, predicted / measured:\n")
+    print(accuracy.stage_table(estimates, results))
     return 0
 
 

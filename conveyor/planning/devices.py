@@ -19,7 +19,9 @@ sources are in ``docs/guide/cluster.md``):
   (:meth:`Hardware.matmul_seconds`), and each kernel costs its launch (:data:`LAUNCH_S`).
 
 :meth:`Hardware.measure` gives this machine instead: its rates by shape, its memory
-bandwidth and the link between its processes, measured (:mod:`~conveyor.planning.machine`).
+bandwidth, the link between its processes and the runtime's cost per action, measured
+(:mod:`~conveyor.planning.machine`; on a CPU in CPU seconds, which other load does not
+stretch).
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class Hardware:
             (``"a100"`` or ``"h100"``).
         name: The preset's name, or ``""``.
         action_overhead: Seconds the runtime adds to every F and B beyond its kernels
-            (0 on a GPU, whose kernels queue while the host goes on).
+            (0 on a GPU, whose kernels queue while the host goes on; on a CPU
+            :meth:`measure` times conveyor's own actions on a tiny pipeline,
+            :func:`~conveyor.planning.machine.action_overhead`).
         sms: Streaming multiprocessors: a multiply runs in waves of one :data:`TILE`
             each (0: no wave model, every multiply at MAMF).
         launch_s: Seconds each kernel (or, on a CPU, each eager operation) adds.

@@ -13,7 +13,15 @@ run on (the GPU when there is one, else the CPU with the thread count a rank use
 - a kernel's launch: the time of an operation on one element;
 - the link between processes: latency and bandwidth of a send between two ranks
   (:func:`~conveyor.planning.link.measure_link_speed`), on the process group when one is
-  running, else between two processes started for it.
+  running, else between two processes started for it;
+- the runtime's own cost per action (on a CPU, where the host runs every kernel itself):
+  a ``Pipeline`` of two one-multiply stages run on those two processes, and the time
+  each rank spends per F or B beyond its waits for the other
+  (:func:`action_overhead`). On a GPU the kernels queue while the host goes on: 0.
+
+On a CPU the kernels are timed in the thread's CPU seconds, not the wall clock's: other
+processes on a shared machine take cores from a timing (twice its time, seen here), never
+CPU seconds.
 
 The result is kept for the process and in a file under ``~/.cache/conveyor`` (or
 ``$CONVEYOR_CACHE``) named for the host, the device, the thread count and torch's
@@ -30,12 +38,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from conveyor.runtime.timing import Timing
 
 Fields = dict[str, Any]
 """Keyword arguments of :class:`~conveyor.planning.devices.Hardware`."""
@@ -47,6 +57,13 @@ MIDDLE = (256, 1024, 2048)
 SEQUENCES = (64, 256, 1024)
 """Sequence lengths the attention is timed at."""
 
+VERSION = "v2"
+"""What the cache file's name carries: a file measured by another version is measured
+again (v2: CPU seconds on a CPU, the runtime's cost per action)."""
+
+TINY_MICROBATCHES = 8
+"""Micro-batches of the tiny pipeline :func:`action_overhead` times."""
+
 _MEASURED: dict[str, Fields] = {}
 
 
@@ -57,7 +74,7 @@ def measure(*, refresh: bool = False) -> Fields:
     key = f"{platform.node()}-{device.type}-{torch.get_num_threads()}t-torch{torch.__version__}"
     if not refresh and key in _MEASURED:
         return _MEASURED[key]
-    path = _cache_dir() / f"hardware-{key}.json"
+    path = _cache_dir() / f"hardware-{VERSION}-{key}.json"
     hw = None if refresh else _load(path)
     if hw is None:
         hw = _measure(device)
@@ -89,30 +106,32 @@ def _device() -> torch.device:
 
 def _seconds(fn: Callable[[], object], device: torch.device, least: float = 0.02) -> float:
     """Seconds of one call of ``fn``: the best of five timings, each repeated until it
-    lasts ``least``."""
+    lasts ``least``; on a CPU in this thread's CPU seconds (the module docstring)."""
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+
     fn()
     sync()
     calls = 1
     while True:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
         sync()
-        if time.perf_counter() - t0 >= least or calls >= 1 << 16:
+        if clock() - t0 >= least or calls >= 1 << 16:
             break
         calls *= 4
     times = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
         sync()
-        times.append((time.perf_counter() - t0) / calls)
+        times.append((clock() - t0) / calls)
     return min(times)  # a shared machine's other load only ever slows a timing
 
 
@@ -132,7 +151,7 @@ def _measure(device: torch.device) -> Fields:
     bandwidth = 2 * big.nbytes / _seconds(lambda: torch.add(big, 1.0, out=out), device) / 1e9
     one, one_out = big[:1], out[:1]
     launch = _seconds(lambda: torch.add(one, 1.0, out=one_out), device)
-    latency, link = _link()
+    latency, link, overhead = _link()
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory / 1e9
         per_node = torch.cuda.device_count()
@@ -149,6 +168,7 @@ def _measure(device: torch.device) -> Fields:
         inter_node_gbps=link / 1e9,
         matmul_tflops=best,
         name=f"measured {device.type} ({platform.node()})",
+        action_overhead=overhead if device.type == "cpu" else 0.0,
         launch_s=launch,
         memory_efficiency=1.0,
         latency_s=latency,
@@ -178,12 +198,14 @@ def _attention(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, flo
     return tuple(out)
 
 
-def _link() -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of a send between two ranks."""
+def _link() -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s) of a send between two ranks, and the runtime's cost
+    per action (:func:`action_overhead`; 0 on a GPU)."""
     from conveyor.planning.link import measure_link_speed
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return measure_link_speed(large=1 << 26, rounds=5)
+    running = dist.is_initialized() and dist.get_world_size() > 1
+    if running and torch.cuda.is_available():
+        return (*measure_link_speed(large=1 << 26, rounds=5), 0.0)
     # Two fresh interpreters (not multiprocessing's spawn, which re-runs the caller's
     # script unless it guards its main).
     port = _free_port()
@@ -194,15 +216,17 @@ def _link() -> tuple[float, float]:
         for r in range(2)
     ]
     try:
-        out, _ = procs[0].communicate(timeout=120)
+        out, _ = procs[0].communicate(timeout=300)
         procs[1].wait(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    latency, bandwidth = json.loads(out.decode().strip().splitlines()[-1])
-    return float(latency), float(bandwidth)
+    latency, bandwidth, overhead = json.loads(out.decode().strip().splitlines()[-1])
+    if running:  # the job's own link, its cost per action from the pair
+        latency, bandwidth = measure_link_speed(large=1 << 26, rounds=5)
+    return float(latency), float(bandwidth), float(overhead)
 
 
 def _free_port() -> int:
@@ -212,8 +236,8 @@ def _free_port() -> int:
 
 
 def link_rank(rank: int, port: int) -> None:
-    """One of the two processes :func:`measure` starts to time the link; rank 0 prints
-    ``[latency, bandwidth]``."""
+    """One of the two processes :func:`measure` starts to time the link and the
+    runtime's cost per action; rank 0 prints ``[latency, bandwidth, overhead]``."""
     from conveyor.planning.link import measure_link_speed
 
     torch.set_num_threads(1)
@@ -225,10 +249,52 @@ def link_rank(rank: int, port: int) -> None:
         # 64 MiB messages, beyond the noise; the best of three, as others' load only slows
         tries = [measure_link_speed(large=1 << 26, rounds=5) for _ in range(3)]
         result = (min(t[0] for t in tries), max(t[1] for t in tries))
+        overhead = action_overhead() if backend == "gloo" else 0.0
         if rank == 0:
-            print(json.dumps(list(result)), flush=True)
+            print(json.dumps([*result, overhead]), flush=True)
     finally:
         dist.destroy_process_group()
 
 
-__all__ = ["MIDDLE", "SEQUENCES", "SMALL", "link_rank", "measure"]
+def action_overhead(steps: int = 10, warmup: int = 3) -> float:
+    """Seconds conveyor's runtime spends per F or B beyond its kernels, on the running
+    two-rank group: a ``Pipeline`` of two stages of one 4 x 4 multiply each, 1F1B over
+    :data:`TINY_MICROBATCHES` micro-batches; per rank, its span from first to last action
+    less its waits for the other rank, over its actions (the bookkeeping around and
+    between actions; the tiny stage's own kernels, a few launches, are in it too). The
+    best step of each rank (other load only slows), the mean of the two."""
+    import math
+
+    from torch import nn
+
+    import conveyor
+
+    conveyor.init(pp=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x, y = torch.randn(TINY_MICROBATCHES, 4), torch.randn(TINY_MICROBATCHES, 4)
+    pipe = conveyor.Pipeline(
+        model, loss_fn=nn.functional.mse_loss, microbatches=TINY_MICROBATCHES,
+        schedule="1f1b", balance=[1, 1],
+    )  # fmt: skip
+    best = math.inf
+    for step in range(warmup + steps):
+        pipe.train_step(x, y)
+        if step >= warmup:
+            best = min(best, per_action(pipe.last_step_timings(), pipe.last_step_waits()))
+    both = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(both)
+    return float(both.item()) / 2
+
+
+def per_action(actions: Sequence[Timing], waits: Sequence[Timing]) -> float:
+    """One rank's seconds per F or B of a step: from its first action's start to its
+    last one's end, less the waits for another rank in between, over its F and B actions
+    (its W, none in 1F1B, would count as time)."""
+    fb = [a for a in actions if a.kind in ("F", "B")]
+    first, last = min(a.start for a in actions), max(a.end for a in actions)
+    waited = sum(w.end - w.start for w in waits if w.start >= first and w.end <= last)
+    return (last - first - waited) / len(fb)
+
+
+__all__ = ["MIDDLE", "SEQUENCES", "SMALL", "action_overhead", "link_rank", "measure", "per_action"]
