@@ -258,7 +258,7 @@ def link_rank(rank: int, port: int) -> None:
 
 def action_overhead(steps: int = 10, warmup: int = 3) -> float:
     """Seconds conveyor's runtime spends per F or B beyond its kernels, on the running
-    two-rank group: a ``Pipeline`` of two stages of one 4 x 4 multiply each, 1F1B over
+    two-rank group: a pipeline of two stages of one 4 x 4 multiply each, 1F1B over
     :data:`TINY_MICROBATCHES` micro-batches; per rank, its span from first to last action
     less its waits for the other rank, over its actions (the bookkeeping around and
     between actions; the tiny stage's own kernels, a few launches, are in it too). The
@@ -267,21 +267,24 @@ def action_overhead(steps: int = 10, warmup: int = 3) -> float:
 
     from torch import nn
 
-    import conveyor
+    from conveyor._build import build
+    from conveyor._options import Options
+    from conveyor.context import init
+    from conveyor.runtime import microbatch
+    from conveyor.schedules.registry import get_schedule
 
-    conveyor.init(pp=2)
+    ctx = init(pp=2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     x, y = torch.randn(TINY_MICROBATCHES, 4), torch.randn(TINY_MICROBATCHES, 4)
-    pipe = conveyor.Pipeline(
-        model, loss_fn=nn.functional.mse_loss, microbatches=TINY_MICROBATCHES,
-        schedule="1f1b", balance=[1, 1],
-    )  # fmt: skip
+    m = TINY_MICROBATCHES
+    options = Options(loss_fn=nn.functional.mse_loss, microbatches=m, balance=[1, 1])
+    parts = build(model, get_schedule("1f1b", 2, m), options, ctx, microbatch.first(x, m))
     best = math.inf
     for step in range(warmup + steps):
-        pipe.train_step(x, y)
+        record = parts.stepper.run("train", x, y).record  # the step a pipeline runs
         if step >= warmup:
-            best = min(best, per_action(pipe.last_step_timings(), pipe.last_step_waits()))
+            best = min(best, per_action(record.timings, record.waits))
     both = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(both)
     return float(both.item()) / 2
