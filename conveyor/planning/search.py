@@ -15,12 +15,15 @@ come first, fastest (tokens per second per GPU) first; those over it follow, mar
 
 from __future__ import annotations
 
+import gc
+import heapq
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor.errors import ConfigError
-from conveyor.planning.bounds import memory_bound, step_bound
+from conveyor.planning.bounds import memory_bound, step_bound, work_bound
 from conveyor.planning.cluster import GB, Estimate, layout_schedule, predict_layout, unit_balance
 from conveyor.planning.costs import Costs
 from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
@@ -29,7 +32,7 @@ from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
-from conveyor.planning.prediction import peaks
+from conveyor.planning.prediction import peaks, recomputed_shares
 from conveyor.schedules import Schedule
 from conveyor.simulate import SimResult
 
@@ -104,14 +107,15 @@ def rank_layouts(
     counted = count_model(model, seq, dtype)
     search = _Search(counted, hw)
     every = layouts(counted, hw, gpus, seq, global_batch, dtype)
-    if top is None:
-        ranked = [
-            Ranked(est, est.fits(limit))
-            for layout in every
-            if (est := search.predict(layout)) is not None
-        ]
-    else:
-        ranked = best_layouts(search, list(every), limit, top)
+    with _collector_paused():
+        if top is None:
+            ranked = [
+                Ranked(est, est.fits(limit))
+                for layout in every
+                if (est := search.predict(layout)) is not None
+            ]
+        else:
+            ranked = best_layouts(search, list(every), limit, top)
     if not ranked:
         raise ConfigError(
             f"no layout of {gpus} GPUs can run a global batch of {global_batch} sequences of "
@@ -124,6 +128,22 @@ def rank_layouts(
 _hardware = hardware
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was after. A search
+    keeps millions of small objects alive (schedules' actions, simulated events) that
+    hold no reference cycles; the collector's full passes over them took a third of a
+    large search (405B on 16,384 GPUs: 7 of 20 s). Their memory is freed by reference
+    counting all the same."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class _Search:
     """Predicts layouts of one count, sharing schedules and simulations among them."""
 
@@ -133,6 +153,9 @@ class _Search:
         self.sims: dict[object, SimResult] = {}
         self.costs: dict[tuple[object, ...], Costs | None] = {}
         self.balances: dict[tuple[int, int], list[int]] = {}
+        self.shares: dict[int, list[float]] = {}  # recomputed_shares by id(schedule)
+        self.cut_bounds: dict[tuple[int, str, int], float] = {}  # rung 0, shared
+        self.tail_bounds: dict[Layout, float] = {}  # rung 1, shared
         # Each layout's predicted step. A recomputing layout runs its twin's schedule on
         # its twin's stages, with no action shorter and some Bs longer (the forward
         # again): its simulated step is no shorter, so the twin's step bounds it.
@@ -157,30 +180,81 @@ class _Search:
         costs = self.costed(layout)
         if costs is None:
             return None
+        return step_bound(costs, self.balance(layout, costs), layout), self.memory_bound(layout)
+
+    def balance(self, layout: Layout, costs: Costs) -> list[int]:
+        """The layout's units per stage, cut once for the layouts alike."""
         key = (id(costs), layout.pp * layout.chunks)
         if key not in self.balances:
             layers = len(self.counted.layers)
             self.balances[key] = unit_balance(layout, layers, costs.times(True))
-        balance = self.balances[key]
-        setting = layout.setting(tp_buffer(self.counted, layout))
-        return step_bound(costs, balance, layout), memory_bound(costs, balance, layout, setting)
+        return self.balances[key]
 
-    def tail_bound(self, layout: Layout) -> float:
-        """:func:`~conveyor.planning.bounds.step_bound` with the tail, for a layout
-        :meth:`bounds` took."""
+    def memory_bound(self, layout: Layout) -> float:
+        """:func:`~conveyor.planning.bounds.memory_bound`, for a layout that can be costed."""
         costs = self.costed(layout)
         assert costs is not None
-        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
-        return step_bound(costs, balance, layout, CountedSync(self.hw, layout))
+        setting = layout.setting(tp_buffer(self.counted, layout))
+        return memory_bound(costs, self.balance(layout, costs), layout, setting)
+
+    def work(self, layout: Layout) -> float | None:
+        """:func:`~conveyor.planning.bounds.work_bound` (None: a layout that cannot be
+        costed)."""
+        costs = self.costed(layout)
+        return None if costs is None else work_bound(costs, layout)
+
+    def rung(self, layout: Layout, rung: int) -> tuple[float, float] | None:
+        """The layout's lower bounds number ``rung`` on (step seconds, GB), from the
+        cheapest: each step bound tighter than :meth:`work` and those before it (None:
+        none left; 0: none known). 0: the cut's :func:`~conveyor.planning.bounds.step_bound`
+        (None for a layout that cannot be costed), 1: :meth:`tail_bound`; for a layout
+        that recomputes, 2: its twin's predicted step (never faster than without:
+        :attr:`steps`) and 3: the forwards its schedule runs again (which builds the
+        schedule); then :meth:`memory_bound` (0 s)."""
+        costs = self.costed(layout)
+        if costs is None:
+            return None
+        again = layout.recompute is True
+        if rung == 0:  # the same for every FSDP and recompute of a schedule on these costs
+            key = (id(costs), layout.schedule, layout.chunks)
+            if key not in self.cut_bounds:
+                self.cut_bounds[key] = step_bound(costs, self.balance(layout, costs), layout)
+            return self.cut_bounds[key], 0.0
+        if rung == 1:  # the same with recompute or without
+            twin = replace(layout, recompute=False)
+            if twin not in self.tail_bounds:
+                self.tail_bounds[twin] = self.tail_bound(twin)
+            return self.tail_bounds[twin], 0.0
+        if again and rung == 2:
+            return self.steps.get(replace(layout, recompute=False), 0.0), 0.0
+        if again and rung == 3:
+            return self.tail_bound(layout, recomputed=True), 0.0
+        if rung == (4 if again else 2):
+            return 0.0, self.memory_bound(layout)
+        return None
+
+    def tail_bound(self, layout: Layout, recomputed: bool = False) -> float:
+        """:func:`~conveyor.planning.bounds.step_bound` with the tail and, ``recomputed``
+        for a layout that recomputes, the forwards its schedule runs again; for a layout
+        that can be costed."""
+        costs = self.costed(layout)
+        assert costs is not None
+        balance = self.balance(layout, costs)
+        again = None
+        if recomputed and (schedule := self.schedule(layout, costs)) is not None:
+            if id(schedule) not in self.shares:
+                self.shares[id(schedule)] = recomputed_shares(schedule)
+            again = self.shares[id(schedule)]
+        return step_bound(costs, balance, layout, CountedSync(self.hw, layout), again)
 
     def memory_gb(self, layout: Layout) -> float | None:
         """The layout's :attr:`~conveyor.planning.cluster.Estimate.memory_gb` without
-        simulating it, for a layout :meth:`bounds` took (None: its schedule cannot run)."""
+        simulating it (None: it cannot be costed, or its schedule cannot run)."""
         costs = self.costed(layout)
         schedule = None if costs is None else self.schedule(layout, costs)
         if costs is None or schedule is None:
             return None
-        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
+        balance = self.balance(layout, costs)
         setting = layout.setting(tp_buffer(self.counted, layout))
         return max(peaks(schedule, costs, balance, setting)) / GB
 
@@ -216,49 +290,58 @@ def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: i
     """The first ``top`` of the ranking of ``candidates`` (those that fit ``limit`` GB
     first, each group fastest first, ties in the order given), predicting only the
     layouts whose lower bounds can still place them there: a bound never exceeds the
-    prediction, so every layout left out ranks below the ``top`` returned."""
-    bounded = [(b, i, lay) for i, lay in enumerate(candidates) if (b := search.bounds(lay))]
+    prediction, so every layout left out ranks below the ``top`` returned.
+
+    Best first: the layouts wait in a heap by their bound (as tokens per second per GPU,
+    then their index); the one on top gets its next, tighter bound (:meth:`_Search.rungs`)
+    and goes back, or, with none left, is predicted. Once the one on top ranks below the
+    ``top`` best predicted, so does every other."""
+    found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
+    over: list[tuple[float, int, int, Layout]] = []  # heap entries known to be over
 
     def fastest(layout: Layout, step: float) -> float:  # as Estimate.tokens_per_s_per_gpu
         return layout.global_batch * layout.seq / step / layout.gpus
 
-    found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
-    deferred: list[tuple[tuple[float, float], int, Layout]] = []  # known to be over
-
-    def predicted(
-        i: int, layout: Layout, step: float, fits: bool, best: list[tuple[float, int]], wanted: int
-    ) -> None:
-        # (with fewer than `wanted` found, phase 1 predicts or defers every layout)
-        if len(best) >= wanted:  # the bound with the tail: costlier, so only now
-            tail = search.tail_bound(layout)
-            if layout.recompute is True:  # never faster than without (see _Search.steps)
-                tail = max(tail, search.steps.get(replace(layout, recompute=False), 0.0))
-            if (-fastest(layout, tail), i) > best[wanted - 1]:
-                return
+    def predicted(key: float, i: int, rung: int, layout: Layout, fits: bool) -> None:
         if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
-            deferred.append(((step, gb), i, layout))  # over: simulated only if needed
+            over.append((key, i, rung, layout))  # over: simulated only if needed
             return
         est = search.predict(layout)
         if est is not None:
             found.append((-est.tokens_per_s_per_gpu, i, Ranked(est, est.fits(limit))))
 
     def ranked_among(
-        fits: bool, wanted: int, pool: list[tuple[tuple[float, float], int, Layout]]
+        fits: bool, wanted: int, heap: list[tuple[float, int, int, Layout]]
     ) -> list[Ranked]:
-        for (step, _), i, layout in sorted(pool, key=lambda t: (t[0][0], t[1])):
+        heapq.heapify(heap)
+        while heap:
+            key, i, rung, layout = heapq.heappop(heap)
             best = sorted(f[:2] for f in found if f[2].fits is fits)
-            if len(best) >= wanted and -fastest(layout, step) > best[wanted - 1][0]:
+            if len(best) >= wanted and (key, i) > best[wanted - 1]:
                 break  # this one and every one after it ranks below the best `wanted`
-            predicted(i, layout, step, fits, best, wanted)
+            bound = search.rung(layout, rung)
+            if bound is None:
+                predicted(key, i, rung, layout, fits)
+                continue
+            step, memory = bound
+            if step > 0:
+                key = max(key, -fastest(layout, step))
+            if fits and memory > limit:  # cannot fit: one of the layouts over the limit
+                over.append((key, i, rung + 1, layout))
+            else:
+                heapq.heappush(heap, (key, i, rung + 1, layout))
         return [r for *_, r in sorted(found, key=lambda f: f[:2]) if r.fits is fits][:wanted]
 
-    # Layouts whose memory bound is over the limit cannot fit; the others might.
-    maybe = [t for t in bounded if t[0][1] <= limit]
-    over = [t for t in bounded if t[0][1] > limit]
-    fitting = ranked_among(True, top, maybe)
+    every = [
+        (-fastest(lay, work), i, 0, lay)
+        for i, lay in enumerate(candidates)
+        if (work := search.work(lay)) is not None
+    ]
+    fitting = ranked_among(True, top, every)
     if len(fitting) == top:
         return fitting
-    return fitting + ranked_among(False, top - len(fitting), over + deferred)
+    # Every layout came up: those over the limit, by their bounds or predicted, are left.
+    return fitting + ranked_among(False, top - len(fitting), over)
 
 
 def layouts(
