@@ -23,6 +23,7 @@ Both sources' numbers (:class:`~conveyor.planning.costs.Costs`) go through it, s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -200,8 +201,13 @@ def activation_peaks(
     recompute: bool | str,
     split: bool,
 ) -> list[float]:
-    """Per rank, the most activation bytes held at once, walked action by action."""
-    per_stage = [stage_bytes(units, recompute) for units in parts]
+    """Per rank, the most activation bytes held at once, walked action by action (kept for
+    the walks done last: a search walks a schedule with the same stages many times)."""
+    per_stage = tuple(stage_bytes(units, recompute) for units in parts)
+    key = (id(schedule), split, per_stage)
+    found = _PEAKS.get(key)
+    if found is not None and found[0]() is schedule:
+        return list(found[1])
     out = []
     for program in _programs(schedule):
         held = peak = 0.0
@@ -217,7 +223,13 @@ def activation_peaks(
             else:  # W
                 held -= after
         out.append(peak)
+    if len(_PEAKS) > 256:
+        _PEAKS.clear()
+    _PEAKS[key] = (weakref.ref(schedule), tuple(out))
     return out
+
+
+_PEAKS: dict[object, tuple[weakref.ref[Schedule], tuple[float, ...]]] = {}
 
 
 _PROGRAMS: dict[int, tuple[Schedule, tuple[tuple[tuple[int, int], ...], ...]]] = {}

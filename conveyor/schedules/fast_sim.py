@@ -21,13 +21,13 @@ Pure Python (no torch import).
 from __future__ import annotations
 
 import operator
-import weakref
 from array import array
 from dataclasses import dataclass
 from itertools import repeat
 
 from conveyor.schedules.core import KINDS, Action, Kind, Schedule, requires
 from conveyor.schedules.events import Event
+from conveyor.schedules.kept import PerSchedule
 from conveyor.schedules.order import advance
 
 KIND_SLOT: dict[str, int] = {k: i for i, k in enumerate(KINDS)}
@@ -56,27 +56,10 @@ class Plan:
     remote: array[int]
 
 
-_PLANS: dict[int, tuple[weakref.ref[Schedule], Plan | None]] = {}
-
-
-def plan_of(schedule: Schedule) -> Plan | None:
-    """The schedule's plan, made on first use and kept while the schedule lives (None: a
-    schedule the fast path does not take, see the module docstring)."""
-    key = id(schedule)
-    found = _PLANS.get(key)
-    if found is not None and found[0]() is schedule:
-        return found[1]
-    plan = _make_plan(schedule)
-
-    def forget(_: object) -> None:
-        _PLANS.pop(key, None)
-
-    _PLANS[key] = (weakref.ref(schedule, forget), plan)
-    return plan
-
-
 def _make_plan(schedule: Schedule) -> Plan | None:
-    if schedule.vocab:
+    """The schedule's plan (None: one the fast path does not take, see the module
+    docstring)."""
+    if schedule.vocab or len(schedule.actions) != schedule.ranks:
         return None
     if schedule.pairs and any(step is not None for step in advance(schedule)[1]):
         return None  # the pairs deadlock the walk (each waits for both its actions' needs)
@@ -200,5 +183,9 @@ def run(
     events = tuple(map(tuple.__new__, repeat(Event), rows))  # Event(*row), without __new__
     return events, sum(map(operator.sub, ends, starts)), first, last, span
 
+
+plan_of = PerSchedule(_make_plan)
+"""The schedule's :class:`Plan`, made on first use and kept while the schedule lives
+(None: a schedule the fast path does not take, see the module docstring)."""
 
 __all__ = ["KIND_SLOT", "Plan", "plan_of", "run"]

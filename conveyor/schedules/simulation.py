@@ -38,6 +38,7 @@ from conveyor.schedules.costs import (
 )
 from conveyor.schedules.events import Event, VocabEvent
 from conveyor.schedules.fast_sim import plan_of, run
+from conveyor.schedules.kept import PerSchedule
 from conveyor.schedules.order import Compute, walk
 
 __all__ = [
@@ -185,6 +186,9 @@ def peak_activations(schedule: Schedule, *, w_memory: float = W_MEMORY) -> tuple
     return tuple(peaks)
 
 
+_peaks = PerSchedule(peak_activations)  # (a search simulates a schedule many times)
+
+
 def bubble(busy: float, first: float, last: float, ranks: int) -> float:
     """The bubble of a step: the share of ``ranks`` x (last end - first start) not busy.
 
@@ -298,7 +302,7 @@ def simulate(
         makespan=last - first,
         span=span,
         bubble=bubble(busy, first, last, schedule.ranks),
-        peak_activations=peak_activations(schedule),
+        peak_activations=_peaks(schedule),
         a2a=exchange,
         vocab=passes,
         vocab_events=vocab_events,

@@ -15,7 +15,8 @@ from conveyor.planning.bounds import placement
 from conveyor.planning.cluster import layout_schedule
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import hardware
-from conveyor.planning.search import _Search, layouts, rank_layouts
+from conveyor.planning.predictor import Predictor
+from conveyor.planning.search import layouts, rank_layouts
 
 ARGS = dict(hardware="a100-80g", gpus=8, seq=1024, global_batch=16)
 
@@ -43,7 +44,7 @@ def test_the_bounds_never_exceed_a_prediction_and_place_stages_as_the_schedule()
     config = llama()
     counted = count_model(config, 1024, "bf16")
     hw = hardware("a100-80g")
-    search = _Search(counted, hw)
+    search = Predictor(counted, hw)
     checked = tight = tailed = 0
     for layout in layouts(counted, hw, 8, 1024, 16, "bf16"):
         bounds, est = search.bounds(layout), search.predict(layout)
@@ -70,9 +71,9 @@ def test_the_top_k_are_the_exhaustive_rankings_first_k(
     config = llama()
     full = rank_layouts(config, **ARGS, memory_limit_gb=limit)
     predicted = []
-    plain = _Search.predict
+    plain = Predictor.predict
     monkeypatch.setattr(
-        _Search, "predict", lambda self, lay: predicted.append(lay) or plain(self, lay)
+        Predictor, "predict", lambda self, lay: predicted.append(lay) or plain(self, lay)
     )
     _same(rank_layouts(config, **ARGS, memory_limit_gb=limit, top=5), full[:5])
     assert len(predicted) < len(full) / 4  # the bounds spared most of them
