@@ -34,6 +34,7 @@ class Predictor:
         self.balances: dict[tuple[int, int], list[int]] = {}
         self.cuts: dict[tuple[tuple[float, ...], int], list[int]] = {}  # time_balance's
         self.shares: dict[int, list[float]] = {}  # recomputed_shares by id(schedule)
+        self.works: dict[tuple[int, str], float] = {}  # work bounds, shared
         self.cut_bounds: dict[tuple[int, str, int], float] = {}  # rung 0, shared
         self.tail_bounds: dict[Layout, float] = {}  # rung 1, shared
         # Each layout's predicted step. A recomputing layout runs its twin's schedule on
@@ -87,7 +88,12 @@ class Predictor:
         """:func:`~conveyor.planning.bounds.work_bound` (None: a layout that cannot be
         costed)."""
         costs = self.costed(layout)
-        return None if costs is None else work_bound(costs, layout)
+        if costs is None:
+            return None
+        key = (id(costs), layout.schedule)
+        if key not in self.works:
+            self.works[key] = work_bound(costs, layout)
+        return self.works[key]
 
     def rung(self, layout: Layout, rung: int) -> tuple[float, float] | None:
         """The layout's lower bounds number ``rung`` on (step seconds, GB), from the

@@ -98,10 +98,10 @@ def rank_layouts(
     limit = hw.hbm_gb if memory_limit_gb is None else memory_limit_gb
     if not limit > 0:
         raise ConfigError(f"the memory limit must be a number of GB > 0, got {limit!r}")
-    counted = count_model(model, seq, dtype)
-    predictor = Predictor(counted, hw)
-    every = layouts(counted, hw, gpus, seq, global_batch, dtype)
     with _collector_paused():
+        counted = count_model(model, seq, dtype)
+        predictor = Predictor(counted, hw)
+        every = layouts(counted, hw, gpus, seq, global_batch, dtype)
         if top is None:
             ranked = [
                 Ranked(est, est.fits(limit))
@@ -128,7 +128,8 @@ def _collector_paused() -> Iterator[None]:
     keeps millions of small objects alive (schedules' actions, simulated events) that
     hold no reference cycles; the collector's full passes over them took a third of a
     large search (405B on 16,384 GPUs: 7 of 20 s). Their memory is freed by reference
-    counting all the same."""
+    counting all the same; what cycles the count's trace leaves, the collector frees
+    once it runs again."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 from array import array
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 
 from conveyor.schedules.core import KINDS, Action, Kind, Schedule, requires
 from conveyor.schedules.events import Event
@@ -69,7 +69,7 @@ def _make_plan(schedule: Schedule) -> Plan | None:
         return None
     # where[slot][microbatch]: the action's index in the flat order
     where: list[dict[object, int]] = [{} for _ in range(3 * stages)]
-    actions = tuple(a for program in schedule.actions for a in program)
+    actions = tuple(chain.from_iterable(schedule.actions))
     slots, owners, i = array("q"), array("q"), 0
     for r, program in enumerate(schedule.actions):
         for kind, s, m in program:
