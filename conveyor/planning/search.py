@@ -197,7 +197,7 @@ def best_layouts(
     if len(fitting) == top:
         return fitting
     # Every layout came up: those over the limit, by their bounds or predicted, are left.
-    return fitting + ranked_among(False, top - len(fitting), over)
+    return fitting + ranked_among(False, top - len(fitting), list(over))
 
 
 def layouts(
