@@ -23,13 +23,13 @@ Both sources' numbers (:class:`~conveyor.planning.costs.Costs`) go through it, s
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.planning.costs import LAYER, Costs, UnitCost
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W
+from conveyor.schedules.kept import PerSchedule
 from conveyor.schedules.simulation import W_MEMORY
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -201,13 +201,13 @@ def activation_peaks(
     recompute: bool | str,
     split: bool,
 ) -> list[float]:
-    """Per rank, the most activation bytes held at once, walked action by action (kept for
-    the walks done last: a search walks a schedule with the same stages many times)."""
+    """Per rank, the most activation bytes held at once, walked action by action (kept per
+    schedule and stages while the schedule lives: a search walks it many times alike)."""
     per_stage = tuple(stage_bytes(units, recompute) for units in parts)
-    key = (id(schedule), split, per_stage)
-    found = _PEAKS.get(key)
-    if found is not None and found[0]() is schedule:
-        return list(found[1])
+    walked = _walked(schedule)
+    found = walked.get((split, per_stage))
+    if found is not None:
+        return list(found)
     out = []
     for program in _programs(schedule):
         held = peak = 0.0
@@ -223,13 +223,13 @@ def activation_peaks(
             else:  # W
                 held -= after
         out.append(peak)
-    if len(_PEAKS) > 256:
-        _PEAKS.clear()
-    _PEAKS[key] = (weakref.ref(schedule), tuple(out))
+    if len(walked) > 256:
+        walked.clear()
+    walked[(split, per_stage)] = tuple(out)
     return out
 
 
-_PEAKS: dict[object, tuple[weakref.ref[Schedule], tuple[float, ...]]] = {}
+_walked: PerSchedule[dict[object, tuple[float, ...]]] = PerSchedule(lambda _: {})
 
 
 _PROGRAMS: dict[int, tuple[Schedule, tuple[tuple[tuple[int, int], ...], ...]]] = {}

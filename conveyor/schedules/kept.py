@@ -27,9 +27,9 @@ class PerSchedule(Generic[T]):
 
     def __call__(self, schedule: Schedule) -> T:
         """The value for ``schedule``."""
-        key = id(schedule)
+        key = id(schedule)  # not reused while the schedule lives, and forgotten after
         found = self.kept.get(key)
-        if found is not None and found[0]() is schedule:
+        if found is not None:
             return found[1]
         value = self.make(schedule)
 

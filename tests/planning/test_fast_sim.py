@@ -132,6 +132,7 @@ def _plain(programs: list[str], placement: tuple[int, ...] = (0, 1)) -> Schedule
         ("a stage out of range", _plain(["F0,0 F0,1 B0,0 B0,1", "F1,0 B1,0 F2,1"])),
         ("a missing need", _plain(["F0,0 F0,1 B0,0 B0,1", "F1,0 B1,0 B1,1"])),
         ("a need later on its rank", _plain(["F0,0 B0,0 B0,1 F0,1", ONE_F_ONE_B[1]])),
+        ("a need later, one rank", _plain(["B0,0 F0,0 F0,1 B0,1"], placement=(0,))),
         ("ranks waiting on each other", _plain(["F0,0 B0,0 F0,1 B0,1", "F1,1 F1,0 B1,0 B1,1"])),
         ("more programs than ranks", dataclasses.replace(_plain(ONE_F_ONE_B), ranks=1)),
         ("vocabulary passes", with_vocab(get_schedule("1f1b", 2, 2))),
@@ -177,6 +178,8 @@ def test_validate_says_what_the_walk_says_of_a_deadlock() -> None:
     )
     with pytest.raises(ScheduleError, match="comes before F0,1, which it needs; swap them"):
         validate(_plain(["F0,0 B0,0 B0,1 F0,1", ONE_F_ONE_B[1]]))
+    with pytest.raises(ScheduleError, match="B0,0 comes before F0,0, which it needs; swap"):
+        validate(_plain(["B0,0 F0,0 F0,1 B0,1"], placement=(0,)))
 
 
 def test_a_plan_is_kept_while_its_schedule_lives() -> None:
