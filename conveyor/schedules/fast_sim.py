@@ -13,7 +13,9 @@ end the same sum, and a dependency on the same rank needs no look: it ran earlie
 rank's program, so it ended no later than the rank became free. A schedule the plan
 cannot take (an action twice or on another rank, a kind or stage out of range, a
 dependency missing or later in its rank's program, a deadlock, pairs that deadlock the
-walk) has no plan: the reference simulates it and raises what it raises.
+walk) has no plan: the reference simulates it and raises what it raises. A plan is
+also :func:`~conveyor.schedules.checks.validate`'s proof that such a schedule's ranks
+run it (the walk's rule on integer indices), so a validated schedule simulates at once.
 
 Pure Python (no torch import).
 """

@@ -8,7 +8,10 @@ all-to-all and an overlapped forward / backward pair
 compute (:func:`simulate`). With vocabulary parallelism
 (:attr:`~conveyor.schedules.core.Schedule.vocab`) each pass is a barrier that occupies
 every rank (``vocab``). The order is the one walk's
-(:func:`~conveyor.schedules.order.walk`); the costs are checked in
+(:func:`~conveyor.schedules.order.walk`); without passes or all-to-all time the same
+times come from a plan of the schedule on integer indices
+(:mod:`~conveyor.schedules.fast_sim`; events in :mod:`~conveyor.schedules.events`); the
+costs are checked in
 :mod:`~conveyor.schedules.costs` (re-exported here). It lives beside
 :class:`~conveyor.schedules.core.Schedule` because schedules search with it
 (:func:`~conveyor.schedules.auto.zero_bubble_auto`); :mod:`conveyor.simulate` is its
