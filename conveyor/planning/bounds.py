@@ -2,14 +2,19 @@
 :func:`~conveyor.planning.search.rank_layouts` simulate only the layouts that can still
 be among the best (branch and bound).
 
-Both bounds never exceed the prediction (:func:`~conveyor.planning.prediction.predict`):
+Every bound never exceeds the prediction (:func:`~conveyor.planning.prediction.predict`):
+
+- **work** (:func:`work_bound`, no cut into stages needed): the busiest rank works no
+  less than the average, ``microbatches`` x every unit's time / ``pp``.
 
 - **step**: a rank starts its first action no earlier than the forwards of the stages
   before its first stage take, one after another (each F waits for the one before it),
   then runs every one of its actions one at a time (``microbatches`` x (F + B + W) of
   each of its stages); without a split backward its last action is a B, which the Bs of
   the stages before it follow. The step is the simulated makespan plus a tail >= 0. A
-  recomputing B's forward again is left out (a B right after its own F re-runs nothing).
+  recomputing B's forward again is left out (a B right after its own F re-runs nothing),
+  unless the schedule's share of Bs that re-run it is given (``recomputed``: what
+  :func:`~conveyor.planning.prediction.stage_costs` adds to the B it simulates).
   After its last action a rank still reduces a stage's gradients, gathers what FSDP
   could not hide and steps its optimizer (:func:`~conveyor.planning.prediction.tail`).
 - **memory**: a rank's parameters, gradients, optimizer state and buffers exactly as
@@ -49,21 +54,35 @@ SLACK = 1 - 1e-9
 the simulator, which may round differently."""
 
 
+def work_bound(costs: Costs, layout: Layout) -> float:
+    """Seconds a step of ``layout`` takes at least, whatever its cut into stages (see the
+    module docstring): a rank works through its actions one at a time."""
+    total = sum(costs.times(split_backward(layout.schedule)))
+    return layout.microbatches * total / layout.pp * SLACK
+
+
 def step_bound(
-    costs: Costs, balance: Sequence[int], layout: Layout, sync: Sync | None = None
+    costs: Costs,
+    balance: Sequence[int],
+    layout: Layout,
+    sync: Sync | None = None,
+    recomputed: Sequence[float] | None = None,
 ) -> float:
     """Seconds a step of ``layout`` takes at least (see the module docstring); with its
     ``sync``, each rank's optimizer step, FSDP gathers not hidden behind its longest
     forward and (unless it overlaps the backward) its shortest stage's gradient reduction
-    after its last action too."""
+    after its last action too; with ``recomputed`` (per stage, the share of its Bs that
+    run its forward again: :func:`~conveyor.planning.prediction.recomputed_shares` of the
+    schedule of a layout that recomputes), that forward in each B."""
     split = split_backward(layout.schedule)
     plain = costs.costs(balance, split)
     send = costs.comm(balance) if costs.blocking else 0.0
     last = len(plain) - 1
     over = costs.overhead
+    again = [0.0] * len(plain) if recomputed is None else recomputed
     per = [
-        (f + over + (send if s < last else 0.0), b + over + (send if s > 0 else 0.0), w)
-        for s, (f, b, w) in enumerate(plain)
+        (f + over + (send if s < last else 0.0), b + over + f * a + (send if s > 0 else 0.0), w)
+        for s, ((f, b, w), a) in enumerate(zip(plain, again, strict=True))
     ]
     ranks = placement(layout)
     m = layout.microbatches
@@ -128,4 +147,4 @@ def _buffers(
     return total
 
 
-__all__ = ["memory_bound", "placement", "split_backward", "step_bound"]
+__all__ = ["memory_bound", "placement", "split_backward", "step_bound", "work_bound"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from conveyor.planning.costs import LAYER, Costs, UnitCost
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W
+from conveyor.schedules.kept import PerSchedule
 from conveyor.schedules.simulation import W_MEMORY
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -200,8 +201,13 @@ def activation_peaks(
     recompute: bool | str,
     split: bool,
 ) -> list[float]:
-    """Per rank, the most activation bytes held at once, walked action by action."""
-    per_stage = [stage_bytes(units, recompute) for units in parts]
+    """Per rank, the most activation bytes held at once, walked action by action (kept per
+    schedule and stages while the schedule lives: a search walks it many times alike)."""
+    per_stage = tuple(stage_bytes(units, recompute) for units in parts)
+    walked = _walked(schedule)
+    found = walked.get((split, per_stage))
+    if found is not None:
+        return list(found)
     out = []
     for program in _programs(schedule):
         held = peak = 0.0
@@ -217,7 +223,13 @@ def activation_peaks(
             else:  # W
                 held -= after
         out.append(peak)
+    if len(walked) > 256:
+        walked.clear()
+    walked[(split, per_stage)] = tuple(out)
     return out
+
+
+_walked: PerSchedule[dict[object, tuple[float, ...]]] = PerSchedule(lambda _: {})
 
 
 _PROGRAMS: dict[int, tuple[Schedule, tuple[tuple[tuple[int, int], ...], ...]]] = {}

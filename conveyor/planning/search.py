@@ -9,29 +9,26 @@ split the backward) or none, each pipeline schedule of :data:`SCHEDULES`, micro-
 1 to 8 sequences and recompute or not: what conveyor's runtime runs. The model is counted
 once; schedules built once for every layout that runs them, and a simulation is shared by
 the layouts that differ only in what it does not see (FSDP's tail, say)
-(:func:`~conveyor.planning.cluster.predict_layout`). Layouts that fit the memory limit
+(:class:`~conveyor.planning.predictor.Predictor`). Layouts that fit the memory limit
 come first, fastest (tokens per second per GPU) first; those over it follow, marked.
 """
 
 from __future__ import annotations
 
+import gc
+import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConfigError
-from conveyor.planning.bounds import memory_bound, step_bound
-from conveyor.planning.cluster import GB, Estimate, layout_schedule, predict_layout, unit_balance
-from conveyor.planning.costs import Costs
-from conveyor.planning.counted import CountedSync, counted_costs, tp_buffer
+from conveyor.planning.cluster import Estimate
 from conveyor.planning.counting import count_model
 from conveyor.planning.devices import Hardware, hardware
 from conveyor.planning.layout import Layout
-from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
-from conveyor.planning.prediction import peaks
-from conveyor.schedules import Schedule
-from conveyor.simulate import SimResult
+from conveyor.planning.predictor import Predictor
 
 SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1),
@@ -101,17 +98,18 @@ def rank_layouts(
     limit = hw.hbm_gb if memory_limit_gb is None else memory_limit_gb
     if not limit > 0:
         raise ConfigError(f"the memory limit must be a number of GB > 0, got {limit!r}")
-    counted = count_model(model, seq, dtype)
-    search = _Search(counted, hw)
-    every = layouts(counted, hw, gpus, seq, global_batch, dtype)
-    if top is None:
-        ranked = [
-            Ranked(est, est.fits(limit))
-            for layout in every
-            if (est := search.predict(layout)) is not None
-        ]
-    else:
-        ranked = best_layouts(search, list(every), limit, top)
+    with _collector_paused():
+        counted = count_model(model, seq, dtype)
+        predictor = Predictor(counted, hw)
+        every = layouts(counted, hw, gpus, seq, global_batch, dtype)
+        if top is None:
+            ranked = [
+                Ranked(est, est.fits(limit))
+                for layout in every
+                if (est := predictor.predict(layout)) is not None
+            ]
+        else:
+            ranked = best_layouts(predictor, list(every), limit, top)
     if not ranked:
         raise ConfigError(
             f"no layout of {gpus} GPUs can run a global batch of {global_batch} sequences of "
@@ -124,141 +122,82 @@ def rank_layouts(
 _hardware = hardware
 
 
-class _Search:
-    """Predicts layouts of one count, sharing schedules and simulations among them."""
-
-    def __init__(self, counted: ModelCount, hw: Hardware) -> None:
-        self.counted, self.hw = counted, hw
-        self.schedules: dict[tuple[str, int, int, int, float], Schedule | None] = {}
-        self.sims: dict[object, SimResult] = {}
-        self.costs: dict[tuple[object, ...], Costs | None] = {}
-        self.balances: dict[tuple[int, int], list[int]] = {}
-        # Each layout's predicted step. A recomputing layout runs its twin's schedule on
-        # its twin's stages, with no action shorter and some Bs longer (the forward
-        # again): its simulated step is no shorter, so the twin's step bounds it.
-        self.steps: dict[Layout, float] = {}
-
-    def costed(self, layout: Layout) -> Costs | None:
-        """The layout's units, costed (None: a tp or cp that splits no heads evenly)."""
-        # Within one search the units' costs depend on these alone (not on the schedule,
-        # recompute or FSDP gathered once per step): costed once for the layouts alike.
-        shape = (layout.pp, layout.tp, layout.cp, layout.dp, layout.ep, layout.microbatch_size)
-        alike = (*shape, layout.microbatches, layout.fsdp == "reshard")
-        if alike not in self.costs:
-            try:
-                self.costs[alike] = counted_costs(self.counted, self.hw, layout)
-            except ConfigError:
-                self.costs[alike] = None
-        return self.costs[alike]
-
-    def bounds(self, layout: Layout) -> tuple[float, float] | None:
-        """Lower bounds on the layout's (step seconds, GB of its fullest rank), or None
-        for a layout that cannot be costed."""
-        costs = self.costed(layout)
-        if costs is None:
-            return None
-        key = (id(costs), layout.pp * layout.chunks)
-        if key not in self.balances:
-            layers = len(self.counted.layers)
-            self.balances[key] = unit_balance(layout, layers, costs.times(True))
-        balance = self.balances[key]
-        setting = layout.setting(tp_buffer(self.counted, layout))
-        return step_bound(costs, balance, layout), memory_bound(costs, balance, layout, setting)
-
-    def tail_bound(self, layout: Layout) -> float:
-        """:func:`~conveyor.planning.bounds.step_bound` with the tail, for a layout
-        :meth:`bounds` took."""
-        costs = self.costed(layout)
-        assert costs is not None
-        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
-        return step_bound(costs, balance, layout, CountedSync(self.hw, layout))
-
-    def memory_gb(self, layout: Layout) -> float | None:
-        """The layout's :attr:`~conveyor.planning.cluster.Estimate.memory_gb` without
-        simulating it, for a layout :meth:`bounds` took (None: its schedule cannot run)."""
-        costs = self.costed(layout)
-        schedule = None if costs is None else self.schedule(layout, costs)
-        if costs is None or schedule is None:
-            return None
-        balance = self.balances[(id(costs), layout.pp * layout.chunks)]
-        setting = layout.setting(tp_buffer(self.counted, layout))
-        return max(peaks(schedule, costs, balance, setting)) / GB
-
-    def schedule(self, layout: Layout, costs: Costs) -> Schedule | None:
-        """The layout's schedule, built once for the layouts alike (None: too few
-        micro-batches for it)."""
-        # zb-auto fitted to what the model holds from B until W (uniform costs: shared)
-        share = round(w_share([list(costs.layers)]), 2) if layout.schedule == "zb-auto" else 1.0
-        key = (layout.schedule, layout.pp, layout.microbatches, layout.chunks, share)
-        if key not in self.schedules:
-            try:
-                self.schedules[key] = layout_schedule(layout, [], 0.0, share)
-            except ConfigError:  # too few micro-batches for this schedule
-                self.schedules[key] = None
-        return self.schedules[key]
-
-    def predict(self, layout: Layout) -> Estimate | None:
-        costs = self.costed(layout)
-        if costs is None:
-            return None
-        schedule = self.schedule(layout, costs)
-        if schedule is None:
-            return None
-        try:
-            est = predict_layout(self.counted, self.hw, layout, schedule, self.sims, costs)
-        except ConfigError:  # a tp or cp that splits no heads evenly
-            return None
-        self.steps[layout] = est.step_s
-        return est
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was after. A search
+    keeps millions of small objects alive (schedules' actions, simulated events) that
+    hold no reference cycles; the collector's full passes over them took a third of a
+    large search (405B on 16,384 GPUs: 7 of 20 s). Their memory is freed by reference
+    counting all the same; what cycles the count's trace leaves, the collector frees
+    once it runs again."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
-def best_layouts(search: _Search, candidates: list[Layout], limit: float, top: int) -> list[Ranked]:
+def best_layouts(
+    predictor: Predictor, candidates: list[Layout], limit: float, top: int
+) -> list[Ranked]:
     """The first ``top`` of the ranking of ``candidates`` (those that fit ``limit`` GB
     first, each group fastest first, ties in the order given), predicting only the
     layouts whose lower bounds can still place them there: a bound never exceeds the
-    prediction, so every layout left out ranks below the ``top`` returned."""
-    bounded = [(b, i, lay) for i, lay in enumerate(candidates) if (b := search.bounds(lay))]
+    prediction, so every layout left out ranks below the ``top`` returned.
+
+    Best first: the layouts wait in a heap by their bound (as tokens per second per GPU,
+    then their index); the one on top gets its next, tighter bound
+    (:meth:`~conveyor.planning.predictor.Predictor.rung`) and goes back, or, with none
+    left, is predicted. Once the one on top ranks below the ``top`` best predicted, so
+    does every other."""
+    found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
+    over: list[tuple[float, int, int, Layout]] = []  # heap entries known to be over
 
     def fastest(layout: Layout, step: float) -> float:  # as Estimate.tokens_per_s_per_gpu
         return layout.global_batch * layout.seq / step / layout.gpus
 
-    found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
-    deferred: list[tuple[tuple[float, float], int, Layout]] = []  # known to be over
-
-    def predicted(
-        i: int, layout: Layout, step: float, fits: bool, best: list[tuple[float, int]], wanted: int
-    ) -> None:
-        # (with fewer than `wanted` found, phase 1 predicts or defers every layout)
-        if len(best) >= wanted:  # the bound with the tail: costlier, so only now
-            tail = search.tail_bound(layout)
-            if layout.recompute is True:  # never faster than without (see _Search.steps)
-                tail = max(tail, search.steps.get(replace(layout, recompute=False), 0.0))
-            if (-fastest(layout, tail), i) > best[wanted - 1]:
-                return
-        if fits and (gb := search.memory_gb(layout)) is not None and gb > limit:
-            deferred.append(((step, gb), i, layout))  # over: simulated only if needed
+    def predicted(key: float, i: int, rung: int, layout: Layout, fits: bool) -> None:
+        if fits and (gb := predictor.memory_gb(layout)) is not None and gb > limit:
+            over.append((key, i, rung, layout))  # over: simulated only if needed
             return
-        est = search.predict(layout)
+        est = predictor.predict(layout)
         if est is not None:
             found.append((-est.tokens_per_s_per_gpu, i, Ranked(est, est.fits(limit))))
 
     def ranked_among(
-        fits: bool, wanted: int, pool: list[tuple[tuple[float, float], int, Layout]]
+        fits: bool, wanted: int, heap: list[tuple[float, int, int, Layout]]
     ) -> list[Ranked]:
-        for (step, _), i, layout in sorted(pool, key=lambda t: (t[0][0], t[1])):
+        heapq.heapify(heap)
+        while heap:
+            key, i, rung, layout = heapq.heappop(heap)
             best = sorted(f[:2] for f in found if f[2].fits is fits)
-            if len(best) >= wanted and -fastest(layout, step) > best[wanted - 1][0]:
+            if len(best) >= wanted and (key, i) > best[wanted - 1]:
                 break  # this one and every one after it ranks below the best `wanted`
-            predicted(i, layout, step, fits, best, wanted)
+            bound = predictor.rung(layout, rung)
+            if bound is None:
+                predicted(key, i, rung, layout, fits)
+                continue
+            step, memory = bound
+            if step > 0:
+                key = max(key, -fastest(layout, step))
+            if fits and memory > limit:  # cannot fit: one of the layouts over the limit
+                over.append((key, i, rung + 1, layout))
+            else:
+                heapq.heappush(heap, (key, i, rung + 1, layout))
         return [r for *_, r in sorted(found, key=lambda f: f[:2]) if r.fits is fits][:wanted]
 
-    # Layouts whose memory bound is over the limit cannot fit; the others might.
-    maybe = [t for t in bounded if t[0][1] <= limit]
-    over = [t for t in bounded if t[0][1] > limit]
-    fitting = ranked_among(True, top, maybe)
+    every = [
+        (-fastest(lay, work), i, 0, lay)
+        for i, lay in enumerate(candidates)
+        if (work := predictor.work(lay)) is not None
+    ]
+    fitting = ranked_among(True, top, every)
     if len(fitting) == top:
         return fitting
-    return fitting + ranked_among(False, top - len(fitting), over + deferred)
+    # Every layout came up: those over the limit, by their bounds or predicted, are left.
+    return fitting + ranked_among(False, top - len(fitting), list(over))
 
 
 def layouts(

@@ -8,7 +8,9 @@ receives do, so a rank advances while its next compute's dependencies
 (:func:`~conveyor.schedules.core.requires`) are done, and a pass runs once every rank has
 reached it (a barrier: it holds collectives of the whole pipeline group). The simulator,
 the runtime's programs and ticks, :func:`~conveyor.schedules.checks.validate` and
-:func:`execution_order` all consume this walk.
+:func:`execution_order` all consume this walk (the simulator and ``validate`` walk a
+schedule without vocabulary passes by the same rule on integer indices:
+:mod:`~conveyor.schedules.fast_sim`).
 
 Pure Python (no torch import).
 """

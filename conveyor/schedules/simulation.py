@@ -8,7 +8,10 @@ all-to-all and an overlapped forward / backward pair
 compute (:func:`simulate`). With vocabulary parallelism
 (:attr:`~conveyor.schedules.core.Schedule.vocab`) each pass is a barrier that occupies
 every rank (``vocab``). The order is the one walk's
-(:func:`~conveyor.schedules.order.walk`); the costs are checked in
+(:func:`~conveyor.schedules.order.walk`); without passes or all-to-all time the same
+times come from a plan of the schedule on integer indices
+(:mod:`~conveyor.schedules.fast_sim`; events in :mod:`~conveyor.schedules.events`); the
+costs are checked in
 :mod:`~conveyor.schedules.costs` (re-exported here). It lives beside
 :class:`~conveyor.schedules.core.Schedule` because schedules search with it
 (:func:`~conveyor.schedules.auto.zero_bubble_auto`); :mod:`conveyor.simulate` is its
@@ -19,10 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from conveyor.errors import ConfigError
-from conveyor.schedules.core import Action, B, F, Kind, Pass, Schedule, W, dependencies
+from conveyor.schedules.core import Action, B, F, Kind, Schedule, W, dependencies
 from conveyor.schedules.costs import (
     A2A,
     VOCAB_KINDS,
@@ -37,6 +39,9 @@ from conveyor.schedules.costs import (
     normalize_cost,
     normalize_vocab,
 )
+from conveyor.schedules.events import Event, VocabEvent
+from conveyor.schedules.fast_sim import plan_of, run
+from conveyor.schedules.kept import PerSchedule
 from conveyor.schedules.order import Compute, walk
 
 __all__ = [
@@ -58,38 +63,6 @@ __all__ = [
     "peak_activations",
     "simulate",
 ]
-
-
-class Event(NamedTuple):
-    """One action as simulated: ``rank`` ran ``action`` from ``start`` to ``end``.
-
-    Attributes:
-        rank: The pipeline rank that ran it.
-        action: The action.
-        start: When it started, in cost units (the first action starts at 0).
-        end: When it ended, in cost units.
-    """
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-
-
-class VocabEvent(NamedTuple):
-    """One vocabulary pass as simulated on one rank: every rank runs each pass at once.
-
-    Attributes:
-        rank: The pipeline rank.
-        action: The pass (:class:`~conveyor.schedules.core.Pass`).
-        start: When it started on every rank, in cost units.
-        end: When it ended, in cost units.
-    """
-
-    rank: int
-    action: Pass
-    start: float
-    end: float
 
 
 @dataclass(frozen=True)
@@ -216,6 +189,9 @@ def peak_activations(schedule: Schedule, *, w_memory: float = W_MEMORY) -> tuple
     return tuple(peaks)
 
 
+_peaks = PerSchedule(peak_activations)  # (a search simulates a schedule many times)
+
+
 def bubble(busy: float, first: float, last: float, ranks: int) -> float:
     """The bubble of a step: the share of ``ranks`` x (last end - first start) not busy.
 
@@ -313,6 +289,38 @@ def simulate(
             f"{list(passes)}; place them with conveyor.schedules.vocab.with_vocab first"
         )
     durations = action_durations(schedule, costs)
+    plan = None if any(exchange) else plan_of(schedule)
+    if plan is None:
+        events, vocab_events, busy, first, last, span = _walked(
+            schedule, durations, comm, exchange, passes
+        )
+    else:  # the fast path, to the same times (conveyor.schedules.fast_sim)
+        events, busy, first, last, span = run(plan, durations, comm)
+        vocab_events = ()
+    return SimResult(
+        schedule=schedule,
+        cost=costs,
+        comm=float(comm),
+        events=events,
+        makespan=last - first,
+        span=span,
+        bubble=bubble(busy, first, last, schedule.ranks),
+        peak_activations=_peaks(schedule),
+        a2a=exchange,
+        vocab=passes,
+        vocab_events=vocab_events,
+    )
+
+
+def _walked(
+    schedule: Schedule,
+    durations: list[dict[Kind, float]],
+    comm: float,
+    exchange: A2A,
+    passes: VocabCost,
+) -> tuple[tuple[Event, ...], tuple[VocabEvent, ...], float, float, float, float]:
+    """:func:`simulate`'s events, vocabulary events, busy time, first start, last end and
+    span, along the walk: the reference, and the path of pairs, passes and all-to-alls."""
     overlap = any(exchange) and not schedule.vocab
     # Per kind, one chunk's all-to-all (W has none); all zero without all-to-all.
     a2a_of: dict[Kind, float] = {
@@ -368,19 +376,6 @@ def simulate(
     active = [r for r in ranks if timed[r] or barriers[r]]
     first = min((first_start[r] for r in active), default=0.0)
     last = max((free[r] for r in active), default=0.0)
-    makespan = last - first
     span = max((free[r] - first_start[r] for r in active), default=0.0)
     busy = sum(e.end - e.start for e in events) + sum(e.end - e.start for e in vocab_events)
-    return SimResult(
-        schedule=schedule,
-        cost=costs,
-        comm=float(comm),
-        events=events,
-        makespan=makespan,
-        span=span,
-        bubble=bubble(busy, first, last, schedule.ranks),
-        peak_activations=peak_activations(schedule),
-        a2a=exchange,
-        vocab=passes,
-        vocab_events=vocab_events,
-    )
+    return events, vocab_events, busy, first, last, span
