@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig
 
 from conveyor.planning.cluster import unit_balance
 from conveyor.planning.costs import LAYER, UnitCost
@@ -19,6 +18,7 @@ from conveyor.planning.memory import activation_peaks
 from conveyor.planning.predictor import Predictor
 from conveyor.planning.search import layouts
 from conveyor.schedules import get_schedule
+from tests.planning.test_search_fast import llama
 
 
 def _unit(i: int, kept: float) -> UnitCost:
@@ -56,15 +56,7 @@ def test_the_memory_walk_kept_is_the_walk_afresh() -> None:
 
 
 def test_a_shared_cut_is_the_cut_of_those_costs() -> None:
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-    )
-    counted = count_model(config, 1024, "bf16")
+    counted = count_model(llama(), 1024, "bf16")
     hw = hardware("a100-80g")
     predictor = Predictor(counted, hw)
     checked = 0
