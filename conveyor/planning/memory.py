@@ -232,21 +232,14 @@ def activation_peaks(
 _walked: PerSchedule[dict[object, tuple[float, ...]]] = PerSchedule(lambda _: {})
 
 
-_PROGRAMS: dict[int, tuple[Schedule, tuple[tuple[tuple[int, int], ...], ...]]] = {}
-
-
-def _programs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each rank's program as (0 for F, 1 for B, 2 for W; stage) pairs, kept for the
-    schedules walked last (a search walks each many times)."""
-    found = _PROGRAMS.get(id(schedule))
-    if found is not None and found[0] is schedule:
-        return found[1]
+def _make_programs(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
     codes = {F: 0, B: 1, W: 2}
-    made = tuple(tuple((codes[a.kind], a.stage) for a in program) for program in schedule.actions)
-    if len(_PROGRAMS) > 64:
-        _PROGRAMS.clear()
-    _PROGRAMS[id(schedule)] = (schedule, made)
-    return made
+    return tuple(tuple((codes[a.kind], a.stage) for a in program) for program in schedule.actions)
+
+
+_programs = PerSchedule(_make_programs)
+"""Each rank's program as (0 for F, 1 for B, 2 for W; stage) pairs, kept while the
+schedule lives (a search walks each many times)."""
 
 
 __all__ = [

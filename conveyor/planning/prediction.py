@@ -30,6 +30,7 @@ from conveyor.planning.costs import LAYER, Costs, UnitCost
 from conveyor.planning.memory import Setting, rank_memory, state_bytes_of
 from conveyor.schedules import Schedule
 from conveyor.schedules.core import B, F, W
+from conveyor.schedules.kept import PerSchedule
 from conveyor.simulate import SimResult, simulate
 
 Cost = tuple[float, float, float]
@@ -156,6 +157,10 @@ def recomputed_shares(schedule: Schedule) -> list[float]:
     return [1.0 - k / schedule.microbatches for k in kept]
 
 
+shares_of = PerSchedule(recomputed_shares)
+""":func:`recomputed_shares`, worked out once per schedule and kept while it lives."""
+
+
 def stage_costs(
     schedule: Schedule, costs: Costs, balance: Sequence[int], recompute: bool | str = False
 ) -> list[Cost]:
@@ -163,7 +168,7 @@ def stage_costs(
     per F and B, and what a recomputing B runs again (see the module docstring)."""
     split = schedule.split_backward
     plain = costs.costs(balance, split)
-    shares = recomputed_shares(schedule) if recompute is True else [0.0] * schedule.stages
+    shares = shares_of(schedule) if recompute is True else [0.0] * schedule.stages
     send = costs.comm(balance) if costs.blocking else 0.0
     last = schedule.stages - 1
     out = []
@@ -354,6 +359,7 @@ __all__ = [
     "predict",
     "recomputed_shares",
     "refine",
+    "shares_of",
     "simulated",
     "stage_costs",
     "tail",

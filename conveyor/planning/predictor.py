@@ -18,7 +18,7 @@ from conveyor.planning.devices import Hardware
 from conveyor.planning.layout import Layout
 from conveyor.planning.memory import w_share
 from conveyor.planning.model_count import ModelCount
-from conveyor.planning.prediction import peaks, recomputed_shares
+from conveyor.planning.prediction import peaks, shares_of
 from conveyor.schedules import Schedule
 from conveyor.simulate import SimResult
 
@@ -33,7 +33,6 @@ class Predictor:
         self.costs: dict[tuple[object, ...], Costs | None] = {}
         self.balances: dict[tuple[int, int], list[int]] = {}
         self.cuts: dict[tuple[tuple[float, ...], int], list[int]] = {}  # time_balance's
-        self.shares: dict[int, list[float]] = {}  # recomputed_shares by id(schedule)
         self.works: dict[tuple[int, str], float] = {}  # work bounds, shared
         self.cut_bounds: dict[tuple[int, str, int], float] = {}  # rung 0, shared
         self.tail_bounds: dict[Layout, float] = {}  # rung 1, shared
@@ -134,9 +133,7 @@ class Predictor:
         balance = self.balance(layout, costs)
         again = None
         if recomputed and (schedule := self.schedule(layout, costs)) is not None:
-            if id(schedule) not in self.shares:
-                self.shares[id(schedule)] = recomputed_shares(schedule)
-            again = self.shares[id(schedule)]
+            again = shares_of(schedule)
         return step_bound(costs, balance, layout, CountedSync(self.hw, layout), again)
 
     def memory_gb(self, layout: Layout) -> float | None:

@@ -15,6 +15,7 @@ come first, fastest (tokens per second per GPU) first; those over it follow, mar
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 from collections.abc import Iterator
@@ -153,6 +154,7 @@ def best_layouts(
     left, is predicted. Once the one on top ranks below the ``top`` best predicted, so
     does every other."""
     found: list[tuple[float, int, Ranked]] = []  # (-tokens/s/GPU, index, ranked)
+    best: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # found's, sorted
     over: list[tuple[float, int, int, Layout]] = []  # heap entries known to be over
 
     def fastest(layout: Layout, step: float) -> float:  # as Estimate.tokens_per_s_per_gpu
@@ -164,7 +166,9 @@ def best_layouts(
             return
         est = predictor.predict(layout)
         if est is not None:
-            found.append((-est.tokens_per_s_per_gpu, i, Ranked(est, est.fits(limit))))
+            ranked = Ranked(est, est.fits(limit))
+            found.append((-est.tokens_per_s_per_gpu, i, ranked))
+            bisect.insort(best[ranked.fits], (-est.tokens_per_s_per_gpu, i))
 
     def ranked_among(
         fits: bool, wanted: int, heap: list[tuple[float, int, int, Layout]]
@@ -172,8 +176,7 @@ def best_layouts(
         heapq.heapify(heap)
         while heap:
             key, i, rung, layout = heapq.heappop(heap)
-            best = sorted(f[:2] for f in found if f[2].fits is fits)
-            if len(best) >= wanted and (key, i) > best[wanted - 1]:
+            if len(best[fits]) >= wanted and (key, i) > best[fits][wanted - 1]:
                 break  # this one and every one after it ranks below the best `wanted`
             bound = predictor.rung(layout, rung)
             if bound is None:

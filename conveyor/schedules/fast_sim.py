@@ -43,6 +43,7 @@ class Plan:
     Attributes:
         actions: Every action, rank by rank in program order (the events' order).
         bounds: Per rank, the ``(first, past-last)`` indices of its actions in ``actions``.
+        owners: Per entry of ``actions``, its rank.
         order: Indices into ``actions`` in an order that puts each action after its
             dependencies (the ranks' programs run together).
         rank: Per entry of ``order``, the action's rank.
@@ -52,6 +53,7 @@ class Plan:
 
     actions: tuple[Action, ...]
     bounds: tuple[tuple[int, int], ...]
+    owners: array[int]
     order: array[int]
     rank: array[int]
     slot: array[int]
@@ -107,6 +109,7 @@ def _make_plan(schedule: Schedule) -> Plan | None:
     return Plan(
         actions=actions,
         bounds=tuple(bounds),
+        owners=owners,
         order=order,
         rank=array("q", [owners[i] for i in order]),
         slot=array("q", [slots[i] for i in order]),
@@ -180,8 +183,7 @@ def run(
     first = min((a for a, _ in active), default=0.0)
     last = max((z for _, z in active), default=0.0)
     span = max((z - a for a, z in active), default=0.0)
-    owners = [r for r, (i, j) in enumerate(plan.bounds) for _ in range(i, j)]
-    rows = zip(owners, plan.actions, starts, ends, strict=True)
+    rows = zip(plan.owners, plan.actions, starts, ends, strict=True)
     events = tuple(map(tuple.__new__, repeat(Event), rows))  # Event(*row), without __new__
     return events, sum(map(operator.sub, ends, starts)), first, last, span
 
