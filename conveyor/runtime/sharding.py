@@ -28,6 +28,7 @@ from torch import nn
 from conveyor._groups import on_release
 from conveyor.errors import ConfigError
 from conveyor.partition.methods import called_modules
+from conveyor.runtime import fsdp_state
 from conveyor.runtime.local_part import local_shard as local_shard  # its callers import it here
 from conveyor.runtime.program import RankProgram
 from conveyor.runtime.step_sync import StepSync
@@ -93,7 +94,12 @@ def apply_tp(
     for stage in stages.values():
         styles = chosen(stage)
         if styles:
+            frozen = {n for n, p in stage.named_parameters() if not p.requires_grad}
             parallelize_module(stage, mesh, styles)
+            # torch before 2.13 makes every sharded parameter trainable
+            for name, p in stage.named_parameters():
+                if name in frozen:
+                    p.requires_grad_(False)
 
 
 def _check_divisible(name: str, module: nn.Module, style: Any, size: int) -> None:
@@ -215,12 +221,11 @@ def _release_at_exit(stage: nn.Module) -> None:
     """Let go of the process groups that FSDP keeps in ``stage``'s units' mesh infos when
     conveyor's exit hook runs (``conveyor/_groups.py`` says why): the pipeline and the
     optimizer the user's script holds reach them until interpreter finalization."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
     for module in stage.modules():
         if isinstance(module, FSDPModule):
-            state = fully_shard.state(module)  # type: ignore[attr-defined]
-            for group in getattr(state, "_fsdp_param_groups", ()):
+            for group in fsdp_state.unit_param_groups(module):
                 for info in (group.mesh_info, group.post_forward_mesh_info):
                     if info is not None:
                         on_release(info, _drop_groups)
@@ -283,7 +288,6 @@ class Sharded:
     def begin(self, order: list[int]) -> None:
         """Start gathering every unit of ``order`` (the stages in the order the schedule
         first uses them, then the units beside them)."""
-        from torch.distributed.fsdp import fully_shard
 
         for s in order:
             stage: Any = self.units[s]
@@ -291,7 +295,7 @@ class Sharded:
             if s in self.beside:
                 # Never called, so never made a root by a forward (after meta weights got
                 # their values: not at construction); once, later calls return at once.
-                fully_shard.state(stage)._lazy_init()  # type: ignore[attr-defined]
+                fsdp_state.initialize(stage)
             stage.set_requires_gradient_sync(False, recurse=True)
             stage.set_is_last_backward(False)
             stage.set_reshard_after_backward(per_action, recurse=True)
@@ -312,7 +316,6 @@ class Sharded:
     def release(self, stage: int, train: bool) -> None:
         """After ``stage``'s last action of the step: reduce-scatter its gradients over
         the replicas (training) and free the gathered parameters."""
-        from torch.distributed.fsdp import fully_shard
 
         self.ready(stage)
         module: Any = self.units[stage]
@@ -320,11 +323,7 @@ class Sharded:
             module.set_requires_gradient_sync(True, recurse=True)
             module.set_is_last_backward(True)
             module.set_reshard_after_backward(True, recurse=True)
-            state = fully_shard.state(module)  # type: ignore[attr-defined]
-            for each in state._state_ctx.all_states:
-                for group in each._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            fsdp_state.reduce_gradients(module)
         module.reshard()
         for sub in module.modules():
             if sub is not module and hasattr(sub, "reshard"):
