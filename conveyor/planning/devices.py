@@ -83,6 +83,8 @@ class Hardware:
             used instead of MAMF and waves where given.
         attention_table: Measured attention rates, (sequence length, TFLOP/s of forward
             and backward with a causal mask), used instead of ``attention`` where given.
+        bandwidth_table: Measured element-wise rates, (bytes one operation moves, GB/s),
+            used instead of ``hbm_gbps`` x ``memory_efficiency`` where given.
     """
 
     peak_tflops: float
@@ -101,6 +103,7 @@ class Hardware:
     latency_s: float = 0.0
     matmul_table: tuple[RatePoint, ...] = ()
     attention_table: tuple[tuple[int, float], ...] = ()
+    bandwidth_table: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("peak_tflops", "hbm_gb", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
@@ -180,7 +183,13 @@ class Hardware:
         return seconds * op.count
 
     def memory_seconds(self, nbytes: float) -> float:
-        """Time to move ``nbytes`` through HBM at its achievable rate."""
+        """Time of an operation that moves ``nbytes`` through memory: at the measured
+        rate of operations that size where a table is given (log-linear between sizes,
+        flat beyond them), else at HBM's achievable rate."""
+        if self.bandwidth_table and nbytes > 0:
+            sizes = tuple(b for b, _ in self.bandwidth_table)
+            rates = tuple(r for _, r in self.bandwidth_table)
+            return nbytes / (_between(nbytes, sizes, rates) * 1e9)
         return nbytes / (self.memory_efficiency * self.hbm_gbps * 1e9)
 
 
@@ -222,6 +231,17 @@ def _interpolate(
     lo, hi = points[i - 1], points[i]
     t = math.log2(seq / lo) / math.log2(hi / lo)
     return rates[i - 1] + t * (rates[i] - rates[i - 1])
+
+
+def _between(x: float, points: tuple[float, ...], values: tuple[float, ...]) -> float:
+    """``values`` at ``x``: log-linear between ``points`` (ascending), flat beyond them."""
+    if x <= points[0]:
+        return values[0]
+    if x >= points[-1]:
+        return values[-1]
+    i = bisect.bisect_right(points, x)
+    t = math.log2(x / points[i - 1]) / math.log2(points[i] / points[i - 1])
+    return values[i - 1] + t * (values[i] - values[i - 1])
 
 
 LAUNCH_S = 0.9e-6
