@@ -62,9 +62,17 @@ def _cast(
     return weight.to(cast), None if bias is None else bias.to(cast)
 
 
+# Both Functions take ``ctx`` in ``forward`` rather than a separate ``setup_context``:
+# with one, ``Function.apply`` binds its arguments through ``inspect.signature`` at every
+# call (about 170 us of host time per linear measured here, in every F of a split
+# backward); functorch transforms, which need the separate form, do not run these eager
+# stages (compiled ones go through ``conveyor::linear``, opaque_linear.py).
+
+
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(
+        ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -72,6 +80,8 @@ class _DeferredLinear(torch.autograd.Function):
         cast: torch.dtype | None,
         target: tuple[torch.Tensor, torch.Tensor | None, Any, bool],
     ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)  # the parameter itself: cast again in backward
+        ctx.slot, ctx.target = slot, target
         weight, bias = _cast(weight, bias, cast)
         if target[3]:  # x @ weight (+ bias): torch.addmm / matmul on a [in, out] weight
             if bias is None:
@@ -84,12 +94,6 @@ class _DeferredLinear(torch.autograd.Function):
             # is how ATen's own linear returns it: the same storage, no view tracking.
             out = torch.ops.aten._unsafe_view(out._base, out.shape)
         return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, weight, _, slot, _, target = inputs
-        ctx.save_for_backward(x, weight)  # the parameter itself: cast again in backward
-        ctx.slot, ctx.target = slot, target
 
     @staticmethod
     def backward(
@@ -109,6 +113,7 @@ class _DeferredLinear(torch.autograd.Function):
 class _DeferredConv(torch.autograd.Function):
     @staticmethod
     def forward(
+        ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -116,16 +121,12 @@ class _DeferredConv(torch.autograd.Function):
         cast: torch.dtype | None,
         conv: tuple[Callable[..., torch.Tensor], tuple[Any, Any, Any, int]],
     ) -> torch.Tensor:
-        weight, bias = _cast(weight, bias, cast)
-        call, spec = conv
-        return call(x, weight, bias, *spec)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, weight, bias, slot, _, conv = inputs
         ctx.save_for_backward(x, weight)
         ctx.bias, ctx.slot, ctx.spec = bias, slot, conv[1]
         ctx.of_input, ctx.of_weight = _KINDS[conv[0]]
+        weight, bias = _cast(weight, bias, cast)
+        call, spec = conv
+        return call(x, weight, bias, *spec)
 
     @staticmethod
     def backward(
@@ -187,6 +188,14 @@ def _conv_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     return values
 
 
+_WATCHED = frozenset(
+    {F.linear, torch.ops.aten.linear.default, *_MATMUL, *_ADDMM, *_CONV, torch.Tensor.__getitem__}
+)
+"""The calls :class:`_Deferring` looks at; every other call of a forward passes at once
+(a split backward's F runs each call of a stage through the mode: its cost is the host's,
+per call)."""
+
+
 class _Deferring(TorchFunctionMode):
     def __init__(self, params: set[int], slot: list[Entry]) -> None:
         super().__init__()
@@ -196,6 +205,8 @@ class _Deferring(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func not in _WATCHED:
+            return func(*args, **kwargs)
         if func is torch.Tensor.__getitem__ and id(args[0]) in self.params:
             return self._expert(func, args)
         if func in _CONV and torch.is_grad_enabled():
