@@ -24,7 +24,7 @@ import conveyor
 from conveyor.observe.trace import measured_costs
 from conveyor.planning import Estimate, Hardware, Layout, estimate
 from conveyor.planning.counting import decoder_layers
-from conveyor.planning.machine import cycling
+from conveyor.planning.machine import cycling, multiply_into
 from conveyor.runtime.memory import TensorMemory
 
 SEQ, VOCAB, MICROBATCH, BATCH = 128, 512, 2, 8
@@ -156,12 +156,8 @@ def _probe(calls: int = 20) -> list[float]:
     """Seconds of one :data:`PROBE` multiply, timed on every rank at once: the share of a
     core each rank gets while both run (on a shared machine, less than alone)."""
     m, n, k = PROBE
-
-    def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mm(a, b, out=out)
-
     # operands cycled beyond the cache, as Hardware.measure() times them
-    call = cycling(mm, lambda: [torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)])
+    call = cycling(multiply_into, lambda: [torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)])
     dist.barrier()
     times = []
     for _ in range(calls):

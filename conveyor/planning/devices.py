@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import ConfigError
@@ -43,6 +44,11 @@ _FA2 = {
     "a100": {False: (151, 173, 187, 196, 201, 203), True: (99, 133, 155, 173, 182, 189)},
     "h100": {False: (248, 294, 320, 326, 335, 338), True: (163, 221, 265, 294, 308, 328)},
 }
+_FA2_TABLES = {
+    name: {causal: tuple(zip(_SEQ_POINTS, rates, strict=True)) for causal, rates in by.items()}
+    for name, by in _FA2.items()
+}
+""":data:`_FA2` as (sequence length, TFLOP/s) points."""
 
 
 TILE = (256, 128)
@@ -159,11 +165,8 @@ class Hardware:
 
     def attention_seconds(self, flops: float, nbytes: float, seq: int, causal: bool) -> float:
         """Time of a fused attention kernel of ``flops`` (full scores) at ``seq`` tokens."""
-        if self.attention_table:
-            points = tuple(p for p, _ in self.attention_table)
-            rate = _interpolate(seq, tuple(r for _, r in self.attention_table), points) * 1e12
-        else:
-            rate = _interpolate(seq, _FA2[self.attention][causal]) * 1e12
+        table = self.attention_table or _FA2_TABLES[self.attention][causal]
+        rate = _attention_rate(seq, table) * 1e12
         work = flops / 2 if causal else flops
         return max(work / rate, self.memory_seconds(nbytes)) + self.launch_s
 
@@ -187,9 +190,7 @@ class Hardware:
         rate of operations that size where a table is given (log-linear between sizes,
         flat beyond them), else at HBM's achievable rate."""
         if self.bandwidth_table and nbytes > 0:
-            sizes = tuple(b for b, _ in self.bandwidth_table)
-            rates = tuple(r for _, r in self.bandwidth_table)
-            return nbytes / (_between(nbytes, sizes, rates) * 1e9)
+            return nbytes / (_between(nbytes, self.bandwidth_table) * 1e9)
         return nbytes / (self.memory_efficiency * self.hbm_gbps * 1e9)
 
 
@@ -219,29 +220,25 @@ def _table_rate(table: tuple[RatePoint, ...], shape: tuple[int, int, int, int]) 
     )[2]
 
 
-def _interpolate(
-    seq: int, rates: tuple[float, ...], points: tuple[int, ...] = _SEQ_POINTS
-) -> float:
-    """The benchmark's rate at ``seq``: log-linear between points, flat beyond them."""
-    if seq <= points[0]:
-        return rates[0] * seq / points[0]  # shorter rows: proportionally less work per launch
-    if seq >= points[-1]:
-        return float(rates[-1])
-    i = bisect.bisect_right(points, seq)
-    lo, hi = points[i - 1], points[i]
-    t = math.log2(seq / lo) / math.log2(hi / lo)
-    return rates[i - 1] + t * (rates[i] - rates[i - 1])
+def _attention_rate(seq: int, table: Sequence[tuple[float, float]]) -> float:
+    """An attention benchmark's rate at ``seq`` (:func:`_between`; below its shortest
+    sequence, proportionally less: less work per launch)."""
+    first, rate = table[0]
+    if seq <= first:
+        return rate * seq / first
+    return _between(seq, table)
 
 
-def _between(x: float, points: tuple[float, ...], values: tuple[float, ...]) -> float:
-    """``values`` at ``x``: log-linear between ``points`` (ascending), flat beyond them."""
-    if x <= points[0]:
-        return values[0]
-    if x >= points[-1]:
-        return values[-1]
-    i = bisect.bisect_right(points, x)
-    t = math.log2(x / points[i - 1]) / math.log2(points[i] / points[i - 1])
-    return values[i - 1] + t * (values[i] - values[i - 1])
+def _between(x: float, table: Sequence[tuple[float, float]]) -> float:
+    """The value at ``x`` of a table of (point, value) pairs, ascending points:
+    log-linear between points, flat beyond them."""
+    if x <= table[0][0]:
+        return table[0][1]
+    if x >= table[-1][0]:
+        return table[-1][1]
+    i = bisect.bisect_right(table, x, key=lambda point: point[0])
+    (lo, a), (hi, b) = table[i - 1], table[i]
+    return a + math.log2(x / lo) / math.log2(hi / lo) * (b - a)
 
 
 LAUNCH_S = 0.9e-6

@@ -171,6 +171,11 @@ def cycling(
     return call
 
 
+def multiply_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``a @ b`` written into ``out``: the multiply every timing of one cycles through."""
+    torch.mm(a, b, out=out)
+
+
 def _measure(device: torch.device) -> Fields:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -178,9 +183,6 @@ def _measure(device: torch.device) -> Fields:
         *shapes: tuple[int, ...], kind: torch.dtype = dtype
     ) -> Callable[[], list[torch.Tensor]]:
         return lambda: [torch.randn(s, device=device, dtype=kind) for s in shapes]
-
-    def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mm(a, b, out=out)
 
     def mul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mul(a, b, out=out)
@@ -191,7 +193,7 @@ def _measure(device: torch.device) -> Fields:
             if small > middle:
                 continue
             shapes = ((small, middle), (middle, middle), (small, middle))
-            t = _seconds(cycling(mm, tensors(*shapes)), device)
+            t = _seconds(cycling(multiply_into, tensors(*shapes)), device)
             table.append((small, middle, 2 * small * middle * middle / t / 1e12))
     big = torch.empty(1 << 24, device=device, dtype=torch.float32)  # 64 MiB
     out = torch.empty_like(big)
@@ -366,5 +368,6 @@ __all__ = [
     "cycling",
     "link_rank",
     "measure",
+    "multiply_into",
     "per_action",
 ]

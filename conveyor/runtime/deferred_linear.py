@@ -188,14 +188,6 @@ def _conv_spec(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     return values
 
 
-_WATCHED = frozenset(
-    {F.linear, torch.ops.aten.linear.default, *_MATMUL, *_ADDMM, *_CONV, torch.Tensor.__getitem__}
-)
-"""The calls :class:`_Deferring` looks at; every other call of a forward passes at once
-(a split backward's F runs each call of a stage through the mode: its cost is the host's,
-per call)."""
-
-
 class _Deferring(TorchFunctionMode):
     def __init__(self, params: set[int], slot: list[Entry]) -> None:
         super().__init__()
@@ -205,8 +197,6 @@ class _Deferring(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in _WATCHED:
-            return func(*args, **kwargs)
         if func is torch.Tensor.__getitem__ and id(args[0]) in self.params:
             return self._expert(func, args)
         if func in _CONV and torch.is_grad_enabled():

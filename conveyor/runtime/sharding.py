@@ -288,7 +288,6 @@ class Sharded:
     def begin(self, order: list[int]) -> None:
         """Start gathering every unit of ``order`` (the stages in the order the schedule
         first uses them, then the units beside them)."""
-
         for s in order:
             stage: Any = self.units[s]
             per_action = self.per_action and s not in self.beside
@@ -316,7 +315,6 @@ class Sharded:
     def release(self, stage: int, train: bool) -> None:
         """After ``stage``'s last action of the step: reduce-scatter its gradients over
         the replicas (training) and free the gathered parameters."""
-
         self.ready(stage)
         module: Any = self.units[stage]
         if train:
