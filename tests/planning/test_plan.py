@@ -19,6 +19,13 @@ from conveyor.planning.costs import Costs, UnitCost
 from conveyor.planning.planner import OUTLIER, TIE, plan
 from conveyor.planning.profiler import ACTION_OVERHEAD, profile
 from tests.support.models import readme_model
+from tests.support.steady import steady_profile
+
+
+@pytest.fixture
+def steady_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fixed unit times for the planner (:func:`tests.support.steady.steady_profile`)."""
+    steady_profile(monkeypatch)
 
 
 def _model() -> nn.Sequential:
@@ -435,31 +442,14 @@ def test_conveyor_plan_shows_memory_and_fits_the_v_schedules_under_a_limit(
     assert max(float(v) for v in chosen.split(", ")) <= need["v-half"] / 2**20 + 0.05
 
 
-def test_pipeline_auto_under_a_memory_limit_fits_where_zbv_does_not(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("steady_times")
+def test_pipeline_auto_under_a_memory_limit_fits_where_zbv_does_not() -> None:
     """On a real (tiny, CPU) model the planner's choice is whatever is fastest among what
     fits: 1F1B with fewer layers on its first rank may beat the V schedules, which pay
     twice the actions; the V choice itself is checked on a controlled profile above.
 
-    The two plans below profile the model twice; each unit's measured times are replaced
-    by fixed ones (the memory stays measured), so that both pick the same cuts: under a
-    machine's load, timing noise alone moved a cut and with it the peak memory compared."""
-    import dataclasses
-
-    from conveyor.planning import planner
+    The two plans below profile the model twice, with fixed unit times (``steady_times``)."""
     from conveyor.planning.planner import plan
-
-    measured = planner.profile
-
-    def steady(*args: Any, **kwargs: Any) -> Costs:
-        prof = measured(*args, **kwargs)
-        times = dict(forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
-                     backward_weight=1e-3, backward=2e-3)  # fmt: skip
-        layers = tuple(dataclasses.replace(unit, **times) for unit in prof.layers)
-        return dataclasses.replace(prof, layers=layers)
-
-    monkeypatch.setattr(planner, "profile", steady)
 
     def model() -> nn.Sequential:
         """16 equal units but the last, narrow so that the loss keeps next to nothing."""
@@ -482,8 +472,13 @@ def test_pipeline_auto_under_a_memory_limit_fits_where_zbv_does_not(
     assert float(pipe.train_step(x, y)) > 0
 
 
+@pytest.mark.usefixtures("steady_times")
 def test_pipeline_auto_recomputes_where_nothing_else_fits() -> None:
-    """Below every schedule's need, the planner's recompute reaches the pipeline it built."""
+    """Below every schedule's need, the planner's recompute reaches the pipeline it built.
+
+    The bisection's plans and the pipeline's own profile the model anew, with fixed unit
+    times (``steady_times``): with measured ones, a time balance moved by load changed what
+    fits at the bisected limit (recompute in one plan, a re-cut zb-auto in the next)."""
     from conveyor.planning.planner import plan
 
     def model() -> nn.Sequential:

@@ -18,6 +18,7 @@ from conveyor.vocab.layers import find_vocab_layers
 from conveyor.vocab.setup import vocab_loss
 from tests.support import distributed
 from tests.support.helpers import assert_close_to_largest
+from tests.support.steady import steady_profile as steady
 from tests.vocab.models import TinyGPT
 
 transformers = pytest.importorskip("transformers")
@@ -128,23 +129,7 @@ def test_the_planner_takes_exactly_the_losses_the_runtime_takes() -> None:
 def steady_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's unit times made proportional to each unit's parameters (its memory
     stays measured), so that its choice does not follow a loaded machine's timing noise."""
-    import dataclasses
-
-    from conveyor.planning import planner
-
-    measured = planner.profile
-
-    def steady(*args: Any, **kwargs: Any) -> Any:
-        prof = measured(*args, **kwargs)
-        layers = []
-        for unit in prof.layers:
-            t = 1e-6 + unit.parameters * 1e-9
-            layers.append(dataclasses.replace(unit, forward=t, forward_plain=t,
-                                              backward_input=t, backward_weight=t,
-                                              backward=2 * t))  # fmt: skip
-        return dataclasses.replace(prof, layers=tuple(layers))
-
-    monkeypatch.setattr(planner, "profile", steady)
+    steady(monkeypatch, lambda unit: 1e-6 + unit.parameters * 1e-9)
 
 
 # in the slow lane: it profiles a transformers model, about 3.5 s
