@@ -287,17 +287,43 @@ def balanced(schedule: Schedule, costs: Costs, limit: float | None, setting: Set
     times = costs.times(schedule.split_backward)
     stages = schedule.stages
     start = time_balance(times, stages)
-    if limit is None or setting.recompute or fits(peaks(schedule, costs, start, setting), limit):
+    if limit is None or fits(peaks(schedule, costs, start, setting), limit):
         return start
-    memory = _unit_memory(schedule, costs, setting)
-    for share in (limit, limit / schedule.chunks):
-        try:
-            cut = balance_within(times, stages, memory, share)
-        except ConfigError:
-            continue
-        if fits(peaks(schedule, costs, cut, setting), limit):
-            return cut
-    return start
+    if not setting.recompute:  # per-unit bytes add up only without recompute
+        memory = _unit_memory(schedule, costs, setting)
+        for share in (limit, limit / schedule.chunks):
+            try:
+                cut = balance_within(times, stages, memory, share)
+            except ConfigError:
+                continue
+            if fits(peaks(schedule, costs, cut, setting), limit):
+                return cut
+    return _shrunk(schedule, costs, start, limit, setting)
+
+
+def _shrunk(
+    schedule: Schedule, costs: Costs, cut: Sequence[int], limit: float, setting: Setting
+) -> list[int]:
+    """``cut`` with single units moved across stage boundaries, each time where the largest
+    rank's need falls most, until it fits ``limit`` or no move lowers it: the cut that
+    fits where the per-unit sums cannot say (a recomputing stage keeps its input per
+    micro-batch in flight and one micro-batch's activations), else the least need found,
+    which is what a "nothing fits" error names."""
+    best = list(cut)
+    need = max(peaks(schedule, costs, best, setting))
+    while need > limit:
+        moves = []
+        for k in range(len(best) - 1):
+            for d in (-1, 1):
+                moved = list(best)
+                moved[k] += d
+                moved[k + 1] -= d
+                if min(moved) >= 1:
+                    moves.append((max(peaks(schedule, costs, moved, setting)), moved))
+        if not moves or min(moves)[0] >= need:
+            break
+        need, best = min(moves)
+    return best
 
 
 def _unit_memory(schedule: Schedule, costs: Costs, setting: Setting) -> list[list[float]]:

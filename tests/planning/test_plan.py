@@ -4,6 +4,7 @@ else fits, and ``conveyor plan`` and ``schedule="auto"`` follow it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +405,37 @@ def test_planner_picks_a_v_schedule_under_a_memory_limit() -> None:
     tight = plan(model, x, y, nn.functional.mse_loss, 4, 3 * 2**20, **kwargs)
     assert tight.recompute and max(tight.peak_memory) <= 3 * 2**20
     assert "recompute" in tight.table()
+
+
+def test_recompute_moves_the_cut_to_fit_and_the_error_names_the_least_need() -> None:
+    """Four units of 4 MB activations, then four of 0.25 MB, equal times: the time balance
+    [4, 4] fits no limit near 12 MB; with recompute, [2, 6] needs about 9 MB (each rank one
+    micro-batch's activations and its inputs in flight). Below that, the error names the
+    least need of any cut, not the time balance's."""
+    from conveyor.planning.costs import Costs, UnitCost
+    from conveyor.planning.planner import plan
+
+    def unit(mb: float) -> UnitCost:
+        return UnitCost(
+            "unit", forward=1e-3, forward_plain=1e-3, backward_input=1e-3,
+            backward_weight=1e-3, backward=2e-3, activations=int(mb * 2**20),
+            parameters=1 << 10, output=1 << 10,
+        )  # fmt: skip
+
+    prof = Costs((unit(4),) * 4 + (unit(0.25),) * 4, 8, 2, 1e-5, 1e12, ACTION_OVERHEAD)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)])
+    x, y = torch.randn(16, 2), torch.randn(16, 2)
+    kwargs: dict[str, Any] = {"microbatch_counts": [8], "profiles": {8: prof},
+                              "schedules": ["1f1b"]}  # fmt: skip
+    assert plan(model, x, y, nn.functional.mse_loss, 2, **kwargs).balance == [4, 4]
+    plain = plan(model, x, y, nn.functional.mse_loss, 2, 14 * 2**20, **kwargs)
+    assert not plain.recompute and plain.balance == [1, 7]  # 8 and 13 MB
+    tight = plan(model, x, y, nn.functional.mse_loss, 2, 10 * 2**20, **kwargs)
+    assert tight.recompute and tight.balance == [2, 6]
+    least = max(tight.peak_memory)
+    assert 9 * 2**20 < least <= 10 * 2**20
+    with pytest.raises(ConfigError, match=re.escape(f"the smallest needs {least:.4g} (")):
+        plan(model, x, y, nn.functional.mse_loss, 2, 8 * 2**20, **kwargs)
 
 
 def test_conveyor_plan_shows_memory_and_fits_the_v_schedules_under_a_limit(
