@@ -132,6 +132,49 @@ def check_positions(stages: list[nn.Module], transformers: bool) -> None:
                 )
 
 
+# Attention kernels a captured graph calls by name: under cp they would attend within this
+# rank's share only (conveyor's own operator, ``conveyor::cp_attention``, is what should run).
+LOCAL_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                   "cudnn_attention", "flex_attention")  # fmt: skip
+
+
+def check_attention(stages: list[nn.Module], model: str, transformers: bool) -> None:
+    """Refuse a captured transformers model whose attention does not reach conveyor's
+    implementation of transformers' attention interface: one that calls an attention
+    kernel itself, or (no ``conveyor::cp_attention`` in any stage's graph) computes its
+    scores by hand where its implementation is not ``sdpa`` (Falcon does both). Each rank
+    would attend within its share of the sequence only, silently. ``model``: its class name.
+
+    Raises:
+        ConfigError: such a model, naming the stage and the call where there is one.
+    """
+    graphs = [getattr(stage, "graph", None) for stage in stages]
+    if not transformers or any(g is None for g in graphs):
+        return  # a layer list: its calls are taken over during steps (AttentionSync)
+    reached = False
+    for s, graph in enumerate(graphs):
+        for node in graph.nodes:  # type: ignore[union-attr]
+            name = str(node.target)
+            if node.op != "call_function":
+                continue
+            if "cp_attention" in name:
+                reached = True
+            elif any(kernel in name for kernel in LOCAL_ATTENTION):
+                raise ConfigError(
+                    f"with cp > 1 each rank holds a share of every sequence, but stage {s} of "
+                    f"{model} calls {name} ({node.name}) itself, not through transformers' "
+                    f"attention interface, so it would attend within this rank's share only; "
+                    f"train this model with cp=1"
+                )
+    if not reached:
+        raise ConfigError(
+            f"with cp > 1 each rank holds a share of every sequence, but {model} computes its "
+            f"attention without transformers' attention interface (no call reached "
+            f"conveyor's), so it would attend within this rank's share only; train this "
+            f"model with cp=1"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequences:
     """What a pipeline's stage ends need for context parallelism (:func:`sequences`)."""
@@ -142,11 +185,14 @@ class Sequences:
     token_loss: ModelTokenLoss | None
     note: str = ""
     """A line for ``print(pipe)``: how the sequences are cut and attention moves."""
+    model: str = "the model"
+    """The model's class name, for errors."""
 
     def split(self, stages: list[nn.Module], inner: Callable[[list[nn.Module]], None]) -> None:
         """The model was cut into ``stages``: check it can take its share
-        (:func:`check_positions`), then tell the ``inner`` ends."""
+        (:func:`check_positions`, :func:`check_attention`), then tell the ``inner`` ends."""
         check_positions(stages, self.cut.transformers)
+        check_attention(stages, self.model, self.cut.transformers)
         inner(stages)
 
     def wrap(self, inner: Any) -> SequenceEnds:
@@ -181,7 +227,7 @@ def sequences(
     )
     gather = gather_over(ctx.cp_group, ctx.cp_size) if ctx.distributed and ctx.cp_group else None
     syncs: tuple[StepSync, ...] = () if transformers else (AttentionSync(key),)
-    return Sequences(cut, gather, syncs, token_loss, describe(ctx, strategy))
+    return Sequences(cut, gather, syncs, token_loss, describe(ctx, strategy), type(model).__name__)
 
 
 def describe(ctx: Context, strategy: str) -> str:

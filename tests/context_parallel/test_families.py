@@ -1,0 +1,79 @@
+"""transformers families under context parallelism, in one process (every cp rank's share
+side by side): Gemma 3, DeepSeek-V3 and OPT trained exactly (padded rows, the unsplit
+model's loss over the whole batch and its gradients, two steps). A model whose attention
+cp cannot take is refused when the pipeline is built, in one sentence, instead of training
+each rank on its share's attention only: Falcon, which calls
+``scaled_dot_product_attention`` itself (with ``sdpa``) or computes its scores by hand
+(``eager``); a Llama's graph holds conveyor's operator, one per layer."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.errors import ConfigError
+from tests.runtime.test_more_families import model_of, padded
+from tests.support.helpers import assert_close, grads_of
+
+T = pytest.importorskip("transformers")
+
+SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+             use_cache=False)  # fmt: skip
+
+
+def falcon(implementation: str) -> Any:
+    torch.manual_seed(0)
+    config = T.FalconConfig(new_decoder_architecture=True, num_kv_heads=2, alibi=False,
+                            attn_implementation=implementation, **SHAPE)  # fmt: skip
+    return T.FalconForCausalLM(config)
+
+
+def pipeline(model: Any) -> conveyor.Pipeline:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return conveyor.Pipeline(model, loss_fn=None, microbatches=2, sample=({"input_ids": ids,
+                             "labels": ids}, None), context=conveyor.init(pp=2, cp=2))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("implementation", "says"),
+    [("sdpa", "calls aten.scaled_dot_product_attention"),
+     ("eager", "computes its attention without transformers' attention interface")],
+)  # fmt: skip
+def test_falcon_is_refused_under_cp(implementation: str, says: str) -> None:
+    with pytest.raises(
+        ConfigError, match=f"FalconForCausalLM .*{says}.*train this model with cp=1"
+    ):
+        pipeline(falcon(implementation))
+
+
+def test_a_llama_reaches_conveyors_attention() -> None:
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(intermediate_size=64, num_key_value_heads=2,
+                                             **SHAPE))  # fmt: skip
+    pipe = pipeline(model)
+    calls = [str(n.target) for s in pipe.stages for n in s.graph.nodes if n.op == "call_function"]
+    assert sum("cp_attention" in c for c in calls) == 2  # one per layer
+
+
+@pytest.mark.slow  # a capture of about 3 s each
+@pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "opt"])
+def test_the_family_trains_exactly_with_its_sequence_cut(family: str) -> None:
+    model = model_of(family)
+    reference = copy.deepcopy(model)
+    batches = [padded(6, 8, 0), padded(5, 12, 1)]  # lengths a multiple of 2 * cp
+    pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3,
+                             context=conveyor.init(pp=2, cp=2))  # fmt: skip
+    for step, batch in enumerate(batches):
+        reference.zero_grad(set_to_none=True)
+        want = reference(**batch).loss
+        want.backward()
+        for p in pipe.parameters():
+            p.grad = None
+        got = pipe.train_step(batch, None)
+        assert float(got) == pytest.approx(float(want.detach()), rel=1e-5), (family, step)
+        assert_close(grads_of(pipe.named_parameters()), grads_of(reference.named_parameters()),
+                     f"{family} under cp 2, step {step}")  # fmt: skip
