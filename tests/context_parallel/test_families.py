@@ -1,5 +1,6 @@
 """transformers families under context parallelism, in one process (every cp rank's share
-side by side): Gemma 3, DeepSeek-V3 and OPT trained exactly (padded rows, the unsplit
+side by side): Gemma 3, DeepSeek-V3 and OPT trained exactly (rows padded on the right,
+then on the left, the unsplit
 model's loss over the whole batch and its gradients, two steps). A model whose attention
 cp cannot take is refused when the pipeline is built, in one sentence, instead of training
 each rank on its share's attention only: Falcon, which calls
@@ -64,7 +65,11 @@ def test_a_llama_reaches_conveyors_attention() -> None:
 def test_the_family_trains_exactly_with_its_sequence_cut(family: str) -> None:
     model = model_of(family)
     reference = copy.deepcopy(model)
-    batches = [padded(6, 8, 0), padded(5, 12, 1)]  # lengths a multiple of 2 * cp
+    batches = [padded(6, 8, 0), padded(5, 12, 1, left=True)]  # lengths a multiple of 2 * cp
+    if family == "opt":  # it numbers tokens from the mask: position_ids as it numbers them
+        for batch in batches:
+            mask = batch["attention_mask"]
+            batch["position_ids"] = mask.cumsum(1) * mask - 1
     pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3,
                              context=conveyor.init(pp=2, cp=2))  # fmt: skip
     for step, batch in enumerate(batches):
