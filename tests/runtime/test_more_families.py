@@ -6,8 +6,8 @@ experts as batched weights, sliding layers), Falcon (attention and MLP in parall
 
 Tiny random-init models from their configs (no download), pp=2 in one process, zbv (a
 split backward and the V placement), two steps of padded rows (``attention_mask``, labels
--100 on the pads; the second step shorter and padded on the left) against the unsplit model's loss over the whole
-batch and its gradients (within what rounding reaches)."""
+-100 on the pads; the second step shorter and padded on the left) against the unsplit
+model's loss over the whole batch and its gradients (within what rounding reaches)."""
 
 from __future__ import annotations
 
