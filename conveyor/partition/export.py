@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConfigError
 from conveyor.partition.captured import Captured, InputLayout, module_path
-from conveyor.partition.failure import capture_failure
+from conveyor.partition.failure import capture_failure, refusal
 from conveyor.partition.kept import Kept, as_module_calls, recorded_as_calls
 from conveyor.partition.modes import follow_module_modes
 
@@ -118,6 +118,9 @@ def _capture(model: nn.Module, sample: Any, fx_error: Exception, kept: Kept | No
                 f"True), which training does not need and which cannot be sent between "
                 f"stages; set model.config.use_cache = False for training"
             ) from export_error
+        refused = refusal(export_error)
+        if refused is not None:
+            raise refused from None
         raise ConfigError(capture_failure(model, export_error, fx_error)) from export_error
     finally:
         for module, training in modes:

@@ -9,6 +9,8 @@ import traceback
 import torch
 from torch import nn
 
+from conveyor.errors import ConfigError
+
 # Frames in these directories are not the model's code: torch, conveyor, contextlib.
 _INTERNAL = (
     os.path.dirname(torch.__file__),
@@ -54,6 +56,20 @@ def capture_failure(model: nn.Module, error: Exception, fx_error: Exception | No
         f"layers; or an execution sequence: conveyor.sequence(model, ['embed', 'blocks.0', "
         f"...])"
     )
+
+
+def refusal(error: BaseException) -> ConfigError | None:
+    """conveyor's own ConfigError that ``error`` is or was raised from (a model refused by
+    a check its forward ran into while captured, e.g. an attention context parallelism
+    cannot compute), or None: that sentence says more than what stopped the capture."""
+    seen: set[int] = set()
+    chain: BaseException | None = error
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, ConfigError):
+            return chain
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    return None
 
 
 def first_line(error: BaseException) -> str:

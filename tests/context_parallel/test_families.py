@@ -33,8 +33,8 @@ def falcon(implementation: str) -> Any:
     return T.FalconForCausalLM(config)
 
 
-def pipeline(model: Any) -> conveyor.Pipeline:
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+def pipeline(model: Any, vocab: int = 64) -> conveyor.Pipeline:
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
     return conveyor.Pipeline(model, loss_fn=None, microbatches=2, sample=({"input_ids": ids,
                              "labels": ids}, None), context=conveyor.init(pp=2, cp=2))  # fmt: skip
 
@@ -82,3 +82,14 @@ def test_the_family_trains_exactly_with_its_sequence_cut(family: str) -> None:
         assert float(got) == pytest.approx(float(want.detach()), rel=1e-5), (family, step)
         assert_close(grads_of(pipe.named_parameters()), grads_of(reference.named_parameters()),
                      f"{family} under cp 2, step {step}")  # fmt: skip
+
+
+def test_gpt_oss_is_refused_for_its_sinks_in_one_sentence() -> None:
+    """The refusal its attention raises while the model is captured is the error, not
+    wrapped in what stopped the capture (whose ways out would not help)."""
+    with pytest.raises(ConfigError) as raised:
+        pipeline(model_of("gpt_oss"), vocab=97)
+    assert str(raised.value) == (
+        "GptOssAttention passes s_aux to its attention, which context parallelism does not "
+        "compute; train this model with cp=1"
+    )
