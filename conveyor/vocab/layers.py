@@ -154,7 +154,8 @@ def _check_embedding(name: str, module: nn.Module) -> None:
     if not isinstance(module, nn.Embedding) or type(module).forward is not nn.Embedding.forward:
         raise ConfigError(
             f"vocab_parallel: model.{name} ({type(module).__name__}) is not a plain "
-            f"nn.Embedding; name the input embedding, whose forward must be nn.Embedding's"
+            f"nn.Embedding; name the input embedding, whose forward must be nn.Embedding's, "
+            f"or train without vocab_parallel"
         )
     bad = [
         k for k, v in (("max_norm", module.max_norm), ("sparse", module.sparse),
