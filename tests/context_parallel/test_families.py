@@ -17,8 +17,7 @@ import torch
 
 import conveyor
 from conveyor.errors import ConfigError
-from tests.runtime.test_more_families import model_of, padded
-from tests.support.helpers import assert_close, grads_of
+from tests.runtime.test_more_families import exact, model_of, padded
 
 T = pytest.importorskip("transformers")
 
@@ -72,16 +71,7 @@ def test_the_family_trains_exactly_with_its_sequence_cut(family: str) -> None:
             batch["position_ids"] = mask.cumsum(1) * mask - 1
     pipe = conveyor.Pipeline(model, loss_fn=None, microbatches=3,
                              context=conveyor.init(pp=2, cp=2))  # fmt: skip
-    for step, batch in enumerate(batches):
-        reference.zero_grad(set_to_none=True)
-        want = reference(**batch).loss
-        want.backward()
-        for p in pipe.parameters():
-            p.grad = None
-        got = pipe.train_step(batch, None)
-        assert float(got) == pytest.approx(float(want.detach()), rel=1e-5), (family, step)
-        assert_close(grads_of(pipe.named_parameters()), grads_of(reference.named_parameters()),
-                     f"{family} under cp 2, step {step}")  # fmt: skip
+    exact(pipe, reference, batches, f"{family} under cp 2")
 
 
 def test_gpt_oss_is_refused_for_its_sinks_in_one_sentence() -> None:
