@@ -279,7 +279,9 @@ def balanced(schedule: Schedule, costs: Costs, limit: float | None, setting: Set
 
     The limit is applied per stage (a unit's state and activations times the most
     micro-batches its stage holds); a rank of several stages that still exceeds it gives
-    each stage an equal share of it.
+    each stage an equal share of it. Where that finds no cut (or under recompute, whose
+    bytes do not add up per unit), units move across the cuts until one fits or the
+    largest need stops falling (:func:`_shrunk`).
 
     Raises:
         ConfigError: The schedule has more stages than there are units.
