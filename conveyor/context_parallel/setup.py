@@ -4,10 +4,10 @@ meets them, and the stage ends that cut each micro-batch (:func:`sequence_ends`)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from conveyor.context import Context
 from conveyor.context_parallel import install, op
@@ -107,6 +107,15 @@ class AttentionSync(StepSync):
         self.finish()
 
 
+def _calls(stages: list[nn.Module]) -> Iterator[tuple[int, fx.Node]]:
+    """(stage, node) for every function call of the stages' captured graphs."""
+    for s, stage in enumerate(stages):
+        graph = getattr(stage, "graph", None)
+        for node in getattr(graph, "nodes", ()):
+            if node.op == "call_function":
+                yield s, node
+
+
 def check_positions(stages: list[nn.Module], transformers: bool) -> None:
     """Refuse a captured model that makes its positions from its input's length
     (``torch.arange`` in its graph): under cp that length is this rank's share, so the
@@ -118,18 +127,15 @@ def check_positions(stages: list[nn.Module], transformers: bool) -> None:
     """
     if transformers:
         return
-    for s, stage in enumerate(stages):
-        graph = getattr(stage, "graph", None)
-        for node in getattr(graph, "nodes", ()):
-            target = node.target
-            name = getattr(target, "__name__", str(target))
-            if node.op == "call_function" and name.split(".")[0] == "arange":
-                raise ConfigError(
-                    f"with cp > 1 each rank holds a share of every sequence, but stage {s} "
-                    f"makes positions with torch.arange ({node.name}) from its input's length, "
-                    f"which would restart on every rank; pass the positions as an input "
-                    f"([batch, sequence], cut with the rest), or train this model with cp=1"
-                )
+    for s, node in _calls(stages):
+        name = getattr(node.target, "__name__", str(node.target))
+        if name.split(".")[0] == "arange":
+            raise ConfigError(
+                f"with cp > 1 each rank holds a share of every sequence, but stage {s} "
+                f"makes positions with torch.arange ({node.name}) from its input's length, "
+                f"which would restart on every rank; pass the positions as an input "
+                f"([batch, sequence], cut with the rest), or train this model with cp=1"
+            )
 
 
 # Attention kernels a captured graph calls by name: under cp they would attend within this
@@ -148,24 +154,20 @@ def check_attention(stages: list[nn.Module], model: str, transformers: bool) -> 
     Raises:
         ConfigError: such a model, naming the stage and the call where there is one.
     """
-    graphs = [getattr(stage, "graph", None) for stage in stages]
-    if not transformers or any(g is None for g in graphs):
+    if not transformers or any(getattr(stage, "graph", None) is None for stage in stages):
         return  # a layer list: its calls are taken over during steps (AttentionSync)
     reached = False
-    for s, graph in enumerate(graphs):
-        for node in graph.nodes:  # type: ignore[union-attr]
-            name = str(node.target)
-            if node.op != "call_function":
-                continue
-            if "cp_attention" in name:
-                reached = True
-            elif any(kernel in name for kernel in LOCAL_ATTENTION):
-                raise ConfigError(
-                    f"with cp > 1 each rank holds a share of every sequence, but stage {s} of "
-                    f"{model} calls {name} ({node.name}) itself, not through transformers' "
-                    f"attention interface, so it would attend within this rank's share only; "
-                    f"train this model with cp=1"
-                )
+    for s, node in _calls(stages):
+        name = str(node.target)
+        if "cp_attention" in name:
+            reached = True
+        elif any(kernel in name for kernel in LOCAL_ATTENTION):
+            raise ConfigError(
+                f"with cp > 1 each rank holds a share of every sequence, but stage {s} of "
+                f"{model} calls {name} ({node.name}) itself, not through transformers' "
+                f"attention interface, so it would attend within this rank's share only; "
+                f"train this model with cp=1"
+            )
     if not reached:
         raise ConfigError(
             f"with cp > 1 each rank holds a share of every sequence, but {model} computes its "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -62,14 +63,17 @@ def refusal(error: BaseException) -> ConfigError | None:
     """conveyor's own ConfigError that ``error`` is or was raised from (a model refused by
     a check its forward ran into while captured, e.g. an attention context parallelism
     cannot compute), or None: that sentence says more than what stopped the capture."""
+    return next((e for e in _chain(error) if isinstance(e, ConfigError)), None)
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what it was raised from, and so on (each once)."""
     seen: set[int] = set()
     chain: BaseException | None = error
     while chain is not None and id(chain) not in seen:
-        if isinstance(chain, ConfigError):
-            return chain
         seen.add(id(chain))
+        yield chain
         chain = chain.__cause__ or chain.__context__
-    return None
 
 
 def first_line(error: BaseException) -> str:
@@ -89,10 +93,7 @@ def _site(model: nn.Module, error: BaseException) -> str | None:
     """'model.<module> (file:line)' of the deepest model-code frame the error went through."""
     names = {id(m): n for n, m in model.named_modules()}
     found: str | None = None
-    seen: set[int] = set()
-    chain: BaseException | None = error
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
+    for chain in _chain(error):
         for frame, line in traceback.walk_tb(chain.__traceback__):
             path = frame.f_code.co_filename
             if path.startswith(_INTERNAL) or path.startswith("<"):
@@ -101,5 +102,4 @@ def _site(model: nn.Module, error: BaseException) -> str | None:
             module = names.get(id(owner)) if isinstance(owner, nn.Module) else None
             label = "" if module is None else f"model.{module}" if module else "the model"
             found = f"{label} ({path}:{line})" if label else f"{path}:{line}"
-        chain = chain.__cause__ or chain.__context__
     return found

@@ -322,9 +322,10 @@ def _shrunk(
                 moved[k + 1] -= d
                 if min(moved) >= 1:
                     moves.append((max(peaks(schedule, costs, moved, setting)), moved))
-        if not moves or min(moves)[0] >= need:
+        least = min(moves, default=None)
+        if least is None or least[0] >= need:
             break
-        need, best = min(moves)
+        need, best = least
     return best
 
 
